@@ -1,0 +1,76 @@
+"""`python -m orchestrator [overrides]`: Hydra glue around `app.run_job`.
+
+Errors are ours to print: a bad config is one line naming the field and the allowed values
+(exit 2); a failed job shows the failing rank's traceback (exit 1); Ctrl-C/SIGTERM end the whole
+job (exit 130/143).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import format_error
+from .schema import ConfigError, Mode, register_configs, to_config
+
+register_configs()
+
+EXIT_CONFIG, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: every rank ends, the MLflow run ends KILLED."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    from .app import JobFailed, print_summary, run_job
+
+    try:
+        cfg = to_config(dcfg)
+        if cfg.mode is Mode.tune:
+            raise ConfigError("mode: 'tune' is not available in this version; allowed: run")
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        print(f"[orchestrator] run dir: {run_dir}")
+        result = run_job(cfg, run_dir)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except JobFailed as exc:
+        print(exc.result.get("error", str(exc)), file=sys.stderr)
+        print(f"error: job failed: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    except Terminated:
+        print("error: terminated (SIGTERM); every rank was stopped", file=sys.stderr)
+        sys.exit(EXIT_SIGTERM)
+    except KeyboardInterrupt:
+        print("error: interrupted; every rank was stopped", file=sys.stderr)
+        sys.exit(EXIT_SIGINT)
+    print_summary(result, run_dir)
+
+
+def cli() -> None:
+    # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors
+        print(f"error: {format_error(exc)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,183 @@
+"""A job from a validated config to `result.json` and an MLflow run.
+
+`run_job` is what the CLI, the tests and (later) the tuner call; `@hydra.main` in `__main__` is
+only glue around it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .launch import build_launch
+from .report import load_rank_results, merge, summary_rows
+from .schema import Config, flatten, to_yaml
+from .supervise import Event, supervise
+from .tracking import Tracker
+
+
+class JobFailed(RuntimeError):
+    """A rank raised, the launcher failed or the job timed out; `result` holds what was recorded."""
+
+    def __init__(self, message: str, result: Dict[str, Any]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+WINDOW_KEYS = ("throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s")
+
+
+class LiveLog:
+    """Turns the ranks' events into MLflow metrics and a progress bar while the job runs."""
+
+    def __init__(self, tracker: Tracker, world_size: int, progress: Any = None) -> None:
+        self.tracker, self.world, self.progress = tracker, world_size, progress
+        self.task: Any = None
+        self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
+        self.seen: Dict[int, int] = {}  # rank -> windows seen
+
+    def __call__(self, batch: List[tuple[int, Event]]) -> None:
+        points: List[tuple[str, float, int]] = []
+        for rank, ev in batch:
+            kind, step = ev.get("type"), int(ev.get("step", 0))  # type: ignore[arg-type]
+            if kind == "start" and rank == 0 and self.progress is not None:
+                self.task = self.progress.add_task("training", total=ev["total_steps"])
+            elif kind == "log":
+                points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
+                if rank == 0 and self.task is not None:
+                    self.progress.update(self.task, completed=step)
+            elif kind == "window":
+                if self.world > 1:
+                    points += [(f"rank{rank}/{k}", ev[k], step) for k in WINDOW_KEYS]  # type: ignore[misc]
+                n = self.seen.get(rank, 0)
+                self.seen[rank] = n + 1
+                group = self.windows.setdefault(n, {})
+                group[rank] = ev
+                if len(group) == self.world:  # every rank closed this window: job-level point
+                    del self.windows[n]
+                    evs = list(group.values())
+                    s = max(int(e["step"]) for e in evs)  # type: ignore[call-overload]
+                    points += [
+                        ("throughput", sum(float(e["throughput"]) for e in evs), s),  # type: ignore[arg-type]
+                        ("utilization", sum(float(e["utilization"]) for e in evs) / len(evs), s),  # type: ignore[arg-type]
+                        ("data_wait_frac", sum(float(e["data_wait_frac"]) for e in evs) / len(evs), s),  # type: ignore[arg-type]
+                        ("comm_frac", sum(float(e["comm_frac"]) for e in evs) / len(evs), s),  # type: ignore[arg-type]
+                        ("step_time_s", max(float(e["step_time_s"]) for e in evs), s),  # type: ignore[arg-type]
+                    ]
+        if points:
+            try:
+                self.tracker.log_metrics(points)
+            except Exception as exc:  # tracking trouble must not kill a training job
+                print(f"[tracking] could not log metrics: {exc}")
+
+
+SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
+                   "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s")
+
+
+def _progress() -> Any:
+    if not sys.stdout.isatty():
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+
+
+def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Launch the job described by `cfg`, supervise it, merge and record its measured load.
+
+    Returns the result (also in `run_dir/result.json`). Raises ConfigError before launching
+    anything on bad input, JobFailed if the job failed (the MLflow run ends FAILED), and
+    KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
+    """
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(cfg.tracking)
+    tracker.check()
+    launch = build_launch(cfg, run_dir)
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(to_yaml(cfg))
+
+    world = launch.world_size
+    tags = {
+        "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
+        "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
+    }
+    run_id = tracker.start(cfg.tracking.run_name, flatten(cfg), tags)
+    result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
+                              "run_dir": str(run_dir)}
+    status = "FAILED"
+    t0 = time.monotonic()
+    progress = _progress() if echo else None
+    try:
+        live = LiveLog(tracker, world, progress)
+        if progress is not None:
+            progress.start()
+        try:
+            outcome = supervise(launch, run_dir, timeout_s=cfg.trainer.timeout_s, on_events=live, echo=echo)
+        finally:
+            if progress is not None:
+                progress.stop()
+        ranks = load_rank_results(run_dir)
+        result.update(merge(ranks))
+        result["wall_s"] = time.monotonic() - t0
+        if outcome.ok and len(ranks) == world:
+            status = "FINISHED"
+        else:
+            if outcome.timed_out:
+                why = f"timed out after trainer.timeout_s={cfg.trainer.timeout_s:g}s"
+            elif outcome.failed_rank is not None:
+                why = f"rank {outcome.failed_rank} failed"
+            elif outcome.ok:
+                why = f"only {len(ranks)} of {world} ranks reported a result"
+            else:
+                why = f"launcher exited with code {outcome.returncode}"
+            result["error"] = f"{why}\n{outcome.error}".strip()
+            raise JobFailed(why, result)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        result["error"] = "interrupted"
+        raise
+    finally:
+        result["status"] = status
+        _finish(tracker, result, run_dir, cfg_path, status)
+    return result
+
+
+def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, cfg_path: Path, status: str) -> None:
+    """Write result.json and close the MLflow run, whatever happened."""
+    out = run_dir / "result.json"
+    out.write_text(json.dumps(result, indent=2, default=str))
+    try:
+        tracker.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
+                            for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float)) and not math.isnan(result[k]))
+        tags = {"status": status}
+        if result.get("utilization_source"):
+            tags["utilization_source"] = result["utilization_source"]
+        if result.get("per_rank"):
+            tags["device"] = result["per_rank"][0].get("device")
+            tags["bottleneck"] = result.get("bottleneck", "-")
+        tracker.set_tags(tags)
+        tracker.log_artifact(cfg_path)
+        tracker.log_artifact(out)
+        for err in sorted((run_dir / "ranks").glob("rank*.err")):
+            tracker.log_artifact(err, "errors")
+    except Exception as exc:
+        print(f"[tracking] could not record the result: {exc}")
+    finally:
+        tracker.end(status)
+
+
+def print_summary(result: Dict[str, Any], run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run {run_dir}", show_header=False)
+    for k, v in summary_rows(result):
+        table.add_row(k, v)
+    Console().print(table)

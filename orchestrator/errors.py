@@ -1,0 +1,76 @@
+"""One-line messages for Hydra/OmegaConf composition errors: the field and the allowed values."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from typing import Any, Optional
+
+from .schema import Config
+
+
+def _schema_at(path: str) -> Optional[Any]:
+    """The dataclass type at a dotted path of `Config` (None past a free-form node)."""
+    node: Any = Config
+    for part in [p for p in path.split(".") if p]:
+        if not dataclasses.is_dataclass(node):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return None
+        node = hints[part]
+        args = typing.get_args(node)
+        if args and type(None) in args:  # Optional[X]
+            node = next(a for a in args if a is not type(None))
+    return node
+
+
+def _allowed_keys(parent: str) -> str:
+    node = _schema_at(parent)
+    if node is not None and dataclasses.is_dataclass(node):
+        return ", ".join(f.name for f in dataclasses.fields(node))
+    return ""
+
+
+def format_error(exc: BaseException) -> str:
+    """Reduce Hydra's multi-line compose errors to `field: problem; allowed: ...`."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    text = "\n".join(str(e) for e in chain)
+
+    m = re.search(r"Could not find '([^']+)/([^']+)'.*?Available options in '[^']+':\s*(.*)", text, re.S)
+    if m:
+        group, bad, opts = m.group(1), m.group(2), m.group(3)
+        options = []
+        for line in opts.splitlines():
+            line = line.strip()
+            if not line or line.startswith("Config search path"):
+                if options:
+                    break
+                continue
+            if not line.endswith("_schema"):
+                options.append(line)
+        return f"{group.replace('/', '.')}: unknown choice '{bad}'; allowed: {', '.join(options)}"
+
+    m = re.search(r"Key '([^']+)' (?:not in|is not in struct)", text)
+    key = next((getattr(e, "full_key", None) for e in chain if getattr(e, "full_key", None)), None)
+    if m:
+        full = key or m.group(1)
+        parent = full.rsplit(".", 1)[0] if "." in full else ""
+        allowed = _allowed_keys(parent)
+        if allowed:
+            return f"{full}: unknown key in {parent or 'config'}; allowed: {allowed}"
+        return f"{full}: not in the config; to add a key to a free-form node write +{full}=..."
+
+    m = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", text)
+    if m and key:
+        return f"{key}: invalid value '{m.group(1)}'; allowed: {m.group(2)}"
+
+    m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", text)
+    if m and key:
+        return f"{key}: '{m.group(1)}' is not a valid {m.group(2)}"
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{key}: {first}" if key and key not in first else first

@@ -1,0 +1,114 @@
+"""How the ranks of a job are started: a pure function per backend returning `Launch(cmd, env)`.
+
+Argv lists, never shell strings. Nothing here spawns a process, so every command is unit-tested
+as built. The ranks run `python -m orchestrator.rank RUN_DIR` and read `RUN_DIR/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional
+
+from .schema import BackendName, Config, ConfigError
+
+RANK_MODULE = "orchestrator.rank"
+
+
+@dataclass(frozen=True)
+class Launch:
+    cmd: List[str]
+    env: Dict[str, str] = field(default_factory=dict)  # added to the parent's environment
+    world_size: int = 1
+    local_ranks: int = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_rank(local_ranks: int, cpu_count: Optional[int]) -> str:
+    return str(max(1, (cpu_count or 1) // local_ranks))
+
+
+def _base_env(cfg: Config, local_ranks: int, environ: Mapping[str, str], cpu_count: Optional[int]) -> Dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if "OMP_NUM_THREADS" not in environ:  # ranks on one node share its cores
+        env["OMP_NUM_THREADS"] = _threads_per_rank(local_ranks, cpu_count)
+    return env
+
+
+def _single(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
+    return Launch([sys.executable, "-m", RANK_MODULE, str(run_dir)], {"PYTHONUNBUFFERED": "1"})
+
+
+def _torchrun(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
+    p = cfg.parallelism
+    port = p.master_port or free_port(p.master_addr)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={p.nproc_per_node}",
+        f"--nnodes={p.nnodes}",
+        f"--node-rank={p.node_rank}",
+        f"--master-addr={p.master_addr}",
+        f"--master-port={port}",
+        "--max-restarts=0",
+        "--module", RANK_MODULE, str(run_dir),
+    ]
+    return Launch(cmd, _base_env(cfg, p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node)
+
+
+def horovodrun_path() -> str:
+    """horovodrun next to this interpreter (the venv), else on PATH."""
+    here = Path(sys.executable).with_name("horovodrun")
+    if here.exists():
+        return str(here)
+    found = shutil.which("horovodrun")
+    if not found:
+        raise ConfigError(
+            "backend=horovod: horovodrun not found; install Horovod with scripts/install_horovod.sh "
+            "(or re-run scripts/setup.sh), or pick backend=ddp"
+        )
+    return found
+
+
+def _horovodrun(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count: Optional[int],
+                horovodrun: Optional[str] = None) -> Launch:
+    p = cfg.parallelism
+    world = p.world_size
+    cmd = [horovodrun or horovodrun_path(), "-np", str(world)]
+    if cfg.backend.gloo:
+        cmd.append("--gloo")
+    if p.hostfile:
+        cmd += ["-hostfile", p.hostfile]
+        local = p.nproc_per_node
+    elif p.hosts:
+        cmd += ["-H", p.hosts]
+        local = max(int(h.split(":")[1]) for h in p.hosts.split(","))
+    else:
+        cmd += ["-H", f"localhost:{world}"]
+        local = world
+    cmd += [sys.executable, "-m", RANK_MODULE, str(run_dir)]
+    return Launch(cmd, _base_env(cfg, local, environ, cpu_count), world, local)
+
+
+BUILDERS: Dict[BackendName, Callable[..., Launch]] = {
+    BackendName.single: _single,
+    BackendName.dp: _single,
+    BackendName.ddp: _torchrun,
+    BackendName.horovod: _horovodrun,
+}
+
+
+def build_launch(cfg: Config, run_dir: Path, environ: Optional[Mapping[str, str]] = None,
+                 cpu_count: Optional[int] = None, **kwargs: str) -> Launch:
+    """The command and extra environment that start this node's ranks for `cfg`."""
+    environ = os.environ if environ is None else environ
+    cpu_count = cpu_count if cpu_count is not None else os.cpu_count()
+    return BUILDERS[cfg.backend.name](cfg, run_dir, environ, cpu_count, **kwargs)

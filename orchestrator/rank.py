@@ -1,0 +1,78 @@
+"""Entry point of one rank: `python -m orchestrator.rank RUN_DIR`.
+
+Loads the resolved `RUN_DIR/config.yaml` the parent wrote (never runs Hydra), trains, and
+writes `RUN_DIR/ranks/rank<R>.json` (its measured load) next to `rank<R>.jsonl` (events the
+parent tails live). A failure writes the traceback to `rank<R>.err` and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+RANKS_DIR = "ranks"
+
+
+def rank_paths(run_dir: Path, rank: int) -> dict[str, Path]:
+    d = run_dir / RANKS_DIR
+    return {"events": d / f"rank{rank}.jsonl", "result": d / f"rank{rank}.json", "error": d / f"rank{rank}.err"}
+
+
+def _early_rank() -> int:
+    """Best guess of this rank before the backend is up (for naming the error file)."""
+    for var in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def main(run_dir: str) -> int:
+    root = Path(run_dir)
+    (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    rank = _early_rank()
+    adapter = None
+    try:
+        from .runtime.dist import make_adapter
+        from .runtime.loop import EventLog, train
+        from .schema import load_config
+
+        cfg = load_config(str(root / "config.yaml"))
+        adapter = make_adapter(cfg)
+        adapter.setup()
+        rank = adapter.rank
+        paths = rank_paths(root, rank)
+        events = EventLog(paths["events"])
+        try:
+            res = train(cfg, adapter, events)
+        finally:
+            events.close()
+        result = {
+            "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
+            "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
+            "steps": res.steps, "epochs": res.epochs, "first_loss": res.first_loss, "final_loss": res.final_loss,
+            "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
+        }
+        tmp = paths["result"].with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(paths["result"])
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        rank_paths(root, rank)["error"].write_text(traceback.format_exc())
+        traceback.print_exc()
+        return 1
+    finally:
+        if adapter is not None:
+            adapter.shutdown()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m orchestrator.rank RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1]))

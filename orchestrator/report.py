@@ -1,0 +1,116 @@
+"""Per-rank results merged into one job result: totals, imbalance, straggler, bottleneck."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List
+
+from .rank import RANKS_DIR
+
+# Fields every rank reports and `result.json` repeats per rank.
+RANK_FIELDS = (
+    "rank", "host", "device", "steps", "first_loss", "final_loss", "utilization", "utilization_source",
+    "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac", "optimizer_frac",
+    "other_frac", "phase_s", "peak_mem_mb", "reserved_mem_mb", "mem_source", "measured_steps", "warmup_excluded",
+    "utilization_spread", "throughput_spread",
+)
+
+# A share of the step above this is what the step is bound by (see `bottleneck`).
+BOUND_SHARE = 0.3
+
+
+def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
+    out = []
+    for path in (run_dir / RANKS_DIR).glob("rank*.json"):
+        out.append(json.loads(path.read_text()))
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def bottleneck(r: Dict[str, Any]) -> str:
+    """The largest of input (data + h2d), communication and compute shares of the step."""
+    shares = {
+        "input": r.get("data_wait_frac", 0.0) + r.get("h2d_frac", 0.0),
+        "communication": r.get("comm_frac", 0.0),
+        "compute": r.get("compute_frac", 0.0) + r.get("optimizer_frac", 0.0),
+        "overhead": r.get("other_frac", 0.0),
+    }
+    return max(shares, key=shares.__getitem__)
+
+
+def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Job-level figures: throughput summed over ranks, shares and utilization averaged, memory
+    maxed. Imbalance compares each rank's own work per step (step time minus the time it waited
+    on the others in communication); the straggler is the rank with the most."""
+    if not ranks:
+        return {}
+    per_rank = [{k: r.get(k) for k in RANK_FIELDS} for r in ranks]
+    measured = [r for r in ranks if r.get("measured_steps")]
+    job: Dict[str, Any] = {
+        "world_size": len(ranks),
+        "steps": max(r["steps"] for r in ranks),
+        "final_loss": ranks[0].get("final_loss"),
+        "first_loss": ranks[0].get("first_loss"),
+        "per_rank": per_rank,
+    }
+    if not measured:
+        return job
+    mean = lambda key: statistics.fmean(r[key] for r in measured)  # noqa: E731
+    job.update({
+        "utilization": mean("utilization"),
+        "utilization_source": measured[0]["utilization_source"],
+        "throughput": sum(r["throughput"] for r in measured),
+        "step_time_s": max(r["step_time_s"] for r in measured),
+        "data_wait_frac": mean("data_wait_frac"),
+        "h2d_frac": mean("h2d_frac"),
+        "compute_frac": mean("compute_frac"),
+        "comm_frac": mean("comm_frac"),
+        "optimizer_frac": mean("optimizer_frac"),
+        "other_frac": mean("other_frac"),
+        "peak_mem_mb": max(r["peak_mem_mb"] for r in measured),
+        "measured_steps": min(r["measured_steps"] for r in measured),
+        "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
+    })
+    own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
+    utils = [r["utilization"] for r in measured]
+    straggler = max(own, key=own.__getitem__)
+    job["imbalance"] = {
+        "own_step_time_s": own,
+        "own_time_spread": (max(own.values()) - min(own.values())) / max(own.values()) if max(own.values()) > 0 else 0.0,
+        "step_time_spread": _spread([r["step_time_s"] for r in measured]),
+        "utilization_spread": max(utils) - min(utils),
+        "straggler_rank": straggler if len(measured) > 1 else None,
+    }
+    job["bottleneck"] = bottleneck(job)
+    return job
+
+
+def _spread(values: List[float]) -> float:
+    return (max(values) - min(values)) / max(values) if values and max(values) > 0 else 0.0
+
+
+def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
+    """What the console shows at the end of a run."""
+    def pct(x: Any) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    rows = [
+        ("status", str(result.get("status"))),
+        ("backend / world size", f"{result.get('backend')} / {result.get('world_size', '-')}"),
+        ("steps (measured)", f"{result.get('steps', '-')} ({result.get('measured_steps', '-')})"),
+        ("loss first -> last", f"{result.get('first_loss', float('nan')):.4g} -> {result.get('final_loss', float('nan')):.4g}"
+         if result.get("final_loss") is not None else "-"),
+        ("utilization", f"{pct(result.get('utilization'))} ({result.get('utilization_source', '-')})"),
+        ("throughput", f"{result['throughput']:.1f} samples/s" if result.get("throughput") else "-"),
+        ("step time", f"{1000 * result['step_time_s']:.2f} ms" if result.get("step_time_s") else "-"),
+        ("data wait / h2d", f"{pct(result.get('data_wait_frac'))} / {pct(result.get('h2d_frac'))}"),
+        ("compute / comm / optimizer", f"{pct(result.get('compute_frac'))} / {pct(result.get('comm_frac'))} / "
+                                        f"{pct(result.get('optimizer_frac'))}"),
+        ("peak memory", f"{result['peak_mem_mb']:.0f} MB" if result.get("peak_mem_mb") else "-"),
+        ("bottleneck", str(result.get("bottleneck", "-"))),
+    ]
+    imb = result.get("imbalance")
+    if imb and imb.get("straggler_rank") is not None:
+        rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))
+    return rows

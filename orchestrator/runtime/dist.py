@@ -1,0 +1,228 @@
+"""Backend adapters: what differs between single, DataParallel, DDP and Horovod inside a rank.
+
+The training loop is the same for every backend; it asks its adapter to wrap the model and
+optimizer, to build the sampler, whether a micro-step synchronizes, and to run the exposed
+communication before the optimizer step. Training code does not know how it was launched:
+it reads RANK / LOCAL_RANK / WORLD_SIZE (torchrun) or Horovod's own ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from ..schema import BackendName, Config, ConfigError, Device, DistBackend
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    want = cfg.backend.device
+    if want is Device.cuda and not torch.cuda.is_available():
+        raise ConfigError("backend.device: cuda requested but torch.cuda.is_available() is False; allowed here: auto, cpu")
+    if want is Device.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """The configured degree of parallelism must match what the launcher gave us."""
+    expected = cfg.parallelism.world_size
+    if world_size != expected:
+        raise RuntimeError(
+            f"world size mismatch: the launcher started {world_size} ranks, the config asks for {expected} "
+            f"(parallelism.nproc_per_node={cfg.parallelism.nproc_per_node}, nnodes={cfg.parallelism.nnodes})"
+        )
+
+
+class Adapter:
+    """One process, one device (backend=single)."""
+
+    name = "single"
+    rank = 0
+    local_rank = 0
+    world_size = 1
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = torch.device("cpu")
+
+    def setup(self) -> None:
+        self.device = pick_device(self.cfg, self.local_rank)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return optimizer
+
+    def sampler(self, dataset: Dataset, shuffle: bool, seed: int, drop_last: bool) -> Optional[Sampler]:
+        return None  # the DataLoader shuffles with its own seeded generator
+
+    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
+        """Context for one micro-step's forward+backward; `sync` is False on accumulation steps."""
+        return contextlib.nullcontext()
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        """Exposed communication before the optimizer step (Horovod's allreduce wait)."""
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+    def install_comm_hook(self, model: nn.Module, on_bucket: Callable[[], None]) -> None:
+        """DDP only: let the meter see when the last gradient bucket is handed to the all-reduce."""
+
+    def all_gather_object(self, obj: Any) -> list:
+        return [obj]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class DataParallelAdapter(Adapter):
+    """`nn.DataParallel` over the visible GPUs in one process; without GPUs, one device."""
+
+    name = "dp"
+
+    def setup(self) -> None:
+        super().setup()
+        n = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        if n < 2:
+            print(f"[dp] {max(n, 1)} device visible ({self.device}): DataParallel runs on a single device")
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.device.type == "cuda" and torch.cuda.device_count() > 1:
+            return nn.DataParallel(model)
+        return model
+
+
+class DDPAdapter(Adapter):
+    """DistributedDataParallel; started by torchrun (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*)."""
+
+    name = "ddp"
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+
+        check_world(self.cfg, self.world_size)
+        self.device = pick_device(self.cfg, self.local_rank)
+        backend = self.cfg.backend.dist_backend
+        if backend is DistBackend.auto:
+            backend = DistBackend.nccl if self.device.type == "cuda" else DistBackend.gloo
+        if backend is DistBackend.nccl and self.device.type != "cuda":
+            raise ConfigError("backend.dist_backend: nccl needs CUDA devices; allowed on CPU: gloo, auto")
+        kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
+        dist.init_process_group(backend=backend.value, rank=self.rank, world_size=self.world_size, **kwargs)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+
+    def sampler(self, dataset: Dataset, shuffle: bool, seed: int, drop_last: bool) -> Optional[Sampler]:
+        return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                  seed=seed, drop_last=drop_last)
+
+    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
+        return contextlib.nullcontext() if sync else model.no_sync()  # type: ignore[operator]
+
+    def install_comm_hook(self, model: nn.Module, on_bucket: Callable[[], None]) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def timed_allreduce(state, bucket):  # no annotations: DDP checks them against GradBucket
+            on_bucket()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, timed_allreduce)  # type: ignore[operator]
+
+    def all_gather_object(self, obj: Any) -> list:
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class HorovodAdapter(Adapter):
+    """Horovod: started by horovodrun; allreduce through `hvd.DistributedOptimizer`."""
+
+    name = "horovod"
+
+    def setup(self) -> None:
+        try:
+            import horovod.torch as hvd
+        except ImportError as exc:
+            raise RuntimeError(
+                f"backend=horovod: horovod is not importable ({exc}); install it with scripts/install_horovod.sh"
+            ) from None
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.local_rank, self.world_size = hvd.rank(), hvd.local_rank(), hvd.size()
+        check_world(self.cfg, self.world_size)
+        self.device = pick_device(self.cfg, self.local_rank)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        hvd = self.hvd
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        compression = hvd.Compression.fp16 if self.cfg.backend.fp16_compression else hvd.Compression.none
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=compression,
+            backward_passes_per_step=self.cfg.trainer.accumulation_steps,
+        )
+
+    def sampler(self, dataset: Dataset, shuffle: bool, seed: int, drop_last: bool) -> Optional[Sampler]:
+        return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                  seed=seed, drop_last=drop_last)
+
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.synchronize()  # type: ignore[attr-defined]
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+            super().step(optimizer, scaler)
+
+    def all_gather_object(self, obj: Any) -> list:
+        return self.hvd.allgather_object(obj)
+
+    def shutdown(self) -> None:
+        try:
+            self.hvd.shutdown()
+        except Exception:
+            pass
+
+
+ADAPTERS = {
+    BackendName.single: Adapter,
+    BackendName.dp: DataParallelAdapter,
+    BackendName.ddp: DDPAdapter,
+    BackendName.horovod: HorovodAdapter,
+}
+
+
+def make_adapter(cfg: Config) -> Adapter:
+    return ADAPTERS[cfg.backend.name](cfg)

@@ -1,0 +1,243 @@
+"""The training loop, the same for every backend (seed 001's accumulation, seed 002's AMP and
+cudnn.benchmark, non_blocking copies), instrumented by `StepMeter`."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ..schema import AmpDtype, Config, Loss, OptimizerName, import_target
+from .dist import Adapter
+from .meter import StepMeter
+
+
+class LatencyDataset(Dataset):
+    """Adds a fixed per-item read latency, as remote storage would (`data.read_latency_ms`)."""
+
+    def __init__(self, inner: Dataset, latency_ms: float) -> None:
+        self.inner, self.delay = inner, latency_ms / 1000.0
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, idx: int):
+        time.sleep(self.delay)
+        return self.inner[idx]
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def build_dataset(cfg: Config) -> Dataset:
+    ds = import_target(cfg.data._target_)(**cfg.data.args)
+    if cfg.data.read_latency_ms > 0:
+        ds = LatencyDataset(ds, cfg.data.read_latency_ms)
+    return ds
+
+
+def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
+    d = cfg.data
+    sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
+    kwargs: Dict[str, Any] = {}
+    if d.num_workers > 0:
+        kwargs["persistent_workers"] = d.persistent_workers
+        if d.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = d.prefetch_factor
+    return DataLoader(
+        dataset,
+        batch_size=d.batch_size,
+        shuffle=d.shuffle if sampler is None else False,
+        sampler=sampler,
+        num_workers=d.num_workers,
+        pin_memory=d.pin_memory and adapter.device.type == "cuda",
+        drop_last=d.drop_last,
+        worker_init_fn=_seed_worker if d.num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(cfg.trainer.seed),
+        **kwargs,
+    )
+
+
+def build_model(cfg: Config) -> nn.Module:
+    return import_target(cfg.model._target_)(**cfg.model.args)
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    t = cfg.trainer
+    if t.optimizer is OptimizerName.adamw:
+        return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def loss_fn(kind: Loss) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if kind is Loss.mse:
+        return nn.functional.mse_loss
+
+    def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if out.dim() > 2:  # sequence models: (B, T, V) logits against (B, T) targets
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+        return nn.functional.cross_entropy(out, target)
+
+    return cross_entropy
+
+
+def amp_settings(cfg: Config, device: torch.device) -> tuple[bool, torch.dtype, Optional[Any]]:
+    """(enabled, dtype, GradScaler or None). bf16 where the device supports it, fp16 otherwise."""
+    if not cfg.trainer.amp:
+        return False, torch.float32, None
+    dtype = torch.bfloat16 if cfg.trainer.amp_dtype is AmpDtype.bf16 else torch.float16
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        print("[amp] bf16 not supported on this GPU: using fp16 with a GradScaler")
+        dtype = torch.float16
+    if device.type == "cpu" and dtype is torch.float16:
+        print("[amp] fp16 autocast is not supported on CPU: using bf16")
+        dtype = torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
+    return True, dtype, scaler
+
+
+class EventLog:
+    """JSON lines the parent tails: progress, logged points, windows. One file per rank."""
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self._f = open(path, "a", buffering=1) if path else None
+
+    def write(self, **event: Any) -> None:
+        if self._f:
+            self._f.write(json.dumps(event) + "\n")
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    epochs: int
+    final_loss: float
+    first_loss: float
+    wall_s: float
+    meter: Dict[str, Any]
+    windows: list
+
+
+def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:
+    """Optimizer steps in one epoch: every N micro-batches and once more for a remainder."""
+    return math.ceil(len(loader) / accumulation)
+
+
+def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
+          model: Optional[nn.Module] = None) -> TrainResult:
+    """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
+    events = events or EventLog(None)
+    t = cfg.trainer
+    device = adapter.device
+    seed_everything(t.seed, t.deterministic)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not t.deterministic
+
+    dataset = build_dataset(cfg)
+    loader = build_loader(cfg, dataset, adapter)
+    if len(loader) == 0:
+        raise ValueError(
+            f"data: the dataset ({len(dataset)} items) gives no batch of data.batch_size={cfg.data.batch_size} "  # type: ignore[arg-type]
+            f"per rank (world size {adapter.world_size}); lower the batch size or enlarge the dataset"
+        )
+    model = (model or build_model(cfg)).to(device)
+    model = adapter.wrap_model(model)
+    optimizer = adapter.wrap_optimizer(build_optimizer(cfg, model), model)
+    criterion = loss_fn(cfg.model.loss)
+    amp, amp_dtype, scaler = amp_settings(cfg, device)
+
+    meter = StepMeter(device, window_steps=t.window_steps, warmup_steps=t.warmup_steps)
+    adapter.install_comm_hook(model, meter.comm_hook_fired)
+    accum = t.accumulation_steps
+    per_epoch = steps_per_epoch(loader, accum)
+    total = per_epoch * t.epochs if t.max_steps == 0 else min(per_epoch * t.epochs, t.max_steps)
+    events.write(type="start", total_steps=total, steps_per_epoch=per_epoch, device=str(device),
+                 utilization_source=meter.source)
+
+    step, epoch, first_loss, loss_val = 0, 0, math.nan, math.nan
+    log_loss = 0.0
+    t_start = time.perf_counter()
+    model.train()
+    meter.start()
+    try:
+        for epoch in range(t.epochs):
+            sampler = loader.sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            it = iter(loader)
+            n_batches = len(loader)
+            b = 0
+            while b < n_batches and step < total:
+                meter.begin_step()
+                micro = min(accum, n_batches - b)  # the epoch's last step takes the remainder
+                samples = 0
+                step_loss = 0.0
+                for m in range(micro):
+                    x, y = next(it)
+                    meter.mark("data")
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    meter.mark("h2d")
+                    with adapter.no_sync(model, sync=m == micro - 1):
+                        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
+                            loss = criterion(model(x), y) / micro
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                    step_loss += loss.detach()
+                    samples += len(x)
+                    meter.mark("compute")
+                b += micro
+                adapter.synchronize(optimizer)
+                meter.mark("comm")
+                adapter.step(optimizer, scaler)
+                optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
+                meter.mark("optimizer")
+                step += 1
+                window = meter.end_step(samples)
+                log_loss = step_loss
+                if step % t.log_every == 0 or step == 1 or step == total:
+                    loss_val = float(log_loss)
+                    if not math.isfinite(loss_val):
+                        raise FloatingPointError(f"loss is {loss_val} at step {step}; lower trainer.lr or turn off trainer.amp")
+                    if step == 1:
+                        first_loss = loss_val
+                    events.write(type="log", step=step, epoch=epoch, loss=loss_val)
+                if window is not None and window in meter.windows:
+                    events.write(type="window", step=step, throughput=window.throughput,
+                                 utilization=window.utilization, data_wait_frac=window.share("data"),
+                                 comm_frac=window.share("comm"), step_time_s=window.wall_s / window.steps)
+            if step >= total:
+                break
+        meter.flush()
+    finally:
+        meter.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    loss_val = float(log_loss)
+    wall = time.perf_counter() - t_start
+    summary = meter.summary()
+    return TrainResult(steps=step, epochs=epoch + 1, final_loss=loss_val, first_loss=first_loss, wall_s=wall,
+                       meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])

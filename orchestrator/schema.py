@@ -1,0 +1,366 @@
+"""Typed schema of every config group, registered in Hydra's ConfigStore.
+
+Each `conf/<group>/*.yaml` names its schema in its defaults list, so a typo or a wrong type is
+an error at compose time. Choices are Enums so the error lists the allowed values. Meaning
+(ranges, combinations) is checked in `__post_init__`, which runs when the parent calls
+`to_config`, once, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: one line naming the field and the allowed values."""
+
+
+def _allowed(enum: type[Enum]) -> str:
+    return ", ".join(e.value for e in enum)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+class Mode(str, Enum):
+    run = "run"
+    tune = "tune"
+
+
+class BackendName(str, Enum):
+    single = "single"
+    dp = "dp"
+    ddp = "ddp"
+    horovod = "horovod"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DistBackend(str, Enum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Loss(str, Enum):
+    cross_entropy = "cross_entropy"
+    mse = "mse"
+
+
+class OptimizerName(str, Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class AmpDtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+def import_target(path: str) -> Any:
+    """`pkg.module.attr` -> the object (what `_target_` names)."""
+    module, _, attr = path.rpartition(".")
+    if not module:
+        raise ImportError(f"'{path}' is not a dotted path like package.module.Name")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr)
+
+
+def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
+    """`target` must import, and `args` must bind to its signature (names the bad key)."""
+    try:
+        obj = import_target(target)
+    except Exception as exc:  # ImportError, AttributeError, ValueError
+        raise ConfigError(f"{node}._target_: cannot import '{target}' ({type(exc).__name__}: {exc})") from None
+    if not callable(obj):
+        raise ConfigError(f"{node}._target_: '{target}' is not callable")
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in args:
+        _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names)}")
+
+
+@dataclass
+class ModelConfig:
+    """`_target_` is any importable callable returning an `nn.Module`; `args` are its kwargs."""
+
+    _target_: str = MISSING
+    args: Dict[str, Any] = field(default_factory=dict)
+    loss: Loss = Loss.cross_entropy
+
+    def __post_init__(self) -> None:
+        check_target("model", self._target_, self.args)
+
+
+@dataclass
+class DataConfig:
+    """`_target_` builds the dataset (see tasks/datasets.py for the factory signature).
+
+    The loader knobs below belong to the orchestrator and are what the tuner searches.
+    """
+
+    _target_: str = MISSING
+    args: Dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: Optional[int] = None  # None: torch's default (2) when num_workers > 0
+    persistent_workers: bool = False
+    shuffle: bool = True
+    drop_last: bool = True
+    read_latency_ms: float = 0.0  # simulated per-sample storage latency, for any dataset
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, f"data.batch_size: must be an integer >= 1, got {self.batch_size}")
+        _require(self.num_workers >= 0, f"data.num_workers: must be an integer >= 0, got {self.num_workers}")
+        _require(
+            self.prefetch_factor is None or self.prefetch_factor >= 1,
+            f"data.prefetch_factor: must be null or an integer >= 1, got {self.prefetch_factor}",
+        )
+        _require(
+            self.prefetch_factor is None or self.num_workers > 0,
+            "data.prefetch_factor: only applies with data.num_workers > 0; set it to null or raise num_workers",
+        )
+        _require(
+            not self.persistent_workers or self.num_workers > 0,
+            "data.persistent_workers: needs data.num_workers > 0; set it to false or raise num_workers",
+        )
+        _require(self.read_latency_ms >= 0, f"data.read_latency_ms: must be >= 0, got {self.read_latency_ms}")
+        check_target("data", self._target_, self.args)
+
+
+@dataclass
+class BackendConfig:
+    name: BackendName = BackendName.single
+    device: Device = Device.auto
+    dist_backend: DistBackend = DistBackend.auto  # ddp only
+    fp16_compression: bool = False  # horovod only: compress gradients to fp16 for the allreduce
+    gloo: bool = True  # horovod only: horovodrun --gloo (False: MPI)
+
+    def __post_init__(self) -> None:
+        _require(
+            not self.fp16_compression or self.name is BackendName.horovod,
+            "backend.fp16_compression: applies to backend=horovod only",
+        )
+
+
+@dataclass
+class ParallelismConfig:
+    """Degrees of parallelism; the world size the ranks see must agree (checked in the ranks)."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port (single node only)
+    hosts: Optional[str] = None  # horovod: "host1:slots,host2:slots"
+    hostfile: Optional[str] = None  # horovod: a hostfile instead of hosts
+
+    def __post_init__(self) -> None:
+        _require(self.nproc_per_node >= 1, f"parallelism.nproc_per_node: must be >= 1, got {self.nproc_per_node}")
+        _require(self.nnodes >= 1, f"parallelism.nnodes: must be >= 1, got {self.nnodes}")
+        _require(
+            0 <= self.node_rank < self.nnodes,
+            f"parallelism.node_rank: must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), got {self.node_rank}",
+        )
+        _require(0 <= self.master_port <= 65535, f"parallelism.master_port: must be 0..65535, got {self.master_port}")
+        _require(
+            self.master_port != 0 or self.nnodes == 1,
+            "parallelism.master_port: set a fixed port when nnodes > 1 (every node must agree on it)",
+        )
+        _require(
+            not (self.hosts and self.hostfile), "parallelism.hosts / parallelism.hostfile: give one or the other"
+        )
+        if self.hosts:
+            for item in self.hosts.split(","):
+                host, _, slots = item.strip().partition(":")
+                _require(
+                    bool(host) and slots.isdigit() and int(slots) >= 1,
+                    f"parallelism.hosts: expected 'host:slots,host:slots' with slots >= 1, got '{self.hosts}'",
+                )
+
+    @property
+    def world_size(self) -> int:
+        if self.hosts:
+            return sum(int(item.split(":")[1]) for item in self.hosts.split(","))
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass
+class TrainerConfig:
+    """A *step* is one optimizer step (= accumulation_steps micro-batches) everywhere."""
+
+    epochs: int = 1
+    max_steps: int = 0  # 0: no cap, run `epochs` epochs
+    lr: float = 0.01
+    optimizer: OptimizerName = OptimizerName.sgd
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    accumulation_steps: int = 1
+    amp: bool = False
+    amp_dtype: AmpDtype = AmpDtype.bf16
+    seed: int = 0
+    deterministic: bool = False
+    warmup_steps: int = 5  # excluded from every measured figure
+    window_steps: int = 10  # measurement window; medians and spread are over windows
+    log_every: int = 10  # steps between logged loss/throughput/utilization points
+    timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
+        _require(self.max_steps >= 0, f"trainer.max_steps: must be >= 0 (0 = no cap), got {self.max_steps}")
+        _require(self.lr > 0, f"trainer.lr: must be > 0, got {self.lr}")
+        _require(0 <= self.momentum < 1, f"trainer.momentum: must be in [0, 1), got {self.momentum}")
+        _require(self.weight_decay >= 0, f"trainer.weight_decay: must be >= 0, got {self.weight_decay}")
+        _require(
+            self.accumulation_steps >= 1,
+            f"trainer.accumulation_steps: must be an integer >= 1, got {self.accumulation_steps}",
+        )
+        _require(self.warmup_steps >= 0, f"trainer.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _require(self.window_steps >= 1, f"trainer.window_steps: must be >= 1, got {self.window_steps}")
+        _require(self.log_every >= 1, f"trainer.log_every: must be >= 1, got {self.log_every}")
+        _require(self.timeout_s >= 0, f"trainer.timeout_s: must be >= 0 (0 = none), got {self.timeout_s}")
+
+
+@dataclass
+class TuneConfig:
+    """The Optuna study (mode=tune). The search itself arrives with the tuning issue."""
+
+    n_trials: int = 20
+    study_name: Optional[str] = None
+    storage: str = "sqlite:///outputs/optuna.db"
+
+    def __post_init__(self) -> None:
+        _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
+
+
+_TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "sqlite:///outputs/mlflow.db"
+    experiment: str = "orchestrator"
+    run_name: Optional[str] = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        scheme = self.uri.split(":", 1)[0].split("+", 1)[0] if ":" in self.uri else ""
+        _require(
+            scheme in _TRACKING_SCHEMES,
+            f"tracking.uri: unsupported '{self.uri}'; allowed schemes: {', '.join(_TRACKING_SCHEMES)} "
+            "(MLflow's file store is gone: use sqlite:///outputs/mlflow.db)",
+        )
+        _require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
+
+
+@dataclass
+class Config:
+    mode: Mode = Mode.run
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tags: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        single_process = self.backend.name in (BackendName.single, BackendName.dp)
+        _require(
+            not single_process or self.parallelism.world_size == 1,
+            f"parallelism: backend={self.backend.name.value} runs one process; "
+            f"nproc_per_node/nnodes/hosts must give world size 1 (got {self.parallelism.world_size}); "
+            "use backend=ddp or backend=horovod for more",
+        )
+        _require(
+            not (self.parallelism.hosts or self.parallelism.hostfile) or self.backend.name is BackendName.horovod,
+            "parallelism.hosts / parallelism.hostfile: apply to backend=horovod only",
+        )
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, node in (
+        ("model", ModelConfig),
+        ("data", DataConfig),
+        ("backend", BackendConfig),
+        ("parallelism", ParallelismConfig),
+        ("trainer", TrainerConfig),
+        ("tune", TuneConfig),
+        ("tracking", TrackingConfig),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def to_config(cfg: DictConfig | dict) -> Config:
+    """Validate a composed config and return the typed object. Raises ConfigError."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        # A plain container merged into a fresh schema: keys added with `+key=` are rejected too.
+        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        node = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        return OmegaConf.to_object(node)  # type: ignore[return-value]
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        from .errors import format_error
+
+        raise ConfigError(format_error(exc)) from None
+    except ValueError as exc:  # __post_init__ raising ConfigError gets wrapped by OmegaConf
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def load_config(path: str) -> Config:
+    """What the ranks call: the parent's resolved YAML, validated again (cheap), no Hydra."""
+    return to_config(OmegaConf.load(path))
+
+
+def flatten(cfg: Config) -> Dict[str, Any]:
+    """Dotted keys -> scalar values, for MLflow params."""
+    out: Dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(node, list):
+            out[prefix] = str(node)
+        else:
+            out[prefix] = node
+
+    walk("", OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    return out
+
+
+__all__: List[str] = [
+    "AmpDtype", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
+    "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
+    "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
+    "to_config", "to_yaml",
+]

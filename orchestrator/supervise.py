@@ -1,0 +1,161 @@
+"""Runs a job's launcher process and watches it: streams rank output, tails the ranks' event
+files, applies the timeout, and ends every process of the job when one rank fails, on Ctrl-C
+or SIGTERM. Nothing of a job is left running when `supervise` returns or raises."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Deque, Dict, List, Optional
+
+import psutil
+
+from .launch import Launch
+from .rank import RANKS_DIR
+
+Event = Dict[str, object]
+
+
+@dataclass
+class Outcome:
+    returncode: Optional[int]
+    timed_out: bool = False
+    failed_rank: Optional[int] = None
+    error: str = ""  # the failing rank's traceback, or the launcher's last lines
+    output_tail: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and self.failed_rank is None
+
+
+class EventTail:
+    """Reads new complete lines from every `ranks/rank*.jsonl` as they are written."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir / RANKS_DIR
+        self._pos: Dict[Path, int] = {}
+        self._partial: Dict[Path, str] = {}
+
+    def poll(self) -> List[tuple[int, Event]]:
+        out: List[tuple[int, Event]] = []
+        for path in sorted(self.dir.glob("rank*.jsonl")):
+            rank = int(path.stem[4:])
+            with open(path) as f:
+                f.seek(self._pos.get(path, 0))
+                chunk = self._partial.get(path, "") + f.read()
+                self._pos[path] = f.tell()
+            lines = chunk.split("\n")
+            self._partial[path] = lines.pop()  # an unfinished last line waits for the next poll
+            for line in lines:
+                if line.strip():
+                    out.append((rank, json.loads(line)))
+        return out
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the launcher and all its descendants (and its process group), then SIGKILL."""
+    try:
+        parent = psutil.Process(proc.pid)
+        procs = [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s if sig == signal.SIGTERM else 2.0)
+        procs = alive
+        if not procs:
+            break
+    try:
+        proc.wait(timeout=2.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _first_error(run_dir: Path) -> tuple[Optional[int], str]:
+    errs = sorted((run_dir / RANKS_DIR).glob("rank*.err"), key=lambda p: p.stat().st_mtime)
+    if not errs:
+        return None, ""
+    return int(errs[0].stem[4:]), errs[0].read_text()
+
+
+def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
+              on_events: Optional[Callable[[List[tuple[int, Event]]], None]] = None,
+              echo: bool = True, poll_s: float = 0.5, fail_grace_s: float = 3.0) -> Outcome:
+    """Start `launch`, stream its output, and return how it ended (KeyboardInterrupt propagates
+    after every process of the job is ended)."""
+    env = {**os.environ, **launch.env}
+    proc = subprocess.Popen(
+        launch.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True, text=True, bufsize=1, errors="replace",
+    )
+    tail: Deque[str] = collections.deque(maxlen=200)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, name="rank-output", daemon=True)
+    reader.start()
+    events = EventTail(run_dir)
+    start = time.monotonic()
+    outcome = Outcome(returncode=None)
+    fail_seen: Optional[float] = None
+    try:
+        while True:
+            rc = proc.poll()
+            if on_events is not None:
+                batch = events.poll()
+                if batch:
+                    on_events(batch)
+            if rc is not None:
+                outcome.returncode = rc
+                break
+            if timeout_s and time.monotonic() - start > timeout_s:
+                outcome.timed_out = True
+                kill_tree(proc)
+                outcome.returncode = proc.returncode
+                break
+            # a rank wrote its traceback: give the launcher a moment to stop the rest, then do it
+            if fail_seen is None and any((run_dir / RANKS_DIR).glob("rank*.err")):
+                fail_seen = time.monotonic()
+            if fail_seen is not None and time.monotonic() - fail_seen > fail_grace_s:
+                kill_tree(proc)
+                outcome.returncode = proc.returncode if proc.returncode is not None else -9
+                break
+            time.sleep(poll_s)
+    except BaseException:
+        kill_tree(proc)
+        reader.join(timeout=2.0)
+        raise
+    kill_tree(proc, grace_s=2.0)  # stragglers (e.g. DataLoader workers of a killed rank)
+    reader.join(timeout=5.0)
+    if on_events is not None:
+        batch = events.poll()
+        if batch:
+            on_events(batch)
+    outcome.output_tail = list(tail)
+    outcome.failed_rank, outcome.error = _first_error(run_dir)
+    if not outcome.ok and not outcome.error:
+        outcome.error = "\n".join(outcome.output_tail[-30:])
+    return outcome

@@ -1,0 +1,135 @@
+"""MLflow: one run per job, written only by the parent (ranks never import MLflow).
+
+The URI is checked before anything is launched, so a bad one is a one-line error and never a
+run left RUNNING.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+from .schema import ConfigError, TrackingConfig
+
+# Fail fast against an unreachable server instead of MLflow's minutes of retries.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+def resolve_uri(uri: str) -> str:
+    """Relative SQLite paths are relative to the working directory; make them absolute so ranks,
+    subprocesses and the UI agree."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+class Tracker:
+    """Thin wrapper over `MlflowClient` with an explicit run id (safe from helper threads)."""
+
+    def __init__(self, cfg: TrackingConfig) -> None:
+        self.cfg = cfg
+        self.uri = resolve_uri(cfg.uri)
+        self.enabled = cfg.enabled
+        self.client: Any = None
+        self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
+
+    def check(self) -> None:
+        """Make sure the tracking store is usable; raises ConfigError naming tracking.uri."""
+        if not self.enabled:
+            return
+        if self.uri.startswith("sqlite:///"):
+            db = Path(self.uri[len("sqlite:///"):])
+            try:
+                db.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"tracking.uri: cannot create the directory of {db} ({exc.strerror})") from None
+            if not os.access(db.parent, os.W_OK):
+                raise ConfigError(f"tracking.uri: {db.parent} is not writable")
+        elif self.uri.startswith(("http://", "https://")):
+            try:
+                urllib.request.urlopen(self.uri.rstrip("/") + "/health", timeout=5).read()
+            except (urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                raise ConfigError(f"tracking.uri: no MLflow server answers at {self.uri} ({reason})") from None
+        from mlflow.tracking import MlflowClient
+
+        try:
+            self.client = MlflowClient(tracking_uri=self.uri)
+            exp = self.client.get_experiment_by_name(self.cfg.experiment)
+            if exp is None:
+                self.experiment_id = self.client.create_experiment(self.cfg.experiment, self._artifact_root())
+            else:
+                if exp.lifecycle_stage == "deleted":
+                    raise ConfigError(
+                        f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.uri}; restore it or pick another name"
+                    )
+                self.experiment_id = exp.experiment_id
+        except ConfigError:
+            raise
+        except Exception as exc:  # driver missing, auth, schema...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"tracking.uri: cannot use {self.uri}: {first[:300]}") from None
+
+    def _artifact_root(self) -> Optional[str]:
+        """Artifacts of a SQLite store live beside the DB (not in the working directory)."""
+        if self.uri.startswith("sqlite:///"):
+            return (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+        return None  # a server decides
+
+    def start(self, run_name: Optional[str], params: Dict[str, Any], tags: Dict[str, str],
+              parent_run_id: Optional[str] = None) -> Optional[str]:
+        if not self.enabled:
+            return None
+        from mlflow.entities import Param, RunTag
+
+        all_tags = dict(tags)
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=run_name,
+                                     tags={k: str(v) for k, v in all_tags.items()})
+        self.run_id = run.info.run_id
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        return self.run_id
+
+    def log_metrics(self, points: Iterable[tuple[str, float, int]]) -> None:
+        """(key, value, step) points; NaN/inf are dropped (MLflow rejects them on some stores)."""
+        if not self.run_id:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics: List[Any] = [
+            Metric(k, float(v), now, int(s)) for k, v, s in points
+            if v is not None and float(v) == float(v) and abs(float(v)) != float("inf")
+        ]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def set_tags(self, tags: Dict[str, Any]) -> None:
+        if not self.run_id:
+            return
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
+        if self.run_id and path.exists():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def end(self, status: str) -> None:
+        """FINISHED | FAILED | KILLED. Never raises: the run's outcome matters more."""
+        if not self.run_id:
+            return
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            print(f"[tracking] could not mark MLflow run {self.run_id} {status}: {exc}")
