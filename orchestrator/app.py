@@ -97,7 +97,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     """
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(cfg.tracking)
+    tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
     tracker.check()
     launch = build_launch(cfg, run_dir)
     cfg_path = run_dir / "config.yaml"

@@ -54,6 +54,11 @@ def format_error(exc: BaseException) -> str:
                 options.append(line)
         return f"{group.replace('/', '.')}: unknown choice '{bad}'; allowed: {', '.join(options)}"
 
+    m = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if m:
+        return (f"{m.group(1)}: a value with commas must be quoted, e.g. {m.group(1)}='{m.group(2)}' "
+                "(unquoted commas mean a multirun sweep, with -m)")
+
     m = re.search(r"Key '([^']+)' (?:not in|is not in struct)", text)
     key = next((getattr(e, "full_key", None) for e in chain if getattr(e, "full_key", None)), None)
     if m:

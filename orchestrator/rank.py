@@ -30,6 +30,29 @@ def _early_rank() -> int:
     return 0
 
 
+class _Prefixed:
+    """Line-prefixing wrapper for sys.stdout / sys.stderr."""
+
+    def __init__(self, stream, prefix: str) -> None:
+        self._s, self._p, self._bol = stream, prefix, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            out.append((self._p if self._bol else "") + piece)
+            self._bol = piece.endswith("\n")
+        self._s.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._s, name)
+
+
+def prefix_output(prefix: str) -> None:
+    sys.stdout = _Prefixed(sys.stdout, prefix)  # type: ignore[assignment]
+    sys.stderr = _Prefixed(sys.stderr, prefix)  # type: ignore[assignment]
+
+
 def main(run_dir: str) -> int:
     root = Path(run_dir)
     (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
@@ -40,6 +63,8 @@ def main(run_dir: str) -> int:
         from .runtime.loop import EventLog, train
         from .schema import load_config
 
+        if os.environ.get("LOCAL_RANK") is not None and "HOROVOD_RANK" not in os.environ:
+            prefix_output(f"[rank{rank}] ")  # torchrun merges every rank's output; horovodrun prefixes its own
         cfg = load_config(str(root / "config.yaml"))
         adapter = make_adapter(cfg)
         adapter.setup()
@@ -50,7 +75,14 @@ def main(run_dir: str) -> int:
             res = train(cfg, adapter, events)
         finally:
             events.close()
+        if cfg.trainer.save_model and rank == 0:
+            import torch
+
+            tmp_model = root / "model.pt.tmp"
+            torch.save(res.model.state_dict(), tmp_model)
+            tmp_model.replace(root / "model.pt")
         result = {
+            "param_digest": res.param_digest,
             "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
             "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
             "steps": res.steps, "epochs": res.epochs, "first_loss": res.first_loss, "final_loss": res.final_loss,

@@ -11,7 +11,7 @@ from .rank import RANKS_DIR
 
 # Fields every rank reports and `result.json` repeats per rank.
 RANK_FIELDS = (
-    "rank", "host", "device", "steps", "first_loss", "final_loss", "utilization", "utilization_source",
+    "rank", "host", "device", "param_digest", "steps", "first_loss", "final_loss", "utilization", "utilization_source",
     "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac", "optimizer_frac",
     "other_frac", "phase_s", "peak_mem_mb", "reserved_mem_mb", "mem_source", "measured_steps", "warmup_excluded",
     "utilization_spread", "throughput_spread",

@@ -223,6 +223,7 @@ class TrainerConfig:
     window_steps: int = 10  # measurement window; medians and spread are over windows
     log_every: int = 10  # steps between logged loss/throughput/utilization points
     timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
+    save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -310,7 +311,8 @@ def register_configs() -> None:
         ("tune", TuneConfig),
         ("tracking", TrackingConfig),
     ):
-        cs.store(group=group, name=f"{group}_schema", node=node)
+        # conf/<group>/*.yaml start with `- /schema/<group>@_here_` (kept out of the group's choices)
+        cs.store(group="schema", name=group, node=node)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:

@@ -32,10 +32,10 @@ def resolve_uri(uri: str) -> str:
 class Tracker:
     """Thin wrapper over `MlflowClient` with an explicit run id (safe from helper threads)."""
 
-    def __init__(self, cfg: TrackingConfig) -> None:
+    def __init__(self, cfg: TrackingConfig, enabled: bool = True) -> None:
         self.cfg = cfg
         self.uri = resolve_uri(cfg.uri)
-        self.enabled = cfg.enabled
+        self.enabled = cfg.enabled and enabled
         self.client: Any = None
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None

@@ -3,6 +3,7 @@ cudnn.benchmark, non_blocking copies), instrumented by `StepMeter`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -131,8 +132,25 @@ class EventLog:
             self._f.close()
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DDP."""
+    wrapped = isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+    return model.module if wrapped else model
+
+
+def param_digest(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes: replicas in sync have equal digests."""
+    h = hashlib.sha256()
+    for name, p in sorted(unwrap(model).state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class TrainResult:
+    model: nn.Module
+    param_digest: str
     steps: int
     epochs: int
     final_loss: float
@@ -239,5 +257,5 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     loss_val = float(log_loss)
     wall = time.perf_counter() - t_start
     summary = meter.summary()
-    return TrainResult(steps=step, epochs=epoch + 1, final_loss=loss_val, first_loss=first_loss, wall_s=wall,
+    return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1, final_loss=loss_val, first_loss=first_loss, wall_s=wall,
                        meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])

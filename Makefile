@@ -1,0 +1,16 @@
+# Quick start: `make setup` then `make test`. See README.md.
+PY := .venv/bin/python
+
+.PHONY: setup test run bench ui
+setup:
+	bash scripts/setup.sh
+
+test:
+	$(PY) -m pytest -q
+
+run:
+	$(PY) -m orchestrator
+
+bench:
+	$(PY) bench/bench_overhead.py
+	$(PY) bench/bench_launch.py

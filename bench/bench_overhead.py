@@ -1,0 +1,266 @@
+"""Overhead of the orchestrator's training loop on seed 000's workload, in one process, on CPU.
+
+Measures, side by side and interleaved (same seeds, fixed torch threads):
+
+  * plain:  a hand-written loop as a user following seed 000 writes it
+            (nn.Linear(1000, 10), cross-entropy, SGD lr 0.01, DataLoader batch 32 shuffle,
+            num_workers=0 over tasks.datasets.random_classification(4096, 1000, 10));
+  * orch:   `orchestrator.runtime.loop.train(cfg, Adapter(cfg))` on the same workload
+            (cfg composed from conf/ with Hydra, backend=single, tracking off);
+  * noop:   the same `train()` with `StepMeter.mark/begin_step/end_step/comm_hook_fired`
+            replaced by no-ops in this process only (the loop without its instrumentation).
+
+Per-step wall time is measured by the benchmark, never read from the meter:
+
+  * steady state: the DataLoader iterator of both loops is wrapped to take a `perf_counter()`
+    stamp at each batch fetch (one stamp per step, the same probe in every variant); a run's
+    steady-state step time is (stamp[last] - stamp[skip]) / (last - skip), i.e. the mean over
+    every step after the first `--skip` (window closes and logging included);
+  * end to end: `TrainResult.wall_s / TrainResult.steps` for train(), and the same span
+    (from `iter(loader)` to after the last step) for the plain loop.
+
+The figure per variant is the median over rounds. Targets: orch / plain step-time ratio <= 1.03,
+instrumentation overhead (orch - noop) / noop <= 1 %.
+
+    .venv/bin/python bench/bench_overhead.py [--rounds 9] [--steps 2560] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from orchestrator.runtime import loop as loop_mod  # noqa: E402
+from orchestrator.runtime.dist import Adapter  # noqa: E402
+from orchestrator.runtime.meter import StepMeter  # noqa: E402
+from orchestrator.schema import Config, register_configs, to_config  # noqa: E402
+from tasks.datasets import random_classification  # noqa: E402
+
+SEED = 0
+BATCH = 32
+SIZE, FEATURES, CLASSES = 4096, 1000, 10
+
+
+# -- the timing probe: one perf_counter stamp per batch fetched, same for every variant ---------
+STAMPS: List[float] = []
+
+
+class _ProbeIter:
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        STAMPS.append(time.perf_counter())
+        return next(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+class ProbedLoader(DataLoader):
+    """A DataLoader whose iterators stamp the time of every batch request."""
+
+    def __iter__(self):  # type: ignore[override]
+        return _ProbeIter(super().__iter__())
+
+
+def steady_step_s(stamps: List[float], skip: int, end: float) -> float:
+    """Mean step time after the first `skip` steps: stamps[i] is when step i asked for its batch;
+    `end` closes the last step."""
+    marks = stamps + [end]
+    return (marks[-1] - marks[skip]) / (len(marks) - 1 - skip)
+
+
+# -- the orchestrator's config, composed as the CLI composes it ---------------------------------
+def compose_cfg(steps: int) -> Config:
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    per_epoch = SIZE // BATCH
+    epochs = -(-steps // per_epoch)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=[
+            "backend=single", "backend.device=cpu", "tracking.enabled=false",
+            f"trainer.max_steps={steps}", f"trainer.epochs={epochs}", f"trainer.seed={SEED}",
+            "trainer.save_model=false",
+        ])
+    cfg = to_config(dcfg)
+    # seed 000's workload, checked rather than assumed
+    assert cfg.model._target_ == "tasks.models.Linear" and cfg.model.args == {"in_features": FEATURES, "out_features": CLASSES}
+    assert cfg.data._target_ == "tasks.datasets.random_classification"
+    assert (cfg.data.args["size"], cfg.data.args["features"], cfg.data.args["classes"]) == (SIZE, FEATURES, CLASSES)
+    assert cfg.data.batch_size == BATCH and cfg.data.num_workers == 0 and cfg.data.shuffle
+    assert cfg.trainer.lr == 0.01 and cfg.trainer.optimizer.value == "sgd" and cfg.trainer.momentum == 0.0
+    assert cfg.trainer.accumulation_steps == 1 and not cfg.trainer.amp
+    return cfg
+
+
+# -- the variants -------------------------------------------------------------------------------
+def run_plain(steps: int, skip: int) -> Dict[str, float]:
+    """Seed 000 as a user writes it (with the dataset the orchestrator's config names)."""
+    torch.manual_seed(SEED)
+    dataset = random_classification(size=SIZE, features=FEATURES, classes=CLASSES, seed=SEED)
+    model = nn.Linear(FEATURES, CLASSES)
+    ce = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = ProbedLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0,
+                          generator=torch.Generator().manual_seed(SEED))
+    STAMPS.clear()
+    done, first_loss = 0, float("nan")
+    model.train()
+    t0 = time.perf_counter()
+    while done < steps:
+        for x, y in loader:
+            out = model(x)
+            loss = ce(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += 1
+            if done == 1:
+                first_loss = loss.item()
+            if done == steps:
+                break
+    t1 = time.perf_counter()
+    stamps = STAMPS[:steps]
+    return {"steady": steady_step_s(stamps, skip, t1), "e2e": (t1 - t0) / done,
+            "first_loss": first_loss, "loss": loss.item()}
+
+
+def run_orch(cfg: Config, skip: int) -> Dict[str, float]:
+    adapter = Adapter(cfg)
+    adapter.setup()
+    STAMPS.clear()
+    res = loop_mod.train(cfg, adapter)
+    assert res.steps == cfg.trainer.max_steps, res.steps
+    # the last step ends where train()'s loop ends: see _stamped_close
+    stamps = STAMPS[:res.steps]
+    return {"steady": steady_step_s(stamps, skip, _train_end[0]), "e2e": res.wall_s / res.steps,
+            "first_loss": res.first_loss, "loss": res.final_loss}
+
+
+# train() computes wall_s just after its loop; record the matching perf_counter from the outside by
+# wrapping StepMeter.close (called in train()'s `finally`, right after the loop and meter.flush()).
+_train_end = [0.0]
+_real_close = StepMeter.close
+
+
+def _stamped_close(self: StepMeter) -> None:
+    _train_end[0] = time.perf_counter()
+    _real_close(self)
+
+
+StepMeter.close = _stamped_close  # type: ignore[method-assign]
+
+
+@contextmanager
+def meter_noops():
+    """StepMeter without its per-step marks (end_step returns None: no window ever closes)."""
+    saved = {k: getattr(StepMeter, k) for k in ("mark", "begin_step", "end_step", "comm_hook_fired")}
+
+    def mark(self, phase):
+        return None
+
+    def begin_step(self):
+        return None
+
+    def end_step(self, samples):
+        return None
+
+    def comm_hook_fired(self):
+        return None
+
+    StepMeter.mark, StepMeter.begin_step, StepMeter.end_step, StepMeter.comm_hook_fired = (  # type: ignore[method-assign]
+        mark, begin_step, end_step, comm_hook_fired)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(StepMeter, k, v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=2560, help="steps per run (128 per epoch)")
+    ap.add_argument("--skip", type=int, default=20, help="first steps left out of the steady state")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cfg = compose_cfg(args.steps)
+    loop_mod.DataLoader = ProbedLoader  # the orchestrator's build_loader gets the same probe
+
+    def orch() -> Dict[str, float]:
+        return run_orch(cfg, args.skip)
+
+    def noop() -> Dict[str, float]:
+        with meter_noops():
+            return run_orch(cfg, args.skip)
+
+    def plain() -> Dict[str, float]:
+        return run_plain(args.steps, args.skip)
+
+    variants: Dict[str, Callable[[], Dict[str, float]]] = {"plain": plain, "orch": orch, "noop": noop}
+    names = list(variants)
+    for name in names:  # one warm-up run each, discarded (lazy init, allocator, caches)
+        variants[name]()
+    got: Dict[str, List[Dict[str, float]]] = {n: [] for n in names}
+    t_bench = time.perf_counter()
+    for r in range(args.rounds):
+        order = names[r % 3:] + names[:r % 3]  # rotate who goes first
+        for name in order:
+            gc.collect()
+            got[name].append(variants[name]())
+        print(f"round {r + 1}/{args.rounds}: " + "  ".join(
+            f"{n} {got[n][-1]['steady'] * 1e6:7.1f} us" for n in names), flush=True)
+
+    med = {n: {k: statistics.median(g[k] for g in got[n]) for k in ("steady", "e2e")} for n in names}
+    spread = {n: (min(g["steady"] for g in got[n]), max(g["steady"] for g in got[n])) for n in names}
+    first = {n: got[n][-1]["first_loss"] for n in names}
+    last = {n: got[n][-1]["loss"] for n in names}
+
+    print()
+    print(f"seed 000 workload, {args.steps} steps/run, {args.rounds} interleaved rounds, torch threads "
+          f"{torch.get_num_threads()}, steady state = steps {args.skip + 1}..{args.steps} "
+          f"({time.perf_counter() - t_bench:.0f} s)")
+    print("loss first -> last: " + "  ".join(f"{n} {first[n]:.4f} -> {last[n]:.4f}" for n in names)
+          + "  (same init and batches in epoch 1)")
+    print(f"{'':28s}{'steady us/step':>16s}{'(min..max over rounds)':>26s}{'end-to-end us/step':>20s}")
+    for n, label in (("plain", "plain loop"), ("orch", "orchestrator train()"), ("noop", "train(), meter no-ops")):
+        lo, hi = spread[n]
+        print(f"{label:28s}{med[n]['steady'] * 1e6:16.1f}{f'{lo * 1e6:.1f}..{hi * 1e6:.1f}':>26s}"
+              f"{med[n]['e2e'] * 1e6:20.1f}")
+    ratio = med["orch"]["steady"] / med["plain"]["steady"]
+    ratio_e2e = med["orch"]["e2e"] / med["plain"]["e2e"]
+    over = (med["orch"]["steady"] / med["noop"]["steady"] - 1) * 100
+    over_e2e = (med["orch"]["e2e"] / med["noop"]["e2e"] - 1) * 100
+    # paired per round (same round, adjacent runs): less sensitive to drift between rounds
+    paired_ratio = statistics.median(o["steady"] / p["steady"] for o, p in zip(got["orch"], got["plain"]))
+    paired_over = statistics.median((o["steady"] / q["steady"] - 1) * 100 for o, q in zip(got["orch"], got["noop"]))
+    print()
+    ok = lambda b: "MET" if b else "MISSED"  # noqa: E731
+    print(f"step-time ratio orch/plain     : {ratio:.3f} steady (paired {paired_ratio:.3f}), "
+          f"{ratio_e2e:.3f} end-to-end   target <= 1.03: {ok(ratio <= 1.03)}")
+    print(f"instrumentation overhead       : {over:+.2f}% steady (paired {paired_over:+.2f}%), "
+          f"{over_e2e:+.2f}% end-to-end   target <= 1%: {ok(over <= 1.0)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One command from a fresh clone to a trained, tracked run:
+#   .venv with torch (an existing torch is kept: a GPU user installs their CUDA build first),
+#   the project and its dependencies, Horovod built against that torch (wheel cached), then
+#   the default experiment. Idempotent; a second run only re-runs the experiment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}   # only used when the venv has no torch yet
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+PY=.venv/bin/python
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing $TORCH_SPEC"
+  "$PY" -m pip install -q "$TORCH_SPEC"
+else
+  echo "setup: keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
+fi
+
+# Reinstall the project only when its dependency list changed.
+STAMP=.venv/.orchestrator-deps
+WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import orchestrator, hydra, mlflow, optuna" >/dev/null 2>&1; then
+  echo "setup: installing the project and its dependencies"
+  "$PY" -m pip install -q -e ".[test]"
+  echo "$WANT" > "$STAMP"
+fi
+
+PY="$PY" bash scripts/install_horovod.sh
+
+if [ "${SETUP_SKIP_RUN:-0}" != "1" ]; then
+  echo "setup: running the default experiment (seed 000 workload) -> outputs/, MLflow in outputs/mlflow.db"
+  "$PY" -m orchestrator "$@"
+fi

@@ -1,0 +1,33 @@
+"""Workloads that fail on purpose, to exercise supervision (a crashing rank, a hung rank)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+
+def _rank() -> int:
+    for var in ("RANK", "HOROVOD_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+class FailingLinear(nn.Linear):
+    """nn.Linear that raises on `fail_rank` at its `fail_at`-th forward (or hangs, with `hang`)."""
+
+    def __init__(self, in_features: int = 1000, out_features: int = 10, fail_rank: int = 0, fail_at: int = 3,
+                 hang: bool = False) -> None:
+        super().__init__(in_features, out_features)
+        self.fail_rank, self.fail_at, self.hang, self.calls = fail_rank, fail_at, hang, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if _rank() == self.fail_rank and self.calls >= self.fail_at:
+            if self.hang:
+                time.sleep(3600)
+            raise RuntimeError(f"injected failure on rank {self.fail_rank} at forward {self.calls}")
+        return super().forward(x)

@@ -1,0 +1,51 @@
+"""Shared fixtures: compose configs like the CLI does, tiny workloads, one MLflow DB per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from orchestrator.schema import Config, register_configs, to_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Small enough for 2 cores; every test overrides what it measures.
+TINY = ["trainer.warmup_steps=1", "trainer.window_steps=2", "trainer.log_every=1"]
+
+
+def compose_dict(overrides: List[str]):
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One SQLite store for the session: creating MLflow's schema takes seconds."""
+    return "sqlite:///" + str(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
+
+
+@pytest.fixture
+def make_cfg(mlflow_uri) -> Callable[..., Config]:
+    def make(*overrides: str, tiny: bool = True) -> Config:
+        ov = (TINY if tiny else []) + [f"tracking.uri={mlflow_uri}"] + list(overrides)
+        return to_config(compose_dict(ov))
+
+    return make
+
+
+def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})

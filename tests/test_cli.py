@@ -1,0 +1,48 @@
+"""`python -m orchestrator` as a user runs it, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+
+from .conftest import run_cli
+
+
+def test_cli_runs_a_job(tmp_path, mlflow_uri):
+    out = run_cli(["trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.window_steps=2",
+                   f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}"])
+    assert out.returncode == 0, out.stderr
+    assert f"run dir: {tmp_path}" in out.stdout
+    assert "utilization" in out.stdout and "FINISHED" in out.stdout  # the summary table
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "FINISHED" and result["steps"] == 6
+    assert (tmp_path / ".hydra" / "config.yaml").exists()
+
+
+def test_cli_help_and_cfg():
+    help_ = run_cli(["--help"])
+    assert help_.returncode == 0 and "backend: ddp, dp, horovod, single" in help_.stdout
+    job = run_cli(["--cfg", "job", "backend=ddp", "data.batch_size=64"])
+    assert job.returncode == 0
+    assert "batch_size: 64" in job.stdout and "name: ddp" in job.stdout
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path):
+    for args, expected in [
+        (["data.batch_size=0"], "error: data.batch_size: must be an integer >= 1, got 0"),
+        (["backend=nope"], "error: backend: unknown choice 'nope'; allowed: ddp, dp, horovod, single"),
+        (["data.nope=1"], "error: data.nope: unknown key in data; allowed:"),
+        (["mode=tune"], "error: mode: 'tune' is not available"),
+    ]:
+        out = run_cli(args + [f"hydra.run.dir={tmp_path / 'x'}"])
+        assert out.returncode == 2, (args, out.stderr)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
+        assert not (tmp_path / "x" / "ranks").exists()  # nothing launched
+
+
+def test_cli_failed_job_shows_traceback(tmp_path, mlflow_uri):
+    out = run_cli(["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=2", "trainer.max_steps=5",
+                   f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}"])
+    assert out.returncode == 1
+    assert "Traceback" in out.stderr and "RuntimeError: injected failure on rank 0" in out.stderr
+    assert "error: job failed: rank 0 failed" in out.stderr

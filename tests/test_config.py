@@ -1,0 +1,107 @@
+"""Composition and validation: every shipped preset composes; every bad input is one clear line."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from orchestrator.errors import format_error
+from orchestrator.schema import BackendName, ConfigError, Loss, flatten, load_config, to_config, to_yaml
+
+from .conftest import CONF, compose_dict
+
+
+def config_error(overrides):
+    """The one-line message the CLI would print for `overrides` (compose or validation)."""
+    try:
+        to_config(compose_dict(overrides))
+    except ConfigError as exc:
+        return str(exc)
+    except Exception as exc:  # Hydra compose errors, formatted as the CLI formats them
+        return format_error(exc)
+    raise AssertionError(f"{overrides} was accepted")
+
+
+def test_default_is_seed000():
+    cfg = to_config(compose_dict([]))
+    assert cfg.model._target_ == "tasks.models.Linear"
+    assert cfg.model.args == {"in_features": 1000, "out_features": 10}
+    assert cfg.model.loss is Loss.cross_entropy
+    assert cfg.data.batch_size == 32
+    assert cfg.backend.name is BackendName.single
+    assert cfg.tracking.uri == "sqlite:///outputs/mlflow.db"
+    assert cfg.data.args["seed"] == cfg.trainer.seed  # interpolation resolved
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_composes(name):
+    cfg = to_config(compose_dict([f"experiment={name}"]))
+    assert cfg.model._target_.startswith("tasks.")
+
+
+@pytest.mark.parametrize("backend", ["single", "dp", "ddp", "horovod"])
+def test_backends_compose(backend):
+    cfg = to_config(compose_dict([f"backend={backend}"]))
+    assert cfg.backend.name.value == backend
+
+
+def test_names_later_issues_rely_on():
+    cfg = to_config(compose_dict([
+        "data.batch_size=8", "data.num_workers=2", "data.pin_memory=true", "data.prefetch_factor=4",
+        "data.persistent_workers=true", "trainer.accumulation_steps=3", "trainer.max_steps=7", "trainer.epochs=2",
+        "trainer.lr=0.5", "trainer.amp=true", "trainer.seed=3", "parallelism.nproc_per_node=2",
+        "parallelism.nnodes=1", "backend=ddp", "tracking.experiment=x",
+    ]))
+    assert (cfg.data.batch_size, cfg.data.num_workers, cfg.data.prefetch_factor) == (8, 2, 4)
+    assert (cfg.trainer.accumulation_steps, cfg.trainer.max_steps, cfg.trainer.epochs) == (3, 7, 2)
+    assert cfg.data.args["seed"] == 3
+    assert cfg.parallelism.world_size == 2
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.foo=1"], "data.foo: unknown key in data; allowed: _target_, args, batch_size"),
+    (["+foo=1"], "foo: unknown key in config; allowed: mode, model, data"),
+    (["data.batch_size=abc"], "data.batch_size: 'abc' is not a valid Integer"),
+    (["data.batch_size=0"], "data.batch_size: must be an integer >= 1, got 0"),
+    (["data.num_workers=-1"], "data.num_workers: must be an integer >= 0, got -1"),
+    (["trainer.accumulation_steps=0"], "trainer.accumulation_steps: must be an integer >= 1, got 0"),
+    (["backend=foo"], "backend: unknown choice 'foo'; allowed: ddp, dp, horovod, single"),
+    (["model=bar"], "model: unknown choice 'bar'; allowed: convnet, linear"),
+    (["backend.device=tpu"], "backend.device: invalid value 'tpu'; allowed: auto, cpu, cuda"),
+    (["mode=walk"], "mode: invalid value 'walk'; allowed: run, tune"),
+    (["tracking.uri=file:///tmp/mlruns"], "tracking.uri: unsupported 'file:///tmp/mlruns'; allowed schemes: sqlite"),
+    (["tracking.uri=./mlruns"], "tracking.uri: unsupported './mlruns'"),
+    (["model._target_=nope.Model"], "model._target_: cannot import 'nope.Model'"),
+    (["+model.args.bogus=3"], "model.args.bogus: not an argument of tasks.models.Linear; allowed: in_features, out_features"),
+    (["+data.args.bogus=3"], "data.args.bogus: not an argument of tasks.datasets.random_classification"),
+    (["data.prefetch_factor=2"], "data.prefetch_factor: only applies with data.num_workers > 0"),
+    (["parallelism.nproc_per_node=2"], "parallelism: backend=single runs one process"),
+    (["backend=ddp", "parallelism.nnodes=2"], "parallelism.master_port: set a fixed port when nnodes > 1"),
+    (["backend=ddp", "parallelism.nnodes=2", "parallelism.node_rank=2", "parallelism.master_port=29500"],
+     "parallelism.node_rank: must be in 0..1"),
+    (["backend=horovod", "parallelism.hosts='a:2,b'"], "parallelism.hosts: expected 'host:slots,host:slots'"),
+    (["backend=horovod", "parallelism.hosts=a:2,b:2"], "parallelism.hosts: a value with commas must be quoted"),
+    (["backend=ddp", "parallelism.hosts='a:2'"], "parallelism.hosts / parallelism.hostfile: apply to backend=horovod"),
+    (["trainer.lr=0"], "trainer.lr: must be > 0"),
+    (["backend=ddp", "backend.fp16_compression=true"], "backend.fp16_compression: applies to backend=horovod only"),
+])
+def test_bad_input_is_one_clear_line(overrides, expected):
+    msg = config_error(overrides)
+    assert "\n" not in msg
+    assert msg.startswith(expected), msg
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = to_config(compose_dict(["experiment=seed001", "backend=ddp", "parallelism.nproc_per_node=2"]))
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert "${" not in path.read_text()  # resolved: ranks never interpolate
+    assert load_config(str(path)) == cfg
+
+
+def test_flatten_gives_scalar_params():
+    flat = flatten(to_config(compose_dict([])))
+    assert flat["data.batch_size"] == 32
+    assert flat["backend.name"] == "single"
+    assert flat["model.args.in_features"] == 1000
+    assert all(not isinstance(v, dict) for v in flat.values())
