@@ -3,11 +3,11 @@
 Measures, side by side and interleaved (same seeds, fixed torch threads):
 
   * plain:  a hand-written loop as a user following seed 000 writes it
-            (nn.Linear(1000, 10), cross-entropy, SGD lr 0.01, DataLoader batch 32 shuffle,
+            (seed 000's SimpleModel around nn.Linear(1000, 10), cross-entropy, SGD lr 0.01, DataLoader batch 32 shuffle,
             num_workers=0 over tasks.datasets.random_classification(4096, 1000, 10));
   * orch:   `orchestrator.runtime.loop.train(cfg, Adapter(cfg))` on the same workload
             (cfg composed from conf/ with Hydra, backend=single, tracking off);
-  * noop:   the same `train()` with `StepMeter.mark/begin_step/end_step/comm_hook_fired`
+  * noop:   the same `train()` with `StepMeter.mark/end_step/comm_hook_fired`
             replaced by no-ops in this process only (the loop without its instrumentation).
 
 Per-step wall time is measured by the benchmark, never read from the meter:
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -112,11 +113,22 @@ def compose_cfg(steps: int) -> Config:
 
 
 # -- the variants -------------------------------------------------------------------------------
+class SimpleModel(nn.Module):
+    """Seed 000's model, verbatim: a module holding nn.Linear(1000, 10)."""
+
+    def __init__(self):
+        super(SimpleModel, self).__init__()
+        self.fc = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 def run_plain(steps: int, skip: int) -> Dict[str, float]:
     """Seed 000 as a user writes it (with the dataset the orchestrator's config names)."""
     torch.manual_seed(SEED)
     dataset = random_classification(size=SIZE, features=FEATURES, classes=CLASSES, seed=SEED)
-    model = nn.Linear(FEATURES, CLASSES)
+    model = SimpleModel()
     ce = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = ProbedLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0,
@@ -172,12 +184,9 @@ StepMeter.close = _stamped_close  # type: ignore[method-assign]
 @contextmanager
 def meter_noops():
     """StepMeter without its per-step marks (end_step returns None: no window ever closes)."""
-    saved = {k: getattr(StepMeter, k) for k in ("mark", "begin_step", "end_step", "comm_hook_fired")}
+    saved = {k: getattr(StepMeter, k) for k in ("mark", "end_step", "comm_hook_fired")}
 
     def mark(self, phase):
-        return None
-
-    def begin_step(self):
         return None
 
     def end_step(self, samples):
@@ -186,8 +195,8 @@ def meter_noops():
     def comm_hook_fired(self):
         return None
 
-    StepMeter.mark, StepMeter.begin_step, StepMeter.end_step, StepMeter.comm_hook_fired = (  # type: ignore[method-assign]
-        mark, begin_step, end_step, comm_hook_fired)
+    StepMeter.mark, StepMeter.end_step, StepMeter.comm_hook_fired = (  # type: ignore[method-assign]
+        mark, end_step, comm_hook_fired)
     try:
         yield
     finally:
@@ -223,6 +232,7 @@ def main() -> None:
         variants[name]()
     got: Dict[str, List[Dict[str, float]]] = {n: [] for n in names}
     t_bench = time.perf_counter()
+    load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         order = names[r % 3:] + names[:r % 3]  # rotate who goes first
         for name in order:
@@ -239,7 +249,8 @@ def main() -> None:
     print()
     print(f"seed 000 workload, {args.steps} steps/run, {args.rounds} interleaved rounds, torch threads "
           f"{torch.get_num_threads()}, steady state = steps {args.skip + 1}..{args.steps} "
-          f"({time.perf_counter() - t_bench:.0f} s)")
+          f"({time.perf_counter() - t_bench:.0f} s; load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, "
+          f"{os.cpu_count()} cores)")
     print("loss first -> last: " + "  ".join(f"{n} {first[n]:.4f} -> {last[n]:.4f}" for n in names)
           + "  (same init and batches in epoch 1)")
     print(f"{'':28s}{'steady us/step':>16s}{'(min..max over rounds)':>26s}{'end-to-end us/step':>20s}")

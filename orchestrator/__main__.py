@@ -7,6 +7,7 @@ job (exit 130/143).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -36,22 +38,34 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    tags = {"sweep_id": hc.sweep.dir, "sweep_job": str(hc.job.num)} if multirun else {}
+    code = run_from_cli(dcfg, run_dir, tags)
+    if code and not multirun:
+        sys.exit(code)
+    # in a sweep, a failed job is recorded and the next one runs; SweepSummary sets the exit code
+
+
+def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict) -> int:
+    """Run one job and print its outcome; returns the exit code."""
     from .app import JobFailed, print_summary, run_job
 
     try:
         cfg = to_config(dcfg)
         if cfg.mode is Mode.tune:
             raise ConfigError("mode: 'tune' is not available in this version; allowed: run")
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
         print(f"[orchestrator] run dir: {run_dir}")
-        result = run_job(cfg, run_dir)
+        result = run_job(cfg, run_dir, extra_tags=tags)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
+        (run_dir / "result.json").write_text(json.dumps({"status": "INVALID", "error": str(exc)}))
+        return EXIT_CONFIG
     except JobFailed as exc:
         print(exc.result.get("error", str(exc)), file=sys.stderr)
         print(f"error: job failed: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
-        sys.exit(EXIT_FAILED)
+        return EXIT_FAILED
     except Terminated:
         print("error: terminated (SIGTERM); every rank was stopped", file=sys.stderr)
         sys.exit(EXIT_SIGTERM)
@@ -59,6 +73,7 @@ def main(dcfg: DictConfig) -> None:
         print("error: interrupted; every rank was stopped", file=sys.stderr)
         sys.exit(EXIT_SIGINT)
     print_summary(result, run_dir)
+    return 0
 
 
 def cli() -> None:

@@ -100,10 +100,15 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
     tracker.check()
     launch = build_launch(cfg, run_dir)
+    if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
+        print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
+              f"parallelism.nproc_per_node={cfg.parallelism.nproc_per_node} does not apply")
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(to_yaml(cfg))
 
     world = launch.world_size
+    # node 0's rank 0 gathers every rank's result; another node's parent sees its own ranks only
+    expected = world if cfg.parallelism.node_rank == 0 else launch.local_ranks
     tags = {
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
         "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
@@ -126,7 +131,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         ranks = load_rank_results(run_dir)
         result.update(merge(ranks))
         result["wall_s"] = time.monotonic() - t0
-        if outcome.ok and len(ranks) == world:
+        if outcome.ok and len(ranks) == expected:
             status = "FINISHED"
         else:
             if outcome.timed_out:
@@ -134,7 +139,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
             elif outcome.failed_rank is not None:
                 why = f"rank {outcome.failed_rank} failed"
             elif outcome.ok:
-                why = f"only {len(ranks)} of {world} ranks reported a result"
+                why = f"only {len(ranks)} of {expected} ranks reported a result"
             else:
                 why = f"launcher exited with code {outcome.returncode}"
             result["error"] = f"{why}\n{outcome.error}".strip()

@@ -53,6 +53,12 @@ def prefix_output(prefix: str) -> None:
     sys.stderr = _Prefixed(sys.stderr, prefix)  # type: ignore[assignment]
 
 
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)  # the parent never reads a half-written file
+
+
 def main(run_dir: str) -> int:
     root = Path(run_dir)
     (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
@@ -88,9 +94,12 @@ def main(run_dir: str) -> int:
             "steps": res.steps, "epochs": res.epochs, "first_loss": res.first_loss, "final_loss": res.final_loss,
             "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
         }
-        tmp = paths["result"].with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(paths["result"])
+        _write_json(paths["result"], result)
+        # rank 0's run dir gets every rank's result, also those of ranks on other machines
+        gathered = adapter.all_gather_object(result)
+        if rank == 0:
+            for other in gathered:
+                _write_json(rank_paths(root, other["rank"])["result"], other)
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         if isinstance(exc, KeyboardInterrupt):
@@ -107,4 +116,10 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         print("usage: python -m orchestrator.rank RUN_DIR", file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(sys.argv[1]))
+    rc = main(sys.argv[1])
+    # Everything is written and the process group is destroyed. Skip interpreter teardown: with
+    # gloo, a C++ thread destroyed there intermittently aborts the process ("terminate called
+    # without an active exception", SIGABRT) after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

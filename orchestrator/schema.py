@@ -220,7 +220,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     warmup_steps: int = 5  # excluded from every measured figure
-    window_steps: int = 10  # measurement window; medians and spread are over windows
+    window_steps: int = 20  # measurement window; medians and spread are over windows
     log_every: int = 10  # steps between logged loss/throughput/utilization points
     timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
@@ -286,17 +286,26 @@ class Config:
     tags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        single_process = self.backend.name in (BackendName.single, BackendName.dp)
         _require(
-            not single_process or self.parallelism.world_size == 1,
-            f"parallelism: backend={self.backend.name.value} runs one process; "
-            f"nproc_per_node/nnodes/hosts must give world size 1 (got {self.parallelism.world_size}); "
-            "use backend=ddp or backend=horovod for more",
+            not self.single_process or self.parallelism.nnodes == 1,
+            f"parallelism.nnodes: backend={self.backend.name.value} runs one process on one machine; "
+            "use backend=ddp or backend=horovod for several machines",
         )
         _require(
             not (self.parallelism.hosts or self.parallelism.hostfile) or self.backend.name is BackendName.horovod,
             "parallelism.hosts / parallelism.hostfile: apply to backend=horovod only",
         )
+
+    @property
+    def single_process(self) -> bool:
+        """single and dp run one process (dp spreads over the visible GPUs inside it)."""
+        return self.backend.name in (BackendName.single, BackendName.dp)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the job runs; nproc_per_node does not apply to one-process backends, so a
+        sweep like `-m backend=single,ddp parallelism.nproc_per_node=2` compares like with like."""
+        return 1 if self.single_process else self.parallelism.world_size
 
 
 def register_configs() -> None:

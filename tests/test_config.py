@@ -75,7 +75,7 @@ def test_names_later_issues_rely_on():
     (["+model.args.bogus=3"], "model.args.bogus: not an argument of tasks.models.Linear; allowed: in_features, out_features"),
     (["+data.args.bogus=3"], "data.args.bogus: not an argument of tasks.datasets.random_classification"),
     (["data.prefetch_factor=2"], "data.prefetch_factor: only applies with data.num_workers > 0"),
-    (["parallelism.nproc_per_node=2"], "parallelism: backend=single runs one process"),
+    (["parallelism.nnodes=2", "parallelism.master_port=29500"], "parallelism.nnodes: backend=single runs one process"),
     (["backend=ddp", "parallelism.nnodes=2"], "parallelism.master_port: set a fixed port when nnodes > 1"),
     (["backend=ddp", "parallelism.nnodes=2", "parallelism.node_rank=2", "parallelism.master_port=29500"],
      "parallelism.node_rank: must be in 0..1"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orchestrator.runtime.dist import Adapter
-from orchestrator.runtime.meter import PHASES, StepMeter
+from orchestrator.runtime.meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, PHASES, StepMeter
 from orchestrator.runtime.loop import train
 from orchestrator.schema import to_config
 
@@ -74,13 +74,12 @@ def test_meter_windows_exclude_warmup():
     m = StepMeter(torch.device("cpu"), window_steps=3, warmup_steps=2)
     m.start()
     for i in range(11):
-        m.begin_step()
         time.sleep(0.02 if i < 2 else 0.001)  # slow warmup steps must not count
-        m.mark("data")
-        m.mark("h2d")
-        m.mark("compute")
-        m.mark("comm")
-        m.mark("optimizer")
+        m.mark(DATA)
+        m.mark(H2D)
+        m.mark(COMPUTE)
+        m.mark(COMM)
+        m.mark(OPTIMIZER)
         m.end_step(samples=4)
     m.flush()
     s = m.summary()
@@ -94,15 +93,12 @@ def test_meter_windows_exclude_warmup():
 def test_ddp_hook_splits_backward_into_compute_and_comm():
     m = StepMeter(torch.device("cpu"), window_steps=1, warmup_steps=0)
     m.start()
-    m.begin_step()
-    m.mark("data")
-    m.mark("h2d")
+    m.mark(DATA)
     time.sleep(0.02)  # backward computing
     m.comm_hook_fired()  # last bucket handed to the all-reduce
     time.sleep(0.03)  # waiting for it
-    m.mark("compute")
-    m.mark("comm")
-    m.mark("optimizer")
+    m.mark(COMPUTE)
+    m.mark(OPTIMIZER)
     m.end_step(samples=1)
     s = m.summary()
     assert s["phase_s"]["compute"] == pytest.approx(0.02, abs=0.01)

@@ -32,7 +32,7 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
 
 def check_world(cfg: Config, world_size: int) -> None:
     """The configured degree of parallelism must match what the launcher gave us."""
-    expected = cfg.parallelism.world_size
+    expected = cfg.world_size
     if world_size != expected:
         raise RuntimeError(
             f"world size mismatch: the launcher started {world_size} ranks, the config asks for {expected} "
@@ -44,6 +44,7 @@ class Adapter:
     """One process, one device (backend=single)."""
 
     name = "single"
+    exposed_comm = False  # True: the loop calls synchronize() before the step and times it as comm
     rank = 0
     local_rank = 0
     world_size = 1
@@ -162,6 +163,10 @@ class DDPAdapter(Adapter):
         import torch.distributed as dist
 
         if dist.is_initialized():
+            try:
+                dist.barrier()  # nobody tears down gloo while a peer still talks to it
+            except Exception:
+                pass  # a peer already failed: the supervisor is ending the job
             dist.destroy_process_group()
 
 
@@ -169,6 +174,7 @@ class HorovodAdapter(Adapter):
     """Horovod: started by horovodrun; allreduce through `hvd.DistributedOptimizer`."""
 
     name = "horovod"
+    exposed_comm = True
 
     def setup(self) -> None:
         try:

@@ -1,0 +1,51 @@
+"""Hydra multirun (`-m`): every job a real launch and MLflow run tagged with one sweep id; at the
+end, one table of all jobs. A failing job does not stop the others; the sweep exits 1 if any failed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+COLUMNS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck")
+
+
+def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
+    rows = []
+    for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)):
+        overrides_file = job_dir / ".hydra" / "overrides.yaml"
+        if not overrides_file.exists():
+            continue
+        result_file = job_dir / "result.json"
+        result = json.loads(result_file.read_text()) if result_file.exists() else {"status": "NOT RUN"}
+        rows.append({"job": job_dir.name, "overrides": " ".join(OmegaConf.load(overrides_file)),
+                     **{k: result.get(k) for k in ("status", "mlflow_run_id", *COLUMNS)},
+                     "error": (result.get("error") or "").strip().splitlines()[:1]})
+    return rows
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = collect(sweep_dir)
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2))
+        table = Table(title=f"sweep {sweep_dir}")
+        for col in ("job", "overrides", "status", "utilization", "throughput", "data wait", "comm", "bottleneck"):
+            table.add_column(col)
+        fmt = lambda v, pct=False: "-" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:.1f}")  # noqa: E731
+        for r in rows:
+            table.add_row(r["job"], r["overrides"], str(r["status"]), fmt(r["utilization"], True), fmt(r["throughput"]),
+                          fmt(r["data_wait_frac"], True), fmt(r["comm_frac"], True), str(r["bottleneck"] or "-"))
+        Console().print(table)
+        failed = [r for r in rows if r["status"] != "FINISHED"]
+        if failed:
+            print(f"error: {len(failed)} of {len(rows)} sweep jobs did not finish: "
+                  + ", ".join(f"job {r['job']} ({r['status']})" for r in failed), file=sys.stderr)
+            sys.exit(1)

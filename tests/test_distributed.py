@@ -1,0 +1,173 @@
+"""Real 2-rank launches on CPU (gloo): DDP through torchrun, Horovod through horovodrun.
+
+Horovod is part of the set-up, so these tests run for real in CI (no skip)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch.utils.data import Sampler
+
+from orchestrator.app import JobFailed, run_job
+from orchestrator.launch import free_port
+from orchestrator.runtime.dist import Adapter, DDPAdapter
+from orchestrator.runtime.loop import build_dataset, train
+
+from .conftest import ROOT
+
+# seed 000's model on a small dataset: 8 samples per rank per micro-step
+WORKLOAD = ["data.args.size=256", "data.batch_size=8", "trainer.lr=0.1", "trainer.momentum=0.9",
+            "trainer.max_steps=6", "trainer.epochs=3"]
+
+
+class GlobalBatches(Sampler):
+    """Yields, micro-step by micro-step, the union of what each rank's DistributedSampler gives."""
+
+    def __init__(self, cfg, dataset, world: int, b: int) -> None:
+        self.order: list = []
+        per_rank = []
+        for r in range(world):
+            os.environ.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+            per_rank.append(list(DDPAdapter(cfg).sampler(dataset, True, cfg.trainer.seed, True)))
+        for k in range(len(per_rank[0]) // b):
+            for r in range(world):
+                self.order += per_rank[r][k * b:(k + 1) * b]
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(var)
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def reference_params(make_cfg, accum: int, world: int = 2) -> dict:
+    """One process training on the same global batches (world * b per micro-step)."""
+    cfg = make_cfg(*WORKLOAD, f"trainer.accumulation_steps={accum}", "data.batch_size=16")
+    dataset = build_dataset(cfg)
+
+    class OneProcess(Adapter):
+        def sampler(self, ds, shuffle, seed, drop_last):
+            return GlobalBatches(cfg, dataset, world, 8)
+
+    a = OneProcess(cfg)
+    a.setup()
+    assert cfg.trainer.epochs == 3
+    res = train(cfg, a)  # one epoch is enough for 6 steps; set_epoch is not called on GlobalBatches
+    return res.model.state_dict()
+
+
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+@pytest.mark.parametrize("accum", [1, 3])
+def test_ranks_agree_and_match_one_process(make_cfg, tmp_path, backend, accum):
+    cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", *WORKLOAD,
+                   f"trainer.accumulation_steps={accum}")
+    result = run_job(cfg, tmp_path)  # output shown by pytest if this fails
+    assert result["status"] == "FINISHED" and result["world_size"] == 2 and result["steps"] == 6
+    digests = {r["param_digest"] for r in result["per_rank"]}
+    assert len(digests) == 1  # parameters identical on both ranks
+    got = torch.load(tmp_path / "model.pt")
+    want = reference_params(make_cfg, accum)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
+    # per-rank figures, imbalance, one MLflow run with per-rank metrics and tags
+    assert {r["rank"] for r in result["per_rank"]} == {0, 1}
+    assert result["imbalance"]["straggler_rank"] in (0, 1)
+    run = MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"])
+    assert (run.data.tags["backend"], run.data.tags["world_size"], run.data.tags["nnodes"]) == (backend, "2", "1")
+    assert "rank1/throughput" in run.data.metrics and "rank0/utilization" in run.data.metrics
+    assert result["comm_frac"] > 0  # the all-reduce is measured
+
+
+def test_sampler_shards_are_disjoint_and_cover(make_cfg):
+    cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", "data.args.size=100")
+    ds = build_dataset(cfg)
+    shards = {}
+    for r in range(2):
+        os.environ.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+        shards[r] = DDPAdapter(cfg).sampler(ds, True, 0, False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(var)
+    a, b = list(shards[0]), list(shards[1])
+    assert not set(a) & set(b) and set(a) | set(b) == set(range(100))
+    shards[0].set_epoch(1)
+    assert list(shards[0]) != a  # set_epoch reshuffles
+
+
+def _job_processes(run_dir: Path) -> list:
+    """Every process whose command line names this run dir (ranks, launchers, workers)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_failing_rank_ends_the_job(make_cfg, tmp_path, backend):
+    cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "model._target_=tasks.faults.FailingLinear",
+                   "+model.args.fail_rank=1", "+model.args.fail_at=4", "trainer.max_steps=50",
+                   "data.num_workers=1")  # a DataLoader worker must not outlive its rank either
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        run_job(cfg, tmp_path, echo=False)
+    assert time.monotonic() - t0 < 30
+    result = info.value.result
+    assert result["status"] == "FAILED"
+    assert "rank 1 failed" in result["error"] and "injected failure on rank 1" in result["error"]
+    assert not _job_processes(tmp_path)
+    assert MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"]).info.status == "FAILED"
+
+
+def test_hung_rank_hits_the_timeout(make_cfg, tmp_path):
+    cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", "model._target_=tasks.faults.FailingLinear",
+                   "+model.args.fail_rank=1", "+model.args.hang=true", "trainer.timeout_s=12")
+    with pytest.raises(JobFailed, match="timed out after trainer.timeout_s=12s"):
+        run_job(cfg, tmp_path, echo=False)
+    assert not _job_processes(tmp_path)
+
+
+def test_dp_without_gpus_runs_on_one_device(make_cfg, tmp_path, capfd):
+    result = run_job(make_cfg("backend=dp", "trainer.max_steps=4"), tmp_path)
+    assert result["status"] == "FINISHED" and result["world_size"] == 1
+    out = capfd.readouterr().out
+    assert out.count("DataParallel runs on a single device") == 1
+
+
+def _cli(args, run_dir, mlflow_uri):
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args, f"hydra.run.dir={run_dir}", f"tracking.uri={mlflow_uri}",
+         "trainer.warmup_steps=1", "trainer.window_steps=2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_nodes_simulated_match_one_node(tmp_path, mlflow_uri):
+    port = free_port()
+    common = ["backend=ddp", *WORKLOAD]
+    nodes = [_cli(common + ["parallelism.nnodes=2", "parallelism.nproc_per_node=1", f"parallelism.node_rank={r}",
+                            f"parallelism.master_port={port}"], tmp_path / f"node{r}", mlflow_uri) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    one = _cli(common + ["parallelism.nproc_per_node=2"], tmp_path / "one", mlflow_uri)
+    out = one.communicate(timeout=120)[0]
+    assert one.returncode == 0, out
+    two_nodes = torch.load(tmp_path / "node0" / "model.pt")
+    one_node = torch.load(tmp_path / "one" / "model.pt")
+    for k in one_node:
+        assert torch.allclose(two_nodes[k], one_node[k], atol=1e-6), k
+    node0 = json.loads((tmp_path / "node0" / "result.json").read_text())
+    assert node0["world_size"] == 2 and {r["rank"] for r in node0["per_rank"]} == {0, 1}
+    assert json.loads((tmp_path / "node1" / "result.json").read_text())["mlflow_run_id"] is None  # node 0 tracks
