@@ -42,26 +42,35 @@ def main(dcfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     tags = {"sweep_id": hc.sweep.dir, "sweep_job": str(hc.job.num)} if multirun else {}
-    code = run_from_cli(dcfg, run_dir, tags)
+    # the user's own overrides, for the tuner's "rerun the best" line
+    overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith(("mode=", "tune.", "hydra."))]
+    code = run_from_cli(dcfg, run_dir, tags, overrides)
     if code and not multirun:
         sys.exit(code)
     # in a sweep, a failed job is recorded and the next one runs; SweepSummary sets the exit code
 
 
-def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict) -> int:
+def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
     from .app import JobFailed, print_summary, run_job
+    from .tune.study import StudyFailed
 
     try:
         cfg = to_config(dcfg)
-        if cfg.mode is Mode.tune:
-            raise ConfigError("mode: 'tune' is not available in this version; allowed: run")
         print(f"[orchestrator] run dir: {run_dir}")
+        if cfg.mode is Mode.tune:
+            from .tune.study import run_study
+
+            run_study(cfg, run_dir, overrides=overrides)
+            return 0
         result = run_job(cfg, run_dir, extra_tags=tags)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         (run_dir / "result.json").write_text(json.dumps({"status": "INVALID", "error": str(exc)}))
         return EXIT_CONFIG
+    except StudyFailed as exc:
+        print(f"error: tune: study stopped: {exc} (run dir: {run_dir})", file=sys.stderr)
+        return EXIT_FAILED
     except JobFailed as exc:
         print(exc.result.get("error", str(exc)), file=sys.stderr)
         print(f"error: job failed: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)

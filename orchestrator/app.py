@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .launch import build_launch
 from .report import load_rank_results, merge, summary_rows
@@ -29,14 +29,23 @@ class JobFailed(RuntimeError):
         self.result = result
 
 
+class JobStopped(JobFailed):
+    """The caller's monitor asked to stop the job (a pruned trial); the MLflow run ends KILLED."""
+
+
+# monitor(window ordinal, job-level window metrics) -> True to stop the job
+Monitor = Callable[[int, Dict[str, float]], bool]
+
+
 WINDOW_KEYS = ("throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s")
 
 
 class LiveLog:
     """Turns the ranks' events into MLflow metrics and a progress bar while the job runs."""
 
-    def __init__(self, tracker: Tracker, world_size: int, progress: Any = None) -> None:
-        self.tracker, self.world, self.progress = tracker, world_size, progress
+    def __init__(self, tracker: Tracker, world_size: int, progress: Any = None, monitor: Optional[Monitor] = None) -> None:
+        self.tracker, self.world, self.progress, self.monitor = tracker, world_size, progress, monitor
+        self.stop = False
         self.task: Any = None
         self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
         self.seen: Dict[int, int] = {}  # rank -> windows seen
@@ -62,13 +71,17 @@ class LiveLog:
                     del self.windows[n]
                     evs = list(group.values())
                     s = max(int(e["step"]) for e in evs)  # type: ignore[call-overload]
-                    points += [
-                        ("throughput", sum(float(e["throughput"]) for e in evs), s),  # type: ignore[arg-type]
-                        ("utilization", sum(float(e["utilization"]) for e in evs) / len(evs), s),  # type: ignore[arg-type]
-                        ("data_wait_frac", sum(float(e["data_wait_frac"]) for e in evs) / len(evs), s),  # type: ignore[arg-type]
-                        ("comm_frac", sum(float(e["comm_frac"]) for e in evs) / len(evs), s),  # type: ignore[arg-type]
-                        ("step_time_s", max(float(e["step_time_s"]) for e in evs), s),  # type: ignore[arg-type]
-                    ]
+                    mean = lambda k: sum(float(e[k]) for e in evs) / len(evs)  # type: ignore[arg-type]  # noqa: E731
+                    job = {
+                        "throughput": sum(float(e["throughput"]) for e in evs),  # type: ignore[arg-type]
+                        "utilization": mean("utilization"),
+                        "data_wait_frac": mean("data_wait_frac"),
+                        "comm_frac": mean("comm_frac"),
+                        "step_time_s": max(float(e["step_time_s"]) for e in evs),  # type: ignore[arg-type]
+                    }
+                    points += [(k, v, s) for k, v in job.items()]
+                    if self.monitor is not None and self.monitor(n, job):
+                        self.stop = True
         if points:
             try:
                 self.tracker.log_metrics(points)
@@ -88,7 +101,8 @@ def _progress() -> Any:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
 
 
-def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
+            monitor: Optional[Monitor] = None) -> Dict[str, Any]:
     """Launch the job described by `cfg`, supervise it, merge and record its measured load.
 
     Returns the result (also in `run_dir/result.json`). Raises ConfigError before launching
@@ -120,11 +134,12 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     t0 = time.monotonic()
     progress = _progress() if echo else None
     try:
-        live = LiveLog(tracker, world, progress)
+        live = LiveLog(tracker, world, progress, monitor)
         if progress is not None:
             progress.start()
         try:
-            outcome = supervise(launch, run_dir, timeout_s=cfg.trainer.timeout_s, on_events=live, echo=echo)
+            outcome = supervise(launch, run_dir, timeout_s=cfg.trainer.timeout_s, on_events=live, echo=echo,
+                                should_stop=lambda: live.stop, memory_cap_mb=cfg.trainer.memory_cap_mb)
         finally:
             if progress is not None:
                 progress.stop()
@@ -134,8 +149,14 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         if outcome.ok and len(ranks) == expected:
             status = "FINISHED"
         else:
+            if outcome.stopped:
+                status = "KILLED"
+                result["error"] = "stopped by the monitor (pruned)"
+                raise JobStopped("stopped", result)
             if outcome.timed_out:
                 why = f"timed out after trainer.timeout_s={cfg.trainer.timeout_s:g}s"
+            elif outcome.over_memory:
+                why = f"out of memory: {outcome.over_memory}"
             elif outcome.failed_rank is not None:
                 why = f"rank {outcome.failed_rank} failed"
             elif outcome.ok:

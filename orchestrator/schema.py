@@ -224,6 +224,7 @@ class TrainerConfig:
     log_every: int = 10  # steps between logged loss/throughput/utilization points
     timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
+    memory_cap_mb: float = 0.0  # a rank process above this RSS fails the job (CPU "OOM"); 0: none
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -239,18 +240,87 @@ class TrainerConfig:
         _require(self.window_steps >= 1, f"trainer.window_steps: must be >= 1, got {self.window_steps}")
         _require(self.log_every >= 1, f"trainer.log_every: must be >= 1, got {self.log_every}")
         _require(self.timeout_s >= 0, f"trainer.timeout_s: must be >= 0 (0 = none), got {self.timeout_s}")
+        _require(self.memory_cap_mb >= 0, f"trainer.memory_cap_mb: must be >= 0 (0 = none), got {self.memory_cap_mb}")
+
+
+class Objective(str, Enum):
+    utilization = "utilization"  # max utilization among trials near the best throughput (README)
+    throughput = "throughput"
+    both = "both"  # multi-objective: the Pareto front is reported
+
+
+class ParamType(str, Enum):
+    int = "int"
+    pow2 = "pow2"  # powers of two in [low, high]
+    float = "float"
+    categorical = "categorical"
+
+
+class PrunerName(str, Enum):
+    median = "median"
+    none = "none"
+
+
+@dataclass
+class ParamSpec:
+    """One dimension of the search: the config `key` it sets and its range or choices."""
+
+    key: str = MISSING
+    type: ParamType = ParamType.int
+    low: Optional[float] = None
+    high: Optional[float] = None  # data.num_workers only: null = tune.max_workers
+    log: bool = False
+    choices: Optional[List[Any]] = None
 
 
 @dataclass
 class TuneConfig:
-    """The Optuna study (mode=tune). The search itself arrives with the tuning issue."""
+    """The Optuna study (mode=tune); conf/tune/default.yaml holds the default space."""
 
     n_trials: int = 20
-    study_name: Optional[str] = None
+    study_name: Optional[str] = None  # null: a new study; a name resumes that study
     storage: str = "sqlite:///outputs/optuna.db"
+    objective: Objective = Objective.utilization
+    throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
+    warmup_steps: int = 3
+    measure_steps: int = 20
+    window_steps: int = 5
+    global_batch: Optional[int] = None  # batch x accumulation x world held at this value
+    max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
+    max_failure_rate: float = 0.5
+    pruner: PrunerName = PrunerName.median
+    seed: int = 0
+    baseline: bool = True  # trial 0 runs the config as given, for comparison
+    trial_timeout_s: float = 600.0
+    space: Dict[str, ParamSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
+        _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
+        _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")
+        _require(self.window_steps >= 1, f"tune.window_steps: must be >= 1, got {self.window_steps}")
+        _require(self.global_batch is None or self.global_batch >= 1,
+                 f"tune.global_batch: must be null or >= 1, got {self.global_batch}")
+        _require(self.max_workers is None or self.max_workers >= 0,
+                 f"tune.max_workers: must be null or >= 0, got {self.max_workers}")
+        _require(0 <= self.max_failure_rate <= 1, f"tune.max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
+        _require(self.trial_timeout_s > 0, f"tune.trial_timeout_s: must be > 0, got {self.trial_timeout_s}")
+        for name, p in self.space.items():
+            where = f"tune.space.{name}"
+            if p.type is ParamType.categorical:
+                _require(bool(p.choices), f"{where}.choices: a categorical parameter needs a non-empty list")
+                continue
+            _require(p.choices is None, f"{where}.choices: only for type=categorical; allowed types: {_allowed(ParamType)}")
+            _require(p.low is not None, f"{where}.low: required for type={p.type.value}")
+            if p.high is None:
+                _require(p.key == "data.num_workers", f"{where}.high: required (null is only for data.num_workers)")
+                continue
+            _require(p.low <= p.high, f"{where}: low ({p.low:g}) > high ({p.high:g})")
+            if p.type is ParamType.pow2:
+                _require(p.low >= 1, f"{where}.low: powers of two start at 1, got {p.low:g}")
+            if p.log:
+                _require(p.low > 0, f"{where}.low: a log scale needs low > 0, got {p.low:g}")
 
 
 _TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")

@@ -28,13 +28,16 @@ Event = Dict[str, object]
 class Outcome:
     returncode: Optional[int]
     timed_out: bool = False
+    stopped: bool = False  # should_stop() asked for it (a pruned trial)
+    over_memory: str = ""  # which process passed the memory cap
     failed_rank: Optional[int] = None
     error: str = ""  # the failing rank's traceback, or the launcher's last lines
     output_tail: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and self.failed_rank is None
+        return (self.returncode == 0 and not self.timed_out and not self.stopped and not self.over_memory
+                and self.failed_rank is None)
 
 
 class EventTail:
@@ -95,8 +98,25 @@ def _first_error(run_dir: Path) -> tuple[Optional[int], str]:
     return int(errs[0].stem[4:]), errs[0].read_text()
 
 
+def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
+    """'' or a description of the first process of the job whose RSS is above `cap_mb`."""
+    try:
+        procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return ""
+    for p in procs:
+        try:
+            rss = p.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            continue
+        if rss > cap_mb:
+            return f"process {p.pid} used {rss:.0f} MB > trainer.memory_cap_mb={cap_mb:g}"
+    return ""
+
+
 def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
               on_events: Optional[Callable[[List[tuple[int, Event]]], None]] = None,
+              should_stop: Optional[Callable[[], bool]] = None, memory_cap_mb: float = 0.0,
               echo: bool = True, poll_s: float = 0.5, fail_grace_s: float = 3.0) -> Outcome:
     """Start `launch`, stream its output, and return how it ended (KeyboardInterrupt propagates
     after every process of the job is ended)."""
@@ -133,6 +153,11 @@ def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
                 break
             if timeout_s and time.monotonic() - start > timeout_s:
                 outcome.timed_out = True
+            elif should_stop is not None and should_stop():
+                outcome.stopped = True
+            elif memory_cap_mb:
+                outcome.over_memory = over_memory(proc, memory_cap_mb)
+            if outcome.timed_out or outcome.stopped or outcome.over_memory:
                 kill_tree(proc)
                 outcome.returncode = proc.returncode
                 break
@@ -143,7 +168,10 @@ def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
                 kill_tree(proc)
                 outcome.returncode = proc.returncode if proc.returncode is not None else -9
                 break
-            time.sleep(poll_s)
+            try:
+                proc.wait(timeout=poll_s)  # returns at once when the launcher exits
+            except subprocess.TimeoutExpired:
+                pass
     except BaseException:
         kill_tree(proc)
         reader.join(timeout=2.0)

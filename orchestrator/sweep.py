@@ -43,7 +43,7 @@ class SweepSummary(Callback):
         for r in rows:
             table.add_row(r["job"], r["overrides"], str(r["status"]), fmt(r["utilization"], True), fmt(r["throughput"]),
                           fmt(r["data_wait_frac"], True), fmt(r["comm_frac"], True), str(r["bottleneck"] or "-"))
-        Console().print(table)
+        Console(width=140).print(table)
         failed = [r for r in rows if r["status"] != "FINISHED"]
         if failed:
             print(f"error: {len(failed)} of {len(rows)} sweep jobs did not finish: "

@@ -1,0 +1,298 @@
+"""The Optuna loop: every trial is a real, short launch through `run_job`, nested in MLflow.
+
+Objective `utilization` (default): the measured utilization decides among the trials whose
+throughput is within `tune.throughput_floor` of the best seen; a trial below that floor ranks
+under all of them (see `utilization_score`), and the reported best is the highest-utilization
+trial within the floor of the study's best throughput. Utilization alone can be
+raised by wasting work (smaller batches run less efficient kernels); this keeps such a setting
+from winning when it costs samples per second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+from ..app import JobFailed, JobStopped, run_job
+from ..schema import Config, ConfigError, Objective, PrunerName
+from ..tracking import Tracker, resolve_uri
+from .space import SearchSpace, apply
+
+METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s")
+
+
+class StudyFailed(RuntimeError):
+    """The failure rate passed tune.max_failure_rate; what was recorded is kept."""
+
+
+def storage_url(url: str) -> str:
+    return resolve_uri(url)  # relative sqlite paths are relative to the working directory
+
+
+@contextlib.contextmanager
+def study_lock(storage: str, study_name: str) -> Iterator[None]:
+    """Serializes 'count trials, then ask' between tuner processes sharing a SQLite study, so
+    together they run exactly n_trials. (Server databases: processes on several machines may
+    overshoot by at most one trial each.)"""
+    if not storage.startswith("sqlite:///"):
+        yield
+        return
+    path = Path(storage[len("sqlite:///"):] + f".{study_name}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    state: str
+    values: Dict[str, Any]
+    metrics: Dict[str, float] = field(default_factory=dict)
+    duration_s: float = 0.0
+    measured_s: float = 0.0
+    run_dir: str = ""
+    mlflow_run_id: Optional[str] = None
+    error: str = ""
+
+
+class Tuner:
+    def __init__(self, cfg: Config, run_dir: Path, echo: bool = True, overrides: Optional[List[str]] = None) -> None:
+        import optuna
+
+        self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
+        self.optuna = optuna
+        self.cfg, self.t, self.echo = cfg, cfg.tune, echo
+        self.run_dir = Path(run_dir).resolve()
+        self.space = SearchSpace(cfg)  # raises ConfigError before any trial
+        self.storage = storage_url(self.t.storage)
+        self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
+                                         f"{datetime.now():%Y%m%d-%H%M%S}"
+        self.multi = self.t.objective is Objective.both
+        self.tracker = Tracker(cfg.tracking)
+        self.records: List[TrialRecord] = []
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _study(self) -> Any:
+        optuna = self.optuna
+        if self.storage.startswith("sqlite:///"):
+            Path(self.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
+                  if self.t.pruner is PrunerName.median and not self.multi else optuna.pruners.NopPruner())
+        with study_lock(self.storage, self.name):
+            try:
+                study = optuna.create_study(
+                    study_name=self.name, storage=self.storage, load_if_exists=True, pruner=pruner,
+                    directions=["maximize", "maximize"] if self.multi else ["maximize"],
+                )
+            except ValueError as exc:  # e.g. resuming a single-objective study as multi-objective
+                raise ConfigError(f"tune.study_name: cannot resume '{self.name}': {exc}") from None
+            except Exception as exc:
+                raise ConfigError(f"tune.storage: cannot use {self.storage}: {str(exc).splitlines()[0][:200]}") from None
+            worker = int(study.user_attrs.get("workers", 0))
+            study.set_user_attr("workers", worker + 1)
+            if worker == 0 and self.t.baseline and not study.trials:
+                base = self.space.params_of(self.space.baseline())
+                contained = {k: v for k, v in base.items() if self._contains(k, v)}
+                study.enqueue_trial(contained, user_attrs={"baseline": True})
+        # each tuner process samples its own stream; the first one is reproducible from tune.seed
+        study.sampler = optuna.samplers.TPESampler(seed=self.t.seed + worker, multivariate=True,
+                                                   n_startup_trials=min(5, max(2, self.t.n_trials // 4)))
+        return study
+
+    def _contains(self, name: str, value: Any) -> bool:
+        d = next(d for d in self.space.dims if d.name == name)
+        if d.choices is not None:
+            return value in d.choices
+        return d.low <= value <= d.high  # type: ignore[operator]
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> Dict[str, Any]:
+        study = self._study()
+        self.tracker.check()
+        parent = self.tracker.start(
+            self.cfg.tracking.run_name or f"tune {self.name}",
+            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": self.storage,
+             "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
+             **{f"space.{d.name}": d.choices if d.choices is not None else f"[{d.low}, {d.high}]" for d in self.space.dims}},
+            {"mode": "tune", "study_name": self.name, "backend": self.cfg.backend.name.value,
+             "world_size": str(self.cfg.world_size), **self.cfg.tags},
+        )
+        self._say(f"[tune] study '{self.name}' in {self.storage}: {self.t.n_trials} trials, objective "
+                  f"{self.t.objective.value}, space: " + ", ".join(
+                      f"{d.name} {d.choices if d.choices is not None else [d.low, d.high]}" for d in self.space.dims))
+        status = "FAILED"
+        try:
+            while True:
+                with study_lock(self.storage, self.name):
+                    if len(study.get_trials(deepcopy=False)) >= self.t.n_trials:
+                        break
+                    trial = study.ask()
+                self._run_trial(study, trial, parent)
+                self._check_failure_rate(study)
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            summary = self._finish(study, parent, status)
+        return summary
+
+    def _run_trial(self, study: Any, trial: Any, parent: Optional[str]) -> None:
+        TrialState = self.optuna.trial.TrialState
+        t0 = time.monotonic()
+        values = self.space.sample(trial)
+        rec = TrialRecord(trial.number, "RUNNING", values)
+        run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
+        rec.run_dir = str(run_dir)
+        trial.set_user_attr("values", values)
+        try:
+            cfg = self._trial_config(values)
+        except ConfigError as exc:  # an invalid combination: recorded, never launched
+            rec.state, rec.error = "PRUNED", f"invalid: {exc}"
+            trial.set_user_attr("invalid", str(exc))
+            study.tell(trial, state=TrialState.PRUNED)
+            self._record(rec, t0)
+            return
+        pruned = {"flag": False}
+
+        def monitor(window: int, job: Dict[str, float]) -> bool:
+            if self.multi:
+                return False
+            trial.report(job["utilization"], window)
+            if trial.should_prune():
+                pruned["flag"] = True
+            return pruned["flag"]
+
+        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
+        try:
+            result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor)
+            rec.metrics = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
+            rec.measured_s = _measured_seconds(result, cfg)
+            rec.mlflow_run_id = result.get("mlflow_run_id")
+            for k, v in {**rec.metrics, "measured_s": rec.measured_s, "mlflow_run_id": rec.mlflow_run_id,
+                         "duration_s": time.monotonic() - t0}.items():
+                trial.set_user_attr(k, v)
+            study.tell(trial, self._score(study, rec))
+            rec.state = "COMPLETE"
+        except JobStopped as exc:
+            rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
+            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
+            study.tell(trial, state=TrialState.PRUNED)
+        except JobFailed as exc:
+            err = exc.result.get("error", str(exc))
+            rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
+            rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
+            trial.set_user_attr("error", rec.error[:500])
+            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
+            study.tell(trial, state=TrialState.FAIL)
+        rec.duration_s = time.monotonic() - t0
+        trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}"}
+        if rec.error:
+            trial_state_tags["trial_error"] = rec.error[:500]
+        self._tag(rec.mlflow_run_id, trial_state_tags)
+        self._record(rec, t0)
+
+    def _trial_config(self, values: Dict[str, Any]) -> Config:
+        t = self.t
+        steps = t.warmup_steps + t.measure_steps
+        fixed = {
+            "trainer.max_steps": steps, "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps,
+            "trainer.epochs": 10_000, "trainer.timeout_s": t.trial_timeout_s, "trainer.save_model": False,
+            "trainer.log_every": max(1, t.window_steps),
+        }
+        return apply(self.cfg, {**fixed, **values})
+
+    def _best_throughput(self, study: Any) -> float:
+        done = study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
+        return max([tr.user_attrs.get("throughput", 0.0) for tr in done] + [0.0])
+
+    def _score(self, study: Any, rec: TrialRecord) -> Any:
+        util, thr = rec.metrics.get("utilization", 0.0), rec.metrics.get("throughput", 0.0)
+        if self.multi:
+            return [util, thr]
+        if self.t.objective is Objective.throughput:
+            return thr
+        return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor)
+
+    def _check_failure_rate(self, study: Any) -> None:
+        TrialState = self.optuna.trial.TrialState
+        done = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
+        failed = sum(t.state == TrialState.FAIL for t in done)
+        if len(done) >= 2 and failed / len(done) > self.t.max_failure_rate:
+            raise StudyFailed(f"{failed} of {len(done)} trials failed (> tune.max_failure_rate={self.t.max_failure_rate:g})")
+
+    # -- output ---------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.echo:
+            print(text, flush=True)
+
+    def _tag(self, run_id: Optional[str], tags: Dict[str, Any]) -> None:
+        if run_id and self.tracker.client is not None:
+            from mlflow.entities import RunTag
+
+            self.tracker.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def _record(self, rec: TrialRecord, t0: float) -> None:
+        rec.duration_s = rec.duration_s or time.monotonic() - t0
+        self.records.append(rec)
+        m = rec.metrics
+        knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in rec.values.items() if v is not None)
+        figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s"
+                   if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
+        self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {knobs:45s} {figures}  ({rec.duration_s:.1f}s)")
+
+    def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
+        from .report import best_trials, write_outputs
+
+        best = best_trials(study, self.t)
+        summary = write_outputs(self, study, best)
+        if best:
+            self._tag(best[0].user_attrs.get("mlflow_run_id"), {"best": "true"})
+        for path in summary["artifacts"]:
+            self.tracker.log_artifact(Path(path))
+        if best:
+            b = best[0]
+            self.tracker.log_metrics([(f"best_{k}", b.user_attrs[k], 0) for k in METRICS if k in b.user_attrs])
+        self.tracker.end(status)
+        summary["status"] = status
+        summary["mlflow_run_id"] = parent
+        return summary
+
+
+def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
+    """The default objective's score: 1 + utilization for a trial within `floor` of the best
+    throughput seen (so among those, utilization decides), throughput / best below it (so it
+    ranks under every trial that keeps up, ordered by how much data rate it loses)."""
+    best = max(best_thr, thr)
+    if best <= 0:
+        return 0.0
+    return 1.0 + util if thr >= floor * best else thr / best
+
+
+def _is_oom(err: str) -> bool:
+    return any(s in err for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory", "memory_cap_mb"))
+
+
+def _measured_seconds(result: Dict[str, Any], cfg: Config) -> float:
+    """Wall time inside the measured windows of rank 0 (the rest of the trial is overhead)."""
+    ranks = result.get("per_rank") or []
+    if not ranks or not result.get("step_time_s"):
+        return 0.0
+    return float(result["step_time_s"]) * float(result.get("measured_steps") or 0)
+
+
+def run_study(cfg: Config, run_dir: Path, echo: bool = True, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+    """`mode=tune`: run (or resume) the study; returns the summary written to the run dir."""
+    tuner = Tuner(cfg, run_dir, echo=echo, overrides=overrides)
+    return tuner.run()
+
