@@ -273,6 +273,22 @@ class ParamSpec:
     choices: Optional[List[Any]] = None
 
 
+def _param_spec(name: str, spec: Any) -> ParamSpec:
+    if isinstance(spec, ParamSpec):
+        return spec
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(spec, dict):
+        raise ConfigError(f"tune.space.{name}: expected a mapping like {{key: data.batch_size, type: pow2, low: 8, high: 256}}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParamSpec), spec))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or ""
+        first = str(exc).splitlines()[0]
+        allowed = f"; allowed: {_allowed(ParamType)}" if key == "type" else ""
+        raise ConfigError(f"tune.space.{name}{'.' + key if key else ''}: {first}{allowed}") from None
+
+
 @dataclass
 class TuneConfig:
     """The Optuna study (mode=tune); conf/tune/default.yaml holds the default space."""
@@ -292,9 +308,12 @@ class TuneConfig:
     seed: int = 0
     baseline: bool = True  # trial 0 runs the config as given, for comparison
     trial_timeout_s: float = 600.0
-    space: Dict[str, ParamSpec] = field(default_factory=dict)
+    # name -> ParamSpec fields; free-form so `+tune.space.x={key: ..., ...}` works from the CLI
+    # (OmegaConf cannot add a typed dict entry through an override). Typed in __post_init__.
+    space: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.space = {name: _param_spec(name, spec) for name, spec in self.space.items()}
         _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
         _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
         _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")

@@ -83,6 +83,11 @@ def test_names_later_issues_rely_on():
     (["backend=horovod", "parallelism.hosts=a:2,b:2"], "parallelism.hosts: a value with commas must be quoted"),
     (["backend=ddp", "parallelism.hosts='a:2'"], "parallelism.hosts / parallelism.hostfile: apply to backend=horovod"),
     (["trainer.lr=0"], "trainer.lr: must be > 0"),
+    (["tune.objective=speed"], "tune.objective: invalid value 'speed'; allowed: utilization, throughput, both"),
+    (["tune.space.batch_size.type=nah"], "tune.space.batch_size.type: Invalid value 'nah'"),
+    (["+tune.space.x={kee: data.batch_size}"], "tune.space.x.kee: Key 'kee' not in 'ParamSpec'"),
+    (["tune.throughput_floor=0"], "tune.throughput_floor: must be in (0, 1]"),
+    (["trainer.memory_cap_mb=-1"], "trainer.memory_cap_mb: must be >= 0"),
     (["backend=ddp", "backend.fp16_compression=true"], "backend.fp16_compression: applies to backend=horovod only"),
 ])
 def test_bad_input_is_one_clear_line(overrides, expected):

@@ -97,8 +97,8 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
         tuned = out_dir / "tuned"
         tuned.mkdir(exist_ok=True)
         best_yaml = tuned / "best.yaml"
-        rerun = " ".join(["python -m orchestrator", *map(shlex.quote, tuner.overrides),
-                          "--config-dir", str(tuned.parent), "+tuned=best"])
+        rerun = " ".join(["python -m orchestrator --config-dir", str(tuned.parent),
+                          *map(shlex.quote, tuner.overrides), "+tuned=best"])
         best_yaml.write_text(
             "# @package _global_\n"
             f"# Best trial {b.number} of study '{tuner.name}' (objective {tuner.t.objective.value}).\n"

@@ -18,6 +18,7 @@ from ..schema import Config, ConfigError, ParamSpec, ParamType, to_config
 ACCUM_KEY = "trainer.accumulation_steps"
 BATCH_KEY = "data.batch_size"
 WORKERS_KEY = "data.num_workers"
+FREE_FORM = ("model.args", "data.args")  # kwargs of the model / dataset targets
 
 
 def default_max_workers(cfg: Config, cpu_count: Optional[int] = None) -> int:
@@ -110,7 +111,8 @@ class SearchSpace:
         """Every key exists and both ends of every range make a valid config: errors name the field."""
         node = OmegaConf.structured(self.base)
         for d in self.dims:
-            if OmegaConf.select(node, d.key, default="__missing__") == "__missing__":
+            free_form = d.key.rsplit(".", 1)[0] in FREE_FORM  # checked against the target's signature instead
+            if not free_form and OmegaConf.select(node, d.key, default="__missing__") == "__missing__":
                 raise ConfigError(f"tune.space.{d.name}.key: '{d.key}' is not a config key")
             for value in d.extremes():
                 values = {d.key: value}

@@ -1,0 +1,196 @@
+"""mode=tune: real trials through run_job, the objective, failures, resume, sharing, MLflow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+
+from orchestrator.schema import ConfigError
+from orchestrator.tune.study import run_study, utilization_score
+
+from .conftest import ROOT
+
+SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none"]
+
+
+def study_of(summary) -> optuna.Study:
+    return optuna.load_study(study_name=summary["study_name"], storage=summary["storage"])
+
+
+@pytest.fixture(scope="module")
+def workers_study(tmp_path_factory, mlflow_uri):
+    """Input-bound images with 3 ms reads per sample: DataLoader workers are what matters."""
+    from .conftest import TINY, compose_dict
+    from orchestrator.schema import to_config
+
+    run_dir = tmp_path_factory.mktemp("tune-workers")
+    cfg = to_config(compose_dict(TINY + [
+        f"tracking.uri={mlflow_uri}", "tracking.experiment=tune-tests", "experiment=input_bound",
+        "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5",
+        f"tune.storage=sqlite:///{run_dir}/optuna.db",
+        "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
+        "tune.space.accumulation_steps.high=1", "tune.max_workers=4",
+    ]))
+    return cfg, run_dir, run_study(cfg, run_dir, echo=False)
+
+
+def test_tuned_workers_beat_the_default(workers_study):
+    cfg, run_dir, summary = workers_study
+    assert summary["status"] == "FINISHED" and summary["n_trials"] == 5
+    base, best = summary["baseline"], summary["best"]
+    assert base["values"]["data.num_workers"] == 0  # trial 0 is the config as given
+    assert best["values"]["data.num_workers"] > 0
+    assert best["utilization"] > base["utilization"] and best["throughput"] > base["throughput"]
+    # best.yaml is a Hydra override file that reruns the job with the tuned knobs
+    best_yaml = run_dir / "tuned" / "best.yaml"
+    assert best_yaml.read_text().startswith("# @package _global_")
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "--config-dir", str(run_dir), "--cfg", "job",
+                          "experiment=input_bound", "+tuned=best"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and f"num_workers: {best['values']['data.num_workers']}" in out.stdout
+    assert {"trials.csv", "summary.json", "optimization_history.png", "parallel_coordinate.png"} <= {
+        p.name for p in run_dir.iterdir()}
+    assert 0 < summary["trial_overhead"]["median"] < 1
+
+
+def test_every_trial_is_a_nested_mlflow_run(workers_study):
+    cfg, run_dir, summary = workers_study
+    client = MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(summary["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["mode"] == "tune"
+    exp = parent.info.experiment_id
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 5
+    for child in children:
+        assert child.data.tags["trial_state"] == "COMPLETE"
+        assert {"data.batch_size", "data.num_workers", "trainer.accumulation_steps"} <= child.data.params.keys()
+        assert {"utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "wall_s"} <= child.data.metrics.keys()
+    best = [c for c in children if c.data.tags.get("best") == "true"]
+    assert len(best) == 1 and best[0].data.params["data.num_workers"] == str(summary["best"]["values"]["data.num_workers"])
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"best.yaml", "trials.csv", "summary.json", "optimization_history.png"} <= artifacts
+    assert "best_utilization" in parent.data.metrics
+
+
+def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
+    # transformer with 1 ms reads: batch 2 keeps the CPU busier (less efficient kernels) but
+    # moves fewer samples per second than batch 64
+    cfg = make_cfg("experiment=transformer_lm", "data.read_latency_ms=1", *SHORT, "tune.n_trials=4",
+                   "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[2,64]",
+                   "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1")
+    summary = run_study(cfg, tmp_path, echo=False)
+    trials = {t.user_attrs["values"]["data.batch_size"]: t.user_attrs for t in study_of(summary).trials}
+    assert set(trials) == {2, 64}, "both batch sizes must have been tried"
+    small, large = trials[2], trials[64]
+    assert small["utilization"] > large["utilization"]  # the premise of the test
+    assert small["throughput"] < 0.95 * large["throughput"]
+    assert summary["best"]["values"]["data.batch_size"] == 64
+
+
+def test_utilization_score_ranks_like_the_final_rule():
+    assert utilization_score(0.3, 100, 100, 0.95) > utilization_score(0.9, 80, 100, 0.95)
+    assert utilization_score(0.5, 96, 100, 0.95) > utilization_score(0.3, 100, 100, 0.95)
+    assert utilization_score(0.9, 50, 100, 0.95) < utilization_score(0.9, 80, 100, 0.95)
+
+
+def test_crashing_and_oom_trials_fail_and_the_study_goes_on(make_cfg, tmp_path):
+    cfg = make_cfg("model._target_=tasks.faults.FailingLinear", *SHORT, "tune.n_trials=6", "tune.max_failure_rate=1",
+                   f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.baseline=false",
+                   "tune.space.batch_size.high=32", "tune.space.num_workers.high=0",
+                   "+tune.space.crash={key: model.args.fail_at, type: categorical, choices: [2, 100000]}",
+                   "+tune.space.oom={key: trainer.memory_cap_mb, type: categorical, choices: [0, 30]}")
+    summary = run_study(cfg, tmp_path, echo=False)
+    assert summary["status"] == "FINISHED" and summary["n_trials"] == 6
+    trials = study_of(summary).trials
+    for t in trials:
+        v = t.user_attrs["values"]
+        should_fail = v["model.args.fail_at"] == 2 or v["trainer.memory_cap_mb"] == 30
+        assert (t.state == optuna.trial.TrialState.FAIL) == should_fail, (v, t.state, t.user_attrs.get("error"))
+        if v["trainer.memory_cap_mb"] == 30:
+            assert t.user_attrs["error"].startswith("out of memory")
+        elif v["model.args.fail_at"] == 2:
+            assert "rank 0 failed" in t.user_attrs["error"]
+
+
+def test_failure_rate_stops_the_study(make_cfg, tmp_path):
+    from orchestrator.tune.study import StudyFailed
+
+    cfg = make_cfg("model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=1", *SHORT, "tune.n_trials=5",
+                   "tune.max_failure_rate=0.5", f"tune.storage=sqlite:///{tmp_path}/optuna.db")
+    with pytest.raises(StudyFailed, match=r"2 of 2 trials failed \(> tune.max_failure_rate=0.5\)"):
+        run_study(cfg, tmp_path, echo=False)
+    assert (tmp_path / "trials.csv").exists()  # what was recorded is kept
+
+
+def test_resume_adds_up(make_cfg, tmp_path):
+    common = [*SHORT, "tune.study_name=resume-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+              "tune.space.batch_size.high=32", "tune.space.num_workers.high=0"]
+    first = run_study(make_cfg(*common, "tune.n_trials=2"), tmp_path / "a", echo=False)
+    second = run_study(make_cfg(*common, "tune.n_trials=4"), tmp_path / "b", echo=False)
+    trials = study_of(second).trials
+    assert first["n_trials"] == 2 and second["n_trials"] == 4 and len(trials) == 4
+    assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
+    assert all(t.state.is_finished() for t in trials)
+
+
+def test_two_tuner_processes_share_one_study(tmp_path, mlflow_uri):
+    args = [sys.executable, "-m", "orchestrator", *SHORT, "tune.n_trials=5", "tune.study_name=shared",
+            f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.high=32",
+            "tune.space.num_workers.high=0", f"tracking.uri={mlflow_uri}"]
+    procs = [subprocess.Popen(args + [f"hydra.run.dir={tmp_path}/p{i}"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    study = optuna.load_study(study_name="shared", storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert len(study.trials) == 5 and all(t.state.is_finished() for t in study.trials)
+    ran = [json.loads((tmp_path / f"p{i}" / "summary.json").read_text()) for i in range(2)]
+    assert all(r["n_trials"] == 5 for r in ran)
+    per_process = [len(list((tmp_path / f"p{i}" / "trials").iterdir())) for i in range(2)]
+    assert sum(per_process) == 5 and min(per_process) >= 1  # both did work, none duplicated
+
+
+def test_global_batch_holds_the_model_math(make_cfg, tmp_path):
+    cfg = make_cfg(*SHORT, "tune.n_trials=4", "tune.global_batch=64", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.space.num_workers.high=0")
+    summary = run_study(cfg, tmp_path, echo=False)
+    for t in study_of(summary).trials:
+        v = t.user_attrs["values"]
+        assert v["data.batch_size"] * v["trainer.accumulation_steps"] == 64
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["~tune.space.batch_size", "~tune.space.num_workers", "~tune.space.accumulation_steps"], "tune.space: empty"),
+    (["tune.space.batch_size.low=512"], "tune.space.batch_size: low (512) > high (256)"),
+    (["tune.space.batch_size.low=0"], "tune.space.batch_size.low: powers of two start at 1"),
+    (["tune.space.batch_size.type=int", "tune.space.batch_size.low=0"],
+     "tune.space.batch_size: 0 is not valid: data.batch_size: must be an integer >= 1"),
+    (["+tune.space.nope={key: data.nope, type: int, low: 1, high: 2}"], "tune.space.nope.key: 'data.nope' is not a config key"),
+    (["tune.space.accumulation_steps.high=null"], "tune.space.accumulation_steps.high: required"),
+    (["tune.global_batch=100", "tune.space.batch_size.low=64"], "tune.global_batch: 100 cannot be reached"),
+])
+def test_bad_space_is_rejected_before_any_trial(make_cfg, tmp_path, overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        run_study(make_cfg(*SHORT, f"tune.storage=sqlite:///{tmp_path}/optuna.db", *overrides), tmp_path, echo=False)
+    assert str(info.value).startswith(expected), str(info.value)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "trials").exists()
+
+
+def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "trainer.warmup_steps=1",
+         "model._target_=tasks.models.Linear,tasks.faults.FailingLinear", f"tracking.uri={mlflow_uri}",
+         "tracking.experiment=sweep-test", f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1  # one job failed; the other still ran
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [r["status"] for r in rows] == ["FINISHED", "FAILED"]
+    assert "1 of 2 sweep jobs did not finish" in out.stderr
+    client = MlflowClient(mlflow_uri)
+    runs = [client.get_run(r["mlflow_run_id"]) for r in rows]
+    assert len({r.data.tags["sweep_id"] for r in runs}) == 1
