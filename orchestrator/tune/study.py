@@ -156,7 +156,7 @@ class Tuner:
         rec.run_dir = str(run_dir)
         trial.set_user_attr("values", values)
         try:
-            cfg = self._trial_config(values)
+            cfg = trial_config(self.cfg, values)
         except ConfigError as exc:  # an invalid combination: recorded, never launched
             rec.state, rec.error = "PRUNED", f"invalid: {exc}"
             trial.set_user_attr("invalid", str(exc))
@@ -201,16 +201,6 @@ class Tuner:
             trial_state_tags["trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
         self._record(rec, t0)
-
-    def _trial_config(self, values: Dict[str, Any]) -> Config:
-        t = self.t
-        steps = t.warmup_steps + t.measure_steps
-        fixed = {
-            "trainer.max_steps": steps, "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps,
-            "trainer.epochs": 10_000, "trainer.timeout_s": t.trial_timeout_s, "trainer.save_model": False,
-            "trainer.log_every": max(1, t.window_steps),
-        }
-        return apply(self.cfg, {**fixed, **values})
 
     def _best_throughput(self, study: Any) -> float:
         done = study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
@@ -267,6 +257,17 @@ class Tuner:
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
+
+
+def trial_config(cfg: Config, values: Dict[str, Any]) -> Config:
+    """The job a trial launches: `cfg` with the sampled `values`, cut to warmup + measured steps."""
+    t = cfg.tune
+    fixed = {
+        "trainer.max_steps": t.warmup_steps + t.measure_steps, "trainer.warmup_steps": t.warmup_steps,
+        "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000, "trainer.timeout_s": t.trial_timeout_s,
+        "trainer.save_model": False, "trainer.log_every": max(1, t.window_steps),
+    }
+    return apply(cfg, {**fixed, **values})
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
