@@ -14,3 +14,4 @@ run:
 bench:
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_launch.py
+	$(PY) bench/bench_tune.py
