@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from . import load_report
 from .launch import build_launch
 from .report import load_rank_results, merge, summary_rows
 from .schema import Config, flatten, to_yaml
@@ -131,6 +132,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
                               "run_dir": str(run_dir)}
     status = "FAILED"
+    report_files: List[Path] = []
     t0 = time.monotonic()
     progress = _progress() if echo else None
     try:
@@ -146,6 +148,11 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         ranks = load_rank_results(run_dir)
         result.update(merge(ranks))
         result["wall_s"] = time.monotonic() - t0
+        if result.get("measured_steps"):
+            report, report_files = load_report.write(result, cfg, ranks, run_dir)
+            result["diagnosis"] = report["diagnosis"]
+            result["bottleneck"] = report["diagnosis"]["verdict"]
+            result["straggler"] = report["straggler"]
         if outcome.ok and len(ranks) == expected:
             status = "FINISHED"
         else:
@@ -171,11 +178,11 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         raise
     finally:
         result["status"] = status
-        _finish(tracker, result, run_dir, cfg_path, status)
+        _finish(tracker, result, run_dir, [cfg_path, *report_files], status)
     return result
 
 
-def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, cfg_path: Path, status: str) -> None:
+def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, files: List[Path], status: str) -> None:
     """Write result.json and close the MLflow run, whatever happened."""
     out = run_dir / "result.json"
     out.write_text(json.dumps(result, indent=2, default=str))
@@ -188,9 +195,13 @@ def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, cfg_path: P
         if result.get("per_rank"):
             tags["device"] = result["per_rank"][0].get("device")
             tags["bottleneck"] = result.get("bottleneck", "-")
+        if result.get("diagnosis"):
+            tags["diagnosis"] = result["diagnosis"]["verdict"]
         tracker.set_tags(tags)
-        tracker.log_artifact(cfg_path)
-        tracker.log_artifact(out)
+        for path in [*files, out]:
+            tracker.log_artifact(path)
+        for trace in sorted((run_dir / "ranks").glob("trace_rank*.json")):
+            tracker.log_artifact(trace, "traces")
         for err in sorted((run_dir / "ranks").glob("rank*.err")):
             tracker.log_artifact(err, "errors")
     except Exception as exc:
@@ -206,4 +217,13 @@ def print_summary(result: Dict[str, Any], run_dir: Path) -> None:
     table = Table(title=f"run {run_dir}", show_header=False)
     for k, v in summary_rows(result):
         table.add_row(k, v)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    diag = result.get("diagnosis")
+    if diag:
+        console.print(f"[bold]{diag['verdict']}[/bold]: {diag['reason']}", highlight=False)
+        for advice in diag["advice"]:
+            console.print(f"  - {advice}", highlight=False)
+    if result.get("straggler"):
+        console.print(f"imbalance: {result['straggler']}", highlight=False)
+    console.print(f"load report: {run_dir / 'load_report.md'}", highlight=False)

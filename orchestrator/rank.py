@@ -78,7 +78,7 @@ def main(run_dir: str) -> int:
         paths = rank_paths(root, rank)
         events = EventLog(paths["events"])
         try:
-            res = train(cfg, adapter, events)
+            res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json")
         finally:
             events.close()
         if cfg.trainer.save_model and rank == 0:

@@ -166,8 +166,49 @@ def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:
     return math.ceil(len(loader) / accumulation)
 
 
+class Profiler:
+    """torch.profiler over the steps [warmup, warmup + n): CPU, and CUDA where present, with shapes."""
+
+    def __init__(self, device: torch.device, trace_path: Path) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.cuda, self.trace_path = device.type == "cuda", trace_path
+        self.prof = profile(activities=acts, record_shapes=True)
+        self.running = self.done = False
+        self.top_ops: list = []
+
+    def at_step(self, step: int, start: int, n: int) -> None:
+        if step == start and not self.running and not self.done:
+            self.prof.start()
+            self.running = True
+        elif step == start + n and self.running:
+            self.stop()
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.prof.stop()
+        self.running, self.done = False, True
+        self.prof.export_chrome_trace(str(self.trace_path))
+        self.top_ops = top_ops(self.prof, self.cuda)
+
+
+def top_ops(prof: Any, cuda: bool, n: int = 15) -> list:
+    """The operators that took the most device time (self time: children not double counted)."""
+    def dev(e: Any) -> float:
+        return getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages(group_by_input_shape=True) if not e.key.startswith("ProfilerStep")]
+    events.sort(key=(dev if cuda else (lambda e: e.self_cpu_time_total)), reverse=True)
+    return [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1000.0,
+             "self_device_ms": dev(e) / 1000.0, "input_shapes": str(e.input_shapes)[:200]} for e in events[:n]]
+
+
 def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
-          model: Optional[nn.Module] = None) -> TrainResult:
+          model: Optional[nn.Module] = None, trace_path: Optional[Path] = None) -> TrainResult:
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
     events = events or EventLog(None)
     t = cfg.trainer
@@ -189,7 +230,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     criterion = loss_fn(cfg.model.loss)
     amp, amp_dtype, scaler = amp_settings(cfg, device)
 
-    meter = StepMeter(device, window_steps=t.window_steps, warmup_steps=t.warmup_steps)
+    # profiled steps follow the warmup and are kept out of the measured windows
+    meter = StepMeter(device, window_steps=t.window_steps, warmup_steps=t.warmup_steps + t.profile_steps)
+    profiler = Profiler(device, trace_path) if t.profile_steps and trace_path is not None else None
     adapter.install_comm_hook(model, meter.comm_hook_fired)
     accum = t.accumulation_steps
     per_epoch = steps_per_epoch(loader, accum)
@@ -217,6 +260,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             n_batches = len(loader)
             b = 0
             while b < n_batches and step < total:
+                if profiler is not None:
+                    profiler.at_step(step, t.warmup_steps, t.profile_steps)
                 micro = min(accum, n_batches - b)  # the epoch's last step takes the remainder
                 logged = (step + 1) % t.log_every == 0 or step == 0 or step + 1 == total
                 samples = 0
@@ -270,9 +315,13 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         meter.flush()
     finally:
         meter.close()
+        if profiler is not None:
+            profiler.stop()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t_start
     summary = meter.summary()
+    if profiler is not None:
+        summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1, final_loss=last_loss, first_loss=first_loss, wall_s=wall,
                        meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])

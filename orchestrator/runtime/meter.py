@@ -263,7 +263,12 @@ def memory_stats(device: torch.device) -> Dict[str, Any]:
         return {
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
             "reserved_mem_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+            "device_mem_mb": torch.cuda.get_device_properties(device).total_memory / 2**20,
             "mem_source": "cuda-allocator",
+            "memory_summary": torch.cuda.memory_summary(device, abbreviated=True),
         }
+    import psutil
+
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"peak_mem_mb": peak_kb / 1024.0, "reserved_mem_mb": None, "mem_source": "rss"}
+    return {"peak_mem_mb": peak_kb / 1024.0, "reserved_mem_mb": psutil.Process().memory_info().rss / 2**20,
+            "device_mem_mb": psutil.virtual_memory().total / 2**20, "mem_source": "rss"}

@@ -1,0 +1,144 @@
+"""The load report of a run: per-rank breakdown, imbalance, diagnosis with advice, profiler top
+operators, memory; as `load_report.json`, `load_report.md` and PNG plots in the run dir."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from .diagnose import diagnose, straggler_note
+from .runtime.meter import PHASES
+from .schema import Config
+
+# The phases tile each window's wall time; their per-step medians are taken separately, so
+# their sum matches the median step time only within this tolerance (stated in the report).
+SHARE_TOLERANCE = 0.05
+
+
+def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    per_rank = []
+    for r in rank_results:
+        if not r.get("measured_steps"):
+            continue
+        per_rank.append({
+            "rank": r["rank"], "host": r.get("host"), "device": r.get("device"),
+            "utilization": r["utilization"], "utilization_source": r["utilization_source"],
+            "throughput": r["throughput"], "step_time_s": r["step_time_s"],
+            "phase_s": r["phase_s"],
+            "shares": {p: r[f"{p}_frac" if p != "data" else "data_wait_frac"] for p in PHASES},
+            "peak_mem_mb": r.get("peak_mem_mb"), "reserved_mem_mb": r.get("reserved_mem_mb"),
+            "device_mem_mb": r.get("device_mem_mb"), "mem_source": r.get("mem_source"),
+            "memory_summary": r.get("memory_summary"),
+        })
+    device_mem = min((r["device_mem_mb"] for r in per_rank if r.get("device_mem_mb")), default=None)
+    diag = diagnose(result, cfg, device_mem)
+    phase_sum = {r["rank"]: sum(r["phase_s"].values()) for r in per_rank}
+    report: Dict[str, Any] = {
+        "status": result.get("status"),
+        "backend": cfg.backend.name.value, "world_size": result.get("world_size"),
+        "diagnosis": diag.as_dict(),
+        "straggler": straggler_note(result),
+        "imbalance": result.get("imbalance"),
+        "job": {k: result.get(k) for k in ("utilization", "utilization_source", "throughput", "step_time_s",
+                                            "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac",
+                                            "optimizer_frac", "other_frac", "peak_mem_mb")},
+        "per_rank": per_rank,
+        "share_check": {"tolerance": SHARE_TOLERANCE,
+                        "phase_sum_over_step_time": {r["rank"]: phase_sum[r["rank"]] / r["step_time_s"] for r in per_rank}},
+        "profile": next((r["profile"] for r in rank_results if r.get("profile") and r["rank"] == 0), None),
+    }
+    return report
+
+
+def to_markdown(report: Dict[str, Any]) -> str:
+    d = report["diagnosis"]
+    lines = [f"# Load report ({report['backend']}, world size {report['world_size']})", "",
+             f"**{d['verdict']}**: {d['reason']}.", ""]
+    if d["advice"]:
+        lines += ["What to try:", ""] + [f"- {a}" for a in d["advice"]] + [""]
+    if report.get("straggler"):
+        lines += [f"**Imbalance**: {report['straggler']}.", ""]
+    lines += ["| rank | utilization | throughput | step ms | " + " | ".join(PHASES) + " | peak MB |",
+              "|---" * (5 + len(PHASES)) + "|"]
+    for r in report["per_rank"]:
+        lines.append(f"| {r['rank']} | {100 * r['utilization']:.1f}% ({r['utilization_source']}) | {r['throughput']:.1f}/s | "
+                     f"{1000 * r['step_time_s']:.2f} | " + " | ".join(f"{100 * r['shares'][p]:.1f}%" for p in PHASES)
+                     + f" | {r['peak_mem_mb']:.0f} |")
+    lines += ["", f"Phase shares are medians over windows; per rank they add up to the median step time within "
+                  f"{100 * report['share_check']['tolerance']:.0f}%."]
+    prof = report.get("profile")
+    if prof and prof.get("top_ops"):
+        lines += ["", f"## Top operators (rank 0, {prof['steps']} profiled steps)", "",
+                  "| operator | calls | self CPU ms | self device ms | input shapes |", "|---|---|---|---|---|"]
+        for op in prof["top_ops"]:
+            lines.append(f"| `{op['name']}` | {op['calls']} | {op['self_cpu_ms']:.3f} | {op['self_device_ms']:.3f} | "
+                         f"{op['input_shapes']} |")
+    for r in report["per_rank"]:
+        if r.get("memory_summary"):
+            lines += ["", f"## Memory, rank {r['rank']} ({r['device']})", "", "```", r["memory_summary"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
+    """Utilization and data-wait timeline per rank; stacked step-time breakdown per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r for r in rank_results if r.get("windows_detail")]
+    if not ranks:
+        return []
+    made = []
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for r in ranks:
+        wins = r["windows_detail"]
+        t0 = wins[0]["t_start"]
+        xs = [w["t_end"] - t0 for w in wins]
+        total = [sum(w["phases_s"].values()) or 1.0 for w in wins]
+        ax.plot(xs, [100 * w["utilization"] for w in wins], marker="o", label=f"rank {r['rank']} utilization")
+        ax.plot(xs, [100 * w["phases_s"]["data"] / tot for w, tot in zip(wins, total)], linestyle="--",
+                marker="x", label=f"rank {r['rank']} data wait")
+    ax.set_xlabel("seconds since the first step (window ends; warmup windows included)")
+    ax.set_ylabel("% of window")
+    ax.set_ylim(0, 100)
+    ax.set_title("Utilization and data wait per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "timeline.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    made.append(path)
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(ranks) + 3), 4))
+    bottom = [0.0] * len(ranks)
+    labels = [f"rank {r['rank']}" for r in ranks]
+    for phase in PHASES:
+        vals = [1000 * r["phase_s"][phase] for r in ranks]
+        ax.bar(labels, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("ms per step (median over windows)")
+    ax.set_title("Step-time breakdown per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "breakdown.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    made.append(path)
+    return made
+
+
+def write(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]], run_dir: Path) -> tuple:
+    """Writes the report files; returns (report, [paths])."""
+    report = build(result, cfg, rank_results)
+    js = run_dir / "load_report.json"
+    js.write_text(json.dumps(report, indent=2, default=str))
+    md = run_dir / "load_report.md"
+    md.write_text(to_markdown(report))
+    paths = [js, md]
+    try:
+        paths += plots(rank_results, run_dir)
+    except Exception as exc:  # a plot must never cost the run its result
+        print(f"[report] no plots: {exc}")
+    return report, paths
