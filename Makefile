@@ -11,6 +11,9 @@ test:
 run:
 	$(PY) -m orchestrator
 
+ui:  # the MLflow UI on http://127.0.0.1:5000 over outputs/mlflow.db
+	bash scripts/ui.sh
+
 bench:
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_launch.py

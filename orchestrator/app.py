@@ -103,7 +103,7 @@ def _progress() -> Any:
 
 
 def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
-            monitor: Optional[Monitor] = None) -> Dict[str, Any]:
+            monitor: Optional[Monitor] = None, run_name: Optional[str] = None) -> Dict[str, Any]:
     """Launch the job described by `cfg`, supervise it, merge and record its measured load.
 
     Returns the result (also in `run_dir/result.json`). Raises ConfigError before launching
@@ -128,7 +128,8 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
         "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
     }
-    run_id = tracker.start(cfg.tracking.run_name, flatten(cfg), tags)
+    name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
+    run_id = tracker.start(name, flatten(cfg), tags)
     result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
                               "run_dir": str(run_dir)}
     status = "FAILED"

@@ -64,7 +64,9 @@ class Tracker:
             self.client = MlflowClient(tracking_uri=self.uri)
             exp = self.client.get_experiment_by_name(self.cfg.experiment)
             if exp is None:
-                self.experiment_id = self.client.create_experiment(self.cfg.experiment, self._artifact_root())
+                # the UI shows training runs (not its GenAI views) for this kind of experiment
+                self.experiment_id = self.client.create_experiment(
+                    self.cfg.experiment, self._artifact_root(), tags={"mlflow.experimentKind": "custom_model_development"})
             else:
                 if exp.lifecycle_stage == "deleted":
                     raise ConfigError(

@@ -33,6 +33,18 @@ fi
 
 PY="$PY" bash scripts/install_horovod.sh
 
+# Headless Chromium for the browser test of the MLflow UI (Debian's packages).
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing chromium and chromium-driver (browser test of the MLflow UI)"
+    (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }) \
+      || echo "setup: could not install chromium; tests/test_ui.py will fail until it is installed" >&2
+  else
+    echo "setup: install Debian's chromium and chromium-driver for the UI test (sudo apt-get install chromium chromium-driver)" >&2
+  fi
+fi
+
 if [ "${SETUP_SKIP_RUN:-0}" != "1" ]; then
   echo "setup: running the default experiment (seed 000 workload) -> outputs/, MLflow in outputs/mlflow.db"
   "$PY" -m orchestrator "$@"

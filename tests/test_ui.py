@@ -1,0 +1,121 @@
+"""End to end in a browser: `scripts/ui.sh` serves the MLflow UI over a store holding a run and a
+study; headless Chromium sees the runs, the study's nested trials and an image artifact."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from orchestrator.app import run_job
+from orchestrator.launch import free_port
+from orchestrator.tune.study import run_study
+
+from .conftest import ROOT
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser():
+    if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
+        pytest.fail("headless Chromium is missing: scripts/setup.sh installs Debian's chromium and chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def ui_server(tmp_path):
+    port = free_port()
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "ui.sh"), str(port), store, str(tmp_path / "artifacts")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield url, store
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.poll() is not None  # the server is stopped
+
+
+def wait_for(predicate, timeout=60.0, every=0.5, browser=None, what="condition"):
+    """Poll `predicate`; on timeout save the page as outputs/ui_timeout.png for a look."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception:
+            pass
+        time.sleep(every)
+    if browser is not None:
+        os.makedirs(ROOT / "outputs", exist_ok=True)
+        browser.save_screenshot(str(ROOT / "outputs" / "ui_timeout.png"))
+    raise TimeoutError(f"{what}: not seen in {timeout:g}s")
+
+
+def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, browser):
+    url, store = ui_server
+    wait_for(lambda: urllib.request.urlopen(url + "/health", timeout=2).read() == b"OK")
+    # log through the server: any tracking URI works, not only SQLite
+    job = run_job(make_cfg(f"tracking.uri={url}", "tracking.experiment=ui-check", "trainer.max_steps=8"),
+                  tmp_path / "job", echo=False)
+    summary = run_study(make_cfg(f"tracking.uri={url}", "tracking.experiment=ui-check", "mode=tune",
+                                 "tune.n_trials=2", "tune.measure_steps=4", "tune.window_steps=2", "tune.warmup_steps=1",
+                                 f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.num_workers.high=0"),
+                        tmp_path / "study", echo=False)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(url)
+    exp_id = client.get_experiment_by_name("ui-check").experiment_id
+    run_name = client.get_run(job["mlflow_run_id"]).info.run_name
+    parent_name = client.get_run(summary["mlflow_run_id"]).info.run_name
+
+    # the runs table: the job and the study's parent run
+    browser.get(f"{url}/#/experiments/{exp_id}/runs")
+    body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
+    wait_for(lambda: run_name in body() and parent_name in body(), browser=browser, what="runs table")
+
+    # the study's trials are nested under it: expand the parent row
+    expander = "button[data-component-id*='runnamecellrenderer']"  # the (+) before a parent run's name
+    wait_for(lambda: browser.find_elements("css selector", expander), browser=browser, what="expander of the study's run")
+    for button in browser.find_elements("css selector", expander):
+        button.click()
+    wait_for(lambda: "trial 0" in body() and "trial 1" in body(), browser=browser, what="nested trials")
+    os.makedirs(ROOT / "outputs", exist_ok=True)
+    browser.save_screenshot(str(ROOT / "outputs" / "ui_runs.png"))
+
+    # an image artifact of the job renders
+    browser.get(f"{url}/#/experiments/{exp_id}/runs/{job['mlflow_run_id']}/artifacts/timeline.png")
+    # the preview is an <img> (from a blob URL) holding the decoded PNG: 720 px wide at dpi 80
+    img = wait_for(lambda: "timeline.png" in body() and
+                   [i for i in browser.find_elements("tag name", "img")
+                    if browser.execute_script("return arguments[0].naturalWidth", i) >= 700],
+                   browser=browser, what="timeline.png artifact")
+    assert img
+    shot = ROOT / "outputs" / "ui_artifact.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    shutil.copy(shot, tmp_path / "ui_artifact.png")
