@@ -181,7 +181,8 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, rounds: int, tm
     cfg = compose_cfg(common)
     space = SearchSpace(cfg)
     floor = cfg.tune.throughput_floor
-    print(f"\n== {name}: grid {len(grid)} points, tuner {n_trials} trials, floor {floor:g}", flush=True)
+    print(f"\n== {name}: grid {len(grid)} points, tuner {n_trials} trials, floor {floor:g}, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
     # 1. the exhaustive grid
     t0 = time.monotonic()
@@ -202,18 +203,20 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, rounds: int, tm
     runner.spent[f"{name}: tuner"] = tune_s
     study = optuna.load_study(study_name=summary["study_name"], storage=summary["storage"])
     trials = study.trials
-    for tr in trials:
-        a = tr.user_attrs
-        fig = (f"util {a['utilization']:.3f} thr {a['throughput']:9.1f}" if "utilization" in a else "")
-        print(f"    trial {tr.number:2d} {tr.state.name:8s} {fmt(point_of(a['values'])):12s} {fig}", flush=True)
-    tbest: Optional[Point] = point_of(summary["best"]["values"]) if summary.get("best") else None
-    print(f"  tuner-best {fmt(tbest) if tbest else 'none'}  (study {tune_s:.0f}s, states {summary['states']})",
-          flush=True)
-
-    # where the tuner's pick sits in the grid (single measurements, the same rule)
+    # where a config sits in the grid (single measurements, ranked by the objective's rule)
     top = max(r["throughput"] for r in rows.values())
     ranked = sorted(grid, key=lambda p: (rows[p]["throughput"] < floor * top, -rows[p]["utilization"]
                                          if rows[p]["throughput"] >= floor * top else -rows[p]["throughput"]))
+    for tr in trials:
+        a = tr.user_attrs
+        p = point_of(a["values"])
+        fig = (f"util {a['utilization']:.3f} thr {a['throughput']:9.1f}" if "utilization" in a else " " * 24)
+        reported = " ".join(f"{v:.2f}" for _, v in sorted(tr.intermediate_values.items()))
+        print(f"    trial {tr.number:2d} {tr.state.name:8s} {fmt(p):12s} {fig}  grid rank {ranked.index(p) + 1:2d}"
+              f"  reported util/window [{reported}]", flush=True)
+    tbest: Optional[Point] = point_of(summary["best"]["values"]) if summary.get("best") else None
+    print(f"  tuner-best {fmt(tbest) if tbest else 'none'}  (study {tune_s:.0f}s, states {summary['states']})",
+          flush=True)
     grid_rank = ranked.index(tbest) + 1 if tbest else None
 
     # 3. re-measure side by side

@@ -73,6 +73,8 @@ class Tracker:
                         f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.uri}; restore it or pick another name"
                     )
                 self.experiment_id = exp.experiment_id
+                if "mlflow.experimentKind" not in exp.tags:  # older experiments: show them as training runs
+                    self.client.set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "custom_model_development")
         except ConfigError:
             raise
         except Exception as exc:  # driver missing, auth, schema...

@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Callable, List
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator.schema import Config, register_configs, to_config
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# In-process training shares 2 cores with the ranks other tests start; one intra-op thread keeps
+# OpenMP from spinning against them (each rank gets its own OMP_NUM_THREADS from the launcher).
+torch.set_num_threads(1)
 CONF = ROOT / "conf"
 
 # Small enough for 2 cores; every test overrides what it measures.

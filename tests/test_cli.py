@@ -31,7 +31,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
         (["data.batch_size=0"], "error: data.batch_size: must be an integer >= 1, got 0"),
         (["backend=nope"], "error: backend: unknown choice 'nope'; allowed: ddp, dp, horovod, single"),
         (["data.nope=1"], "error: data.nope: unknown key in data; allowed:"),
-        (["mode=tune"], "error: mode: 'tune' is not available"),
+        (["mode=tune", "tune.n_trials=0"], "error: tune.n_trials: must be >= 1, got 0"),
     ]:
         out = run_cli(args + [f"hydra.run.dir={tmp_path / 'x'}"])
         assert out.returncode == 2, (args, out.stderr)

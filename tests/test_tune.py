@@ -77,16 +77,16 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
 
 
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
-    # transformer with 1 ms reads: batch 2 keeps the CPU busier (less efficient kernels) but
+    # transformer with 1 ms reads: batch 1 keeps the CPU busier (less efficient kernels) but
     # moves fewer samples per second than batch 64
     cfg = make_cfg("experiment=transformer_lm", "data.read_latency_ms=1", *SHORT, "tune.n_trials=4",
                    "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
-                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[2,64]",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[1,64]",
                    "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1")
     summary = run_study(cfg, tmp_path, echo=False)
     trials = {t.user_attrs["values"]["data.batch_size"]: t.user_attrs for t in study_of(summary).trials}
-    assert set(trials) == {2, 64}, "both batch sizes must have been tried"
-    small, large = trials[2], trials[64]
+    assert set(trials) == {1, 64}, "both batch sizes must have been tried"
+    small, large = trials[1], trials[64]
     assert small["utilization"] > large["utilization"]  # the premise of the test
     assert small["throughput"] < 0.95 * large["throughput"]
     assert summary["best"]["values"]["data.batch_size"] == 64

@@ -230,12 +230,15 @@ class StepMeter:
         if not wins:
             return {"measured_steps": 0, "utilization_source": self.source}
         steps = sum(w.steps for w in wins)
-        # per-step seconds of each phase, median over windows
-        per_step = {p: statistics.median(w.phases_s[p] / w.steps for w in wins) for p in PHASES}
-        step_time = statistics.median(w.wall_s / w.steps for w in wins)
+        # The breakdown comes from one real window, the one of median step time: its phases tile
+        # its wall time, so shares add up to 1 and per-step phases to the step time (medians
+        # taken phase by phase would not), and a window hit by a stall elsewhere does not count.
+        med = sorted(wins, key=lambda w: w.wall_s / w.steps)[(len(wins) - 1) // 2]
+        per_step = {p: med.phases_s[p] / med.steps for p in PHASES}
+        step_time = med.wall_s / med.steps
         utils = [w.utilization for w in wins]
         thr = [w.throughput for w in wins]
-        shares = {p: statistics.median(w.share(p) for w in wins) for p in PHASES}
+        shares = {p: med.share(p) for p in PHASES}
         return {
             "measured_steps": steps,
             "warmup_excluded": bool(self.windows),
