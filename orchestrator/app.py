@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from . import load_report
+from . import checkpoint, load_report
 from .launch import build_launch
 from .report import load_rank_results, merge, summary_rows
-from .schema import Config, flatten, to_yaml
+from .schema import Config, ConfigError, flatten, to_yaml
 from .supervise import Event, supervise
 from .tracking import Tracker
 
@@ -111,6 +111,12 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
     """
     run_dir = Path(run_dir).resolve()
+    resumed = resume_point(cfg) if cfg.trainer.resume else None
+    if resumed is not None:  # continue in the original run dir, with the original MLflow run
+        run_dir, meta = resumed
+        cfg.trainer.resume = str(run_dir)
+        print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
+        _archive_attempt(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
     tracker.check()
@@ -129,7 +135,12 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
-    run_id = tracker.start(name, flatten(cfg), tags)
+    if resumed is not None and resumed[1].get("mlflow_run_id"):
+        run_id = tracker.reopen(resumed[1]["mlflow_run_id"], {"resumed_from_step": resumed[1]["step"]})
+    else:
+        run_id = tracker.start(name, flatten(cfg), tags)
+    if run_id:
+        launch.env[checkpoint.MLFLOW_RUN_ENV] = run_id  # recorded in checkpoints
     result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
                               "run_dir": str(run_dir)}
     status = "FAILED"
@@ -181,6 +192,29 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         result["status"] = status
         _finish(tracker, result, run_dir, [cfg_path, *report_files], status)
     return result
+
+
+def resume_point(cfg: Config) -> Optional[tuple]:
+    """(run dir, checkpoint metadata) for trainer.resume; ConfigError when it cannot resume."""
+    try:
+        run_dir = checkpoint.resolve_resume(str(cfg.trainer.resume))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    meta = checkpoint.meta_of(checkpoint.find_latest(run_dir))  # type: ignore[arg-type]
+    if meta["world_size"] != cfg.world_size:
+        raise ConfigError(f"trainer.resume: the checkpoint was written by {meta['world_size']} ranks and this job has "
+                          f"{cfg.world_size}; resume with the same world size (parallelism.nproc_per_node / nnodes)")
+    return run_dir, meta
+
+
+def _archive_attempt(run_dir: Path) -> None:
+    """Keep the interrupted attempt's rank files (renamed), so the supervisor starts clean."""
+    ranks = run_dir / "ranks"
+    if ranks.exists():
+        n = 1
+        while (run_dir / f"ranks.attempt{n}").exists():
+            n += 1
+        ranks.rename(run_dir / f"ranks.attempt{n}")
 
 
 def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, files: List[Path], status: str) -> None:

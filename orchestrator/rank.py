@@ -78,7 +78,11 @@ def main(run_dir: str) -> int:
         paths = rank_paths(root, rank)
         events = EventLog(paths["events"])
         try:
-            res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json")
+            from .checkpoint import find_latest
+
+            resume = find_latest(Path(cfg.trainer.resume)) if cfg.trainer.resume else None
+            res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json",
+                        ckpt_dir=root, resume=resume)
         finally:
             events.close()
         if cfg.trainer.save_model and rank == 0:

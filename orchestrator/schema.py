@@ -226,6 +226,8 @@ class TrainerConfig:
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
     memory_cap_mb: float = 0.0  # a rank process above this RSS fails the job (CPU "OOM"); 0: none
     profile_steps: int = 0  # torch.profiler over this many steps after warmup (not measured); 0: off
+    checkpoint_every: int = 0  # steps between checkpoints (rank 0, atomic); 0: off
+    resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -241,6 +243,7 @@ class TrainerConfig:
         _require(self.window_steps >= 1, f"trainer.window_steps: must be >= 1, got {self.window_steps}")
         _require(self.log_every >= 1, f"trainer.log_every: must be >= 1, got {self.log_every}")
         _require(self.timeout_s >= 0, f"trainer.timeout_s: must be >= 0 (0 = none), got {self.timeout_s}")
+        _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every: must be >= 0 (0 = off), got {self.checkpoint_every}")
         _require(self.profile_steps >= 0, f"trainer.profile_steps: must be >= 0 (0 = off), got {self.profile_steps}")
         _require(self.memory_cap_mb >= 0, f"trainer.memory_cap_mb: must be >= 0 (0 = none), got {self.memory_cap_mb}")
 

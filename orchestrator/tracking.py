@@ -104,6 +104,21 @@ class Tracker:
             self.client.log_batch(self.run_id, params=items[i:i + 100])
         return self.run_id
 
+    def reopen(self, run_id: str, tags: Dict[str, Any]) -> Optional[str]:
+        """Continue an existing run (a resumed job): back to RUNNING, steps go on."""
+        if not self.enabled:
+            return None
+        from mlflow.entities import RunTag
+
+        try:
+            self.client.get_run(run_id)
+        except Exception:
+            raise ConfigError(f"trainer.resume: the checkpoint's MLflow run {run_id} is not in {self.uri}") from None
+        self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        return run_id
+
     def log_metrics(self, points: Iterable[tuple[str, float, int]]) -> None:
         """(key, value, step) points; NaN/inf are dropped (MLflow rejects them on some stores)."""
         if not self.run_id:

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..schema import AmpDtype, Config, Loss, OptimizerName, import_target
+from .. import checkpoint
 from .dist import Adapter
 from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter
 
@@ -208,7 +210,8 @@ def top_ops(prof: Any, cuda: bool, n: int = 15) -> list:
 
 
 def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
-          model: Optional[nn.Module] = None, trace_path: Optional[Path] = None) -> TrainResult:
+          model: Optional[nn.Module] = None, trace_path: Optional[Path] = None,
+          ckpt_dir: Optional[Path] = None, resume: Optional[Path] = None) -> TrainResult:
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
     events = events or EventLog(None)
     t = cfg.trainer
@@ -225,10 +228,20 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             f"per rank (world size {adapter.world_size}); lower the batch size or enlarge the dataset"
         )
     model = (model or build_model(cfg)).to(device)
+    ck = checkpoint.load(resume) if resume is not None else None
+    if ck is not None:  # before wrapping: DDP and Horovod then broadcast what rank 0 loaded
+        model.load_state_dict(ck["model"])
     model = adapter.wrap_model(model)
-    optimizer = adapter.wrap_optimizer(build_optimizer(cfg, model), model)
+    base_optimizer = build_optimizer(cfg, model)
+    if ck is not None:
+        base_optimizer.load_state_dict(ck["optimizer"])
+    optimizer = adapter.wrap_optimizer(base_optimizer, model)
     criterion = loss_fn(cfg.model.loss)
     amp, amp_dtype, scaler = amp_settings(cfg, device)
+    if ck is not None and scaler is not None and ck.get("scaler"):
+        scaler.load_state_dict(ck["scaler"])
+    generator = loader.generator  # shuffles the single-process order; saved per epoch
+    writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and adapter.rank == 0
 
     # profiled steps follow the warmup and are kept out of the measured windows
     meter = StepMeter(device, window_steps=t.window_steps, warmup_steps=t.warmup_steps + t.profile_steps)
@@ -241,6 +254,12 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                  utilization_source=meter.source)
 
     step, epoch, first_loss, last_loss = 0, 0, math.nan, math.nan
+    start_epoch, skip = 0, 0
+    if ck is not None:
+        meta = ck["meta"]
+        step, start_epoch, skip = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        checkpoint.set_rng_state(ck["rng"])
+        events.write(type="resume", step=step, epoch=start_epoch)
     # Hot path: on a ~200 us step every microsecond shows, so work that does nothing is skipped
     # (CPU copies, a disabled autocast, a division by 1, loss bookkeeping on unlogged steps).
     move = device.type != "cpu"
@@ -252,13 +271,20 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     model.train()
     meter.start()
     try:
-        for epoch in range(t.epochs):
+        for epoch in range(start_epoch, t.epochs):
             sampler = loader.sampler
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            if ck is not None and epoch == start_epoch:
+                generator.set_state(ck["loader_generator"])
+            epoch_generator = generator.get_state()
             it = iter(loader)
             n_batches = len(loader)
             b = 0
+            if ck is not None and epoch == start_epoch:
+                for _ in range(skip):  # the same order up to where the checkpoint was taken
+                    next(it)
+                b = skip
             while b < n_batches and step < total:
                 if profiler is not None:
                     profiler.at_step(step, t.warmup_steps, t.profile_steps)
@@ -299,13 +325,22 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     last_loss = float(step_loss)
                     if not math.isfinite(last_loss):
                         raise FloatingPointError(f"loss is {last_loss} at step {step}; lower trainer.lr or turn off trainer.amp")
-                    if step == 1:
+                    if math.isnan(first_loss):
                         first_loss = last_loss
                     events.write(type="log", step=step, epoch=epoch, loss=last_loss)
                 if window is not None and not meter.in_warmup:
                     events.write(type="window", step=step, throughput=window.throughput,
                                  utilization=window.utilization, data_wait_frac=window.share("data"),
                                  comm_frac=window.share("comm"), step_time_s=window.wall_s / window.steps)
+                if writes_checkpoints and step % t.checkpoint_every == 0:
+                    checkpoint.save(ckpt_dir, step, {  # type: ignore[arg-type]
+                        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict() if scaler is not None else None,
+                        "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
+                    }, {"step": step, "epoch": epoch, "batch_in_epoch": b, "world_size": adapter.world_size,
+                        "backend": cfg.backend.name.value, "mlflow_run_id": os.environ.get(checkpoint.MLFLOW_RUN_ENV)})
+                    events.write(type="checkpoint", step=step)
+                    logged = True
                 if logged or window is not None:
                     mark(OTHER)  # the bookkeeping above is nobody's data wait
             if b == n_batches:

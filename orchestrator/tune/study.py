@@ -134,7 +134,7 @@ class Tuner:
         try:
             while True:
                 with study_lock(self.storage, self.name):
-                    if len(study.get_trials(deepcopy=False)) >= self.t.n_trials:
+                    if counted(study.get_trials(deepcopy=False)) >= self.t.n_trials:
                         break
                     trial = study.ask()
                 self._run_trial(study, trial, parent)
@@ -188,6 +188,12 @@ class Tuner:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             study.tell(trial, state=TrialState.PRUNED)
+        except KeyboardInterrupt:
+            # the trial's processes are ended; record it so a resumed study neither counts nor loses it
+            trial.set_user_attr("interrupted", True)
+            study.tell(trial, state=TrialState.FAIL)
+            self._say(f"[tune] trial {trial.number} interrupted; rerun with tune.study_name={self.name} to resume")
+            raise
         except JobFailed as exc:
             err = exc.result.get("error", str(exc))
             rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
@@ -216,7 +222,8 @@ class Tuner:
 
     def _check_failure_rate(self, study: Any) -> None:
         TrialState = self.optuna.trial.TrialState
-        done = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
+        done = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.FAIL)
+                and not t.user_attrs.get("interrupted")]
         failed = sum(t.state == TrialState.FAIL for t in done)
         if len(done) >= 2 and failed / len(done) > self.t.max_failure_rate:
             raise StudyFailed(f"{failed} of {len(done)} trials failed (> tune.max_failure_rate={self.t.max_failure_rate:g})")
@@ -257,6 +264,11 @@ class Tuner:
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
+
+
+def counted(trials: List[Any]) -> int:
+    """Trials that count toward tune.n_trials: all but those an interrupt cut short."""
+    return sum(not t.user_attrs.get("interrupted") for t in trials)
 
 
 def trial_config(cfg: Config, values: Dict[str, Any]) -> Config:

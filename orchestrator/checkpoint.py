@@ -1,0 +1,108 @@
+"""Checkpoints: written by rank 0, atomically, and only ever read back whole.
+
+Layout in a run dir:
+    checkpoints/step_00000120.pt     model, optimizer, scaler, RNG states, position in the data
+    checkpoints/step_00000120.json   the same metadata without tensors (for the parent)
+    checkpoints/latest               name of the newest complete checkpoint
+
+Each file is written to a temporary name and renamed, and `latest` is updated last, so a process
+killed mid-write leaves at most a stray `.tmp` that nothing reads. `find_latest` still verifies
+what it picks and falls back to the previous checkpoint if the newest does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+DIR = "checkpoints"
+MLFLOW_RUN_ENV = "ORCHESTRATOR_MLFLOW_RUN_ID"  # set by the parent for the ranks; recorded in checkpoints
+KEEP = 2  # checkpoints kept on disk (the newest and the one before it)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any]) -> Path:
+    """Rank 0 only. `state` holds tensors; `meta` is JSON (step, epoch, mlflow run id, ...)."""
+    d = run_dir / DIR
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    pt = d / f"{name}.pt"
+    _atomic_write(pt, lambda p: torch.save({**state, "meta": meta}, p))
+    _atomic_write(d / f"{name}.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+    _atomic_write(d / "latest", lambda p: p.write_text(name))
+    for old in sorted(d.glob("step_*.pt"))[:-KEEP]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)
+    return pt
+
+
+def find_latest(run_dir: Path) -> Optional[Path]:
+    """The newest checkpoint that loads; None if there is none."""
+    d = run_dir / DIR
+    names = sorted(p.stem for p in d.glob("step_*.pt"))
+    pointer = d / "latest"
+    if pointer.exists() and pointer.read_text().strip() in names:  # the pointer first, then older ones
+        names.remove(pointer.read_text().strip())
+        names.append(pointer.read_text().strip())
+    for name in reversed(names):
+        path = d / f"{name}.pt"
+        try:
+            torch.load(path, map_location="cpu", weights_only=False)
+            json.loads(path.with_suffix(".json").read_text())
+            return path
+        except Exception:
+            continue  # half-written or damaged: never picked
+    return None
+
+
+def meta_of(path: Path) -> Dict[str, Any]:
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def load(path: Path) -> Dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def resolve_resume(value: str, outputs: Path = Path("outputs")) -> Path:
+    """`trainer.resume`: a run dir, or `latest` (the newest run dir under outputs/ holding a
+    checkpoint). Returns the run dir; raises ValueError naming the field."""
+    if value == "latest":
+        dirs = [p.parent.parent for p in outputs.glob("**/checkpoints/latest")]
+        dirs = [d for d in dirs if find_latest(d) is not None]
+        if not dirs:
+            raise ValueError(f"trainer.resume: no run under {outputs}/ has a checkpoint (set trainer.checkpoint_every)")
+        return max(dirs, key=lambda d: (d / DIR / "latest").stat().st_mtime).resolve()
+    run_dir = Path(value).expanduser().resolve()
+    if not run_dir.is_dir():
+        raise ValueError(f"trainer.resume: '{value}' is not a run directory; allowed: a run dir or latest")
+    if find_latest(run_dir) is None:
+        raise ValueError(f"trainer.resume: {run_dir} holds no complete checkpoint")
+    return run_dir

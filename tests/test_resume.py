@@ -1,0 +1,176 @@
+"""Long runs: checkpoints, interrupts (SIGTERM to the parent, SIGKILL to a rank), resume, and
+nothing lost or left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from orchestrator import checkpoint
+
+from .conftest import ROOT
+
+# ~15 ms per step on 2 ranks: long enough to be interrupted mid-way
+SLOW = ["data.args.size=2048", "data.batch_size=8", "data.read_latency_ms=2", "trainer.lr=0.05",
+        "trainer.max_steps=60", "trainer.checkpoint_every=10", "trainer.warmup_steps=1", "trainer.window_steps=5"]
+
+
+def cli(args, run_dir, mlflow_uri):
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args, f"hydra.run.dir={run_dir}",
+                             f"tracking.uri={mlflow_uri}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_checkpoint(run_dir: Path, step: int, proc, timeout=120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        latest = run_dir / "checkpoints" / "latest"
+        if latest.exists() and int(latest.read_text().split("_")[1]) >= step:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    raise TimeoutError(f"no checkpoint at step {step}")
+
+
+def rank_process(run_dir: Path, rank: int):
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if "orchestrator.rank" in cmd and str(run_dir) in cmd:
+                env = p.environ()
+                if env.get("HOROVOD_RANK", env.get("RANK")) == str(rank):
+                    return p
+        except psutil.Error:
+            pass
+    return None
+
+
+def leftovers(run_dir: Path) -> list:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def reference_model(tmp_path, backend, mlflow_uri) -> dict:
+    ref = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW], tmp_path / "ref", mlflow_uri)
+    out = ref.communicate(timeout=180)[0]
+    assert ref.returncode == 0, out
+    return torch.load(tmp_path / "ref" / "model.pt")
+
+
+@pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), ("horovod", "sigkill-rank")])
+def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend, how):
+    run_dir = tmp_path / "run"
+    job = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW], run_dir, mlflow_uri)
+    wait_for_checkpoint(run_dir, 20, job)
+    if how == "sigterm-parent":
+        job.send_signal(signal.SIGTERM)
+    else:
+        rank_process(run_dir, 1).kill()
+    out = job.communicate(timeout=60)[0]
+    time.sleep(0.5)
+    assert not leftovers(run_dir), [p.cmdline() for p in leftovers(run_dir)]
+    result = json.loads((run_dir / "result.json").read_text())
+    client = MlflowClient(mlflow_uri)
+    if how == "sigterm-parent":
+        assert job.returncode == 143, out
+        assert result["status"] == "KILLED" and client.get_run(result["mlflow_run_id"]).info.status == "KILLED"
+    else:
+        assert job.returncode == 1, out
+        assert result["status"] == "FAILED" and client.get_run(result["mlflow_run_id"]).info.status == "FAILED"
+    ckpt = checkpoint.find_latest(run_dir)
+    stopped_at = checkpoint.meta_of(ckpt)["step"]
+    assert 20 <= stopped_at < 60 and checkpoint.meta_of(ckpt)["mlflow_run_id"] == result["mlflow_run_id"]
+
+    resumed = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW, f"trainer.resume={run_dir}"],
+                  tmp_path / "resume-invocation", mlflow_uri)
+    out = resumed.communicate(timeout=180)[0]
+    assert resumed.returncode == 0, out
+    assert f"resuming {run_dir} from step {stopped_at}" in out
+    final = json.loads((run_dir / "result.json").read_text())
+    assert final["status"] == "FINISHED" and final["steps"] == 60
+    run = client.get_run(final["mlflow_run_id"])
+    assert final["mlflow_run_id"] == result["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.data.tags["resumed_from_step"] == str(stopped_at)
+    assert max(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == 60  # steps continue
+    assert (run_dir / "ranks.attempt1").is_dir()  # the interrupted attempt's files are kept
+
+    want = reference_model(tmp_path, backend, mlflow_uri)
+    got = torch.load(run_dir / "model.pt")
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5), k
+
+
+def test_half_written_checkpoint_is_never_picked(tmp_path):
+    for step in (10, 20):
+        checkpoint.save(tmp_path, step, {"model": {"w": torch.ones(3) * step}}, {"step": step})
+    newest = tmp_path / "checkpoints" / "step_00000020.pt"
+    newest.write_bytes(newest.read_bytes()[:50])  # killed mid-write (had it not been atomic)
+    (tmp_path / "checkpoints" / "step_00000030.pt.tmp").write_bytes(b"partial")
+    picked = checkpoint.find_latest(tmp_path)
+    assert picked is not None and picked.name == "step_00000010.pt"
+    assert torch.equal(checkpoint.load(picked)["model"]["w"], torch.ones(3) * 10)
+
+
+def test_resume_rejects_bad_input(make_cfg, tmp_path):
+    from orchestrator.app import run_job
+    from orchestrator.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.resume: '/nope' is not a run directory; allowed: a run dir or latest"):
+        run_job(make_cfg("trainer.resume=/nope"), tmp_path / "a", echo=False)
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        run_job(make_cfg(f"trainer.resume={tmp_path}"), tmp_path / "b", echo=False)
+    checkpoint.save(tmp_path / "two", 5, {}, {"step": 5, "world_size": 2})
+    with pytest.raises(ConfigError, match="written by 2 ranks and this job has 1"):
+        run_job(make_cfg(f"trainer.resume={tmp_path / 'two'}"), tmp_path / "c", echo=False)
+
+
+def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
+    args = ["mode=tune", "tune.n_trials=4", "tune.study_name=interrupt-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+            "tune.warmup_steps=1", "tune.measure_steps=20", "tune.window_steps=10", "tune.pruner=none",
+            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "data.read_latency_ms=1"]
+    first = cli(args, tmp_path / "first", mlflow_uri)
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    end = time.monotonic() + 120
+    while time.monotonic() < end:  # interrupt once two trials are done and a third is running
+        try:
+            trials = optuna.load_study(study_name="interrupt-me", storage=storage).trials
+        except KeyError:
+            trials = []
+        if sum(t.state.is_finished() for t in trials) >= 2 and len(trials) >= 3:
+            break
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    out = first.communicate(timeout=60)[0]
+    assert first.returncode == 143, out
+    assert not leftovers(tmp_path / "first")
+    trials = optuna.load_study(study_name="interrupt-me", storage=storage).trials
+    interrupted = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert len(interrupted) == 1 and interrupted[0].state == optuna.trial.TrialState.FAIL
+    completed_before = {t.number for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert len(completed_before) >= 2
+
+    second = cli(args, tmp_path / "second", mlflow_uri)
+    out = second.communicate(timeout=180)[0]
+    assert second.returncode == 0, out
+    trials = optuna.load_study(study_name="interrupt-me", storage=storage).trials
+    counted = [t for t in trials if not t.user_attrs.get("interrupted")]
+    assert len(counted) == 4 and all(t.state.is_finished() for t in trials)
+    assert completed_before <= {t.number for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert os.path.exists(tmp_path / "second" / "trials.csv")
