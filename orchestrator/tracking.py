@@ -91,7 +91,7 @@ class Tracker:
               parent_run_id: Optional[str] = None) -> Optional[str]:
         if not self.enabled:
             return None
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         all_tags = dict(tags)
         if parent_run_id:

@@ -51,6 +51,20 @@ def make_cfg(mlflow_uri) -> Callable[..., Config]:
     return make
 
 
+def job_processes(run_dir: Path) -> list:
+    """Every live process whose command line names this run dir (launchers, ranks, loader workers)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
 def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
 from orchestrator.errors import format_error
 from orchestrator.schema import BackendName, ConfigError, Loss, flatten, load_config, to_config, to_yaml

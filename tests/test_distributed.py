@@ -9,9 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -22,7 +20,7 @@ from orchestrator.launch import free_port
 from orchestrator.runtime.dist import Adapter, DDPAdapter
 from orchestrator.runtime.loop import build_dataset, train
 
-from .conftest import ROOT
+from .conftest import ROOT, job_processes
 
 # seed 000's model on a small dataset: 8 samples per rank per micro-step
 WORKLOAD = ["data.args.size=256", "data.batch_size=8", "trainer.lr=0.1", "trainer.momentum=0.9",
@@ -104,18 +102,6 @@ def test_sampler_shards_are_disjoint_and_cover(make_cfg):
     assert list(shards[0]) != a  # set_epoch reshuffles
 
 
-def _job_processes(run_dir: Path) -> list:
-    """Every process whose command line names this run dir (ranks, launchers, workers)."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_failing_rank_ends_the_job(make_cfg, tmp_path, backend):
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "model._target_=tasks.faults.FailingLinear",
@@ -128,7 +114,7 @@ def test_failing_rank_ends_the_job(make_cfg, tmp_path, backend):
     result = info.value.result
     assert result["status"] == "FAILED"
     assert "rank 1 failed" in result["error"] and "injected failure on rank 1" in result["error"]
-    assert not _job_processes(tmp_path)
+    assert not job_processes(tmp_path)
     assert MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"]).info.status == "FAILED"
 
 
@@ -137,7 +123,7 @@ def test_hung_rank_hits_the_timeout(make_cfg, tmp_path):
                    "+model.args.fail_rank=1", "+model.args.hang=true", "trainer.timeout_s=12")
     with pytest.raises(JobFailed, match="timed out after trainer.timeout_s=12s"):
         run_job(cfg, tmp_path, echo=False)
-    assert not _job_processes(tmp_path)
+    assert not job_processes(tmp_path)
 
 
 def test_dp_without_gpus_runs_on_one_device(make_cfg, tmp_path, capfd):

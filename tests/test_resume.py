@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import checkpoint
 
-from .conftest import ROOT
+from .conftest import ROOT, job_processes
 
 # ~15 ms per step on 2 ranks: long enough to be interrupted mid-way
 SLOW = ["data.args.size=2048", "data.batch_size=8", "data.read_latency_ms=2", "trainer.lr=0.05",
@@ -56,17 +56,6 @@ def rank_process(run_dir: Path, rank: int):
     return None
 
 
-def leftovers(run_dir: Path) -> list:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(str(run_dir) in part for part in (p.info["cmdline"] or [])):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
 def reference_model(tmp_path, backend, mlflow_uri) -> dict:
     ref = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW], tmp_path / "ref", mlflow_uri)
     out = ref.communicate(timeout=180)[0]
@@ -85,7 +74,7 @@ def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend
         rank_process(run_dir, 1).kill()
     out = job.communicate(timeout=60)[0]
     time.sleep(0.5)
-    assert not leftovers(run_dir), [p.cmdline() for p in leftovers(run_dir)]
+    assert not job_processes(run_dir), [p.cmdline() for p in job_processes(run_dir)]
     result = json.loads((run_dir / "result.json").read_text())
     client = MlflowClient(mlflow_uri)
     if how == "sigterm-parent":
@@ -159,7 +148,7 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     first.send_signal(signal.SIGTERM)
     out = first.communicate(timeout=60)[0]
     assert first.returncode == 143, out
-    assert not leftovers(tmp_path / "first")
+    assert not job_processes(tmp_path / "first")
     trials = optuna.load_study(study_name="interrupt-me", storage=storage).trials
     interrupted = [t for t in trials if t.user_attrs.get("interrupted")]
     assert len(interrupted) == 1 and interrupted[0].state == optuna.trial.TrialState.FAIL
