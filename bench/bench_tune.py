@@ -162,7 +162,7 @@ def remeasure(runner: Runner, cfg: Config, space: SearchSpace, arms: Dict[str, P
         order = distinct[r % len(distinct):] + distinct[:r % len(distinct)]
         for p in order:
             runs[p].append(runner.job(cfg, space, p, phase))
-        print(f"    round {r + 1}/{rounds}: " + "  ".join(
+        print(f"    round {r + 1}/{rounds} (load {os.getloadavg()[0]:.2f}): " + "  ".join(
             f"{fmt(p)} util {runs[p][-1]['utilization']:.3f} thr {runs[p][-1]['throughput']:.0f}" for p in order),
             flush=True)
     return runs
@@ -170,6 +170,13 @@ def remeasure(runner: Runner, cfg: Config, space: SearchSpace, arms: Dict[str, P
 
 def med(runs: List[Dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
+
+
+def figures(runs: List[Dict[str, float]]) -> str:
+    """Medians, with the min-max over rounds."""
+    u, t = [r["utilization"] for r in runs], [r["throughput"] for r in runs]
+    return (f"util {statistics.median(u):.3f} ({min(u):.2f}-{max(u):.2f}), "
+            f"thr {statistics.median(t):.0f}/s ({min(t):.0f}-{max(t):.0f})")
 
 
 # -- one workload -----------------------------------------------------------------------------
@@ -285,13 +292,13 @@ def main() -> int:
     for name, r in results.items():
         g, t = r["arms"]["grid"], r["arms"].get("tuned")
         gu, gt = med(r["runs"][g], "utilization"), med(r["runs"][g], "throughput")
-        row("grid-best config", name, f"{fmt(g)}: util {gu:.3f}, thr {gt:.0f}/s", "", None)
+        row("grid-best config", name, f"{fmt(g)}: {figures(r['runs'][g])}", "", None)
         if t is None:
             row("tuner-best config", name, "no completed trial", "", False)
             continue
         tu, tt = med(r["runs"][t], "utilization"), med(r["runs"][t], "throughput")
         same = " (same config)" if t == g else ""
-        row("tuner-best config", name, f"{fmt(t)}: util {tu:.3f}, thr {tt:.0f}/s{same}  [grid rank {r['grid_rank']}]",
+        row("tuner-best config", name, f"{fmt(t)}: {figures(r['runs'][t])}{same}  [grid rank {r['grid_rank']}]",
             "", None)
         uq, tq = (1.0, 1.0) if t == g else (tu / gu if gu else float("nan"), tt / gt if gt else float("nan"))
         row("best-found / grid-best util", name, f"{uq:.3f}", f">= {TARGET_QUALITY}", uq >= TARGET_QUALITY)
@@ -302,7 +309,7 @@ def main() -> int:
         if "default" in r["arms"]:
             d = r["arms"]["default"]
             du, dt = med(r["runs"][d], "utilization"), med(r["runs"][d], "throughput")
-            row("seed default config", name, f"{fmt(d)}: util {du:.3f}, thr {dt:.0f}/s", "", None)
+            row("seed default config", name, f"{fmt(d)}: {figures(r['runs'][d])}", "", None)
             row("tuned / default utilization", name, f"{tu / du:.2f}x" if du else "inf", f">= {TARGET_GAIN:g}x",
                 du == 0 or tu / du >= TARGET_GAIN)
             row("tuned / default throughput", name, f"{tt / dt:.2f}x" if dt else "inf", f">= {TARGET_GAIN:g}x",

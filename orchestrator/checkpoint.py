@@ -21,8 +21,11 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from .rank import MLFLOW_RUN_ENV
+
+__all__ = ["MLFLOW_RUN_ENV", "find_latest", "load", "meta_of", "resolve_resume", "save"]
+
 DIR = "checkpoints"
-MLFLOW_RUN_ENV = "ORCHESTRATOR_MLFLOW_RUN_ID"  # set by the parent for the ranks; recorded in checkpoints
 KEEP = 2  # checkpoints kept on disk (the newest and the one before it)
 
 

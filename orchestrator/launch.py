@@ -44,11 +44,11 @@ def _base_env(cfg: Config, local_ranks: int, environ: Mapping[str, str], cpu_cou
     return env
 
 
-def _single(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
-    return Launch([sys.executable, "-m", RANK_MODULE, str(run_dir)], {"PYTHONUNBUFFERED": "1"})
+def _single(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
+    return Launch([sys.executable, "-m", RANK_MODULE, *target], {"PYTHONUNBUFFERED": "1"})
 
 
-def _torchrun(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
+def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
     p = cfg.parallelism
     port = p.master_port or free_port(p.master_addr)
     cmd = [
@@ -59,7 +59,7 @@ def _torchrun(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count:
         f"--master-addr={p.master_addr}",
         f"--master-port={port}",
         "--max-restarts=0",
-        "--module", RANK_MODULE, str(run_dir),
+        "--module", RANK_MODULE, *target,
     ]
     return Launch(cmd, _base_env(cfg, p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node)
 
@@ -78,7 +78,7 @@ def horovodrun_path() -> str:
     return found
 
 
-def _horovodrun(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_count: Optional[int],
+def _horovodrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int],
                 horovodrun: Optional[str] = None) -> Launch:
     p = cfg.parallelism
     world = p.world_size
@@ -94,7 +94,7 @@ def _horovodrun(cfg: Config, run_dir: Path, environ: Mapping[str, str], cpu_coun
     else:
         cmd += ["-H", f"localhost:{world}"]
         local = world
-    cmd += [sys.executable, "-m", RANK_MODULE, str(run_dir)]
+    cmd += [sys.executable, "-m", RANK_MODULE, *target]
     return Launch(cmd, _base_env(cfg, local, environ, cpu_count), world, local)
 
 
@@ -107,8 +107,10 @@ BUILDERS: Dict[BackendName, Callable[..., Launch]] = {
 
 
 def build_launch(cfg: Config, run_dir: Path, environ: Optional[Mapping[str, str]] = None,
-                 cpu_count: Optional[int] = None, **kwargs: str) -> Launch:
-    """The command and extra environment that start this node's ranks for `cfg`."""
+                 cpu_count: Optional[int] = None, pool_dir: Optional[Path] = None, **kwargs: str) -> Launch:
+    """The command and extra environment that start this node's ranks for `cfg`: they run the
+    job in `run_dir`, or with `pool_dir`, wait there for one job after another (tune.reuse_ranks)."""
     environ = os.environ if environ is None else environ
     cpu_count = cpu_count if cpu_count is not None else os.cpu_count()
-    return BUILDERS[cfg.backend.name](cfg, run_dir, environ, cpu_count, **kwargs)
+    target = ["--pool", str(pool_dir)] if pool_dir is not None else [str(run_dir)]
+    return BUILDERS[cfg.backend.name](cfg, target, environ, cpu_count, **kwargs)

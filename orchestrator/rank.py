@@ -1,4 +1,4 @@
-"""Entry point of one rank: `python -m orchestrator.rank RUN_DIR`.
+"""Entry point of one rank: `python -m orchestrator.rank RUN_DIR` (or `--pool POOL_DIR`).
 
 Loads the resolved `RUN_DIR/config.yaml` the parent wrote (never runs Hydra), trains, and
 writes `RUN_DIR/ranks/rank<R>.json` (its measured load) next to `rank<R>.jsonl` (events the
@@ -11,8 +11,12 @@ import json
 import os
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
+from typing import Optional
+
+MLFLOW_RUN_ENV = "ORCHESTRATOR_MLFLOW_RUN_ID"  # set by the parent for the ranks; recorded in checkpoints
 
 RANKS_DIR = "ranks"
 
@@ -59,68 +63,142 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp.replace(path)  # the parent never reads a half-written file
 
 
+def run_one(root: Path, adapter, cfg) -> None:
+    """Train the job in `root` on an adapter that is set up; write this rank's result."""
+    from .checkpoint import find_latest
+    from .runtime.loop import EventLog, train
+
+    rank = adapter.rank
+    paths = rank_paths(root, rank)
+    events = EventLog(paths["events"])
+    try:
+        resume = find_latest(Path(cfg.trainer.resume)) if cfg.trainer.resume else None
+        res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json",
+                    ckpt_dir=root, resume=resume)
+    finally:
+        events.close()
+    if cfg.trainer.save_model and rank == 0:
+        import torch
+
+        tmp_model = root / "model.pt.tmp"
+        torch.save(res.model.state_dict(), tmp_model)
+        tmp_model.replace(root / "model.pt")
+    result = {
+        "param_digest": res.param_digest,
+        "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
+        "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
+        "steps": res.steps, "epochs": res.epochs, "first_loss": res.first_loss, "final_loss": res.final_loss,
+        "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
+    }
+    _write_json(paths["result"], result)
+    # rank 0's run dir gets every rank's result, also those of ranks on other machines
+    gathered = adapter.all_gather_object(result)
+    if rank == 0:
+        for other in gathered:
+            _write_json(rank_paths(root, other["rank"])["result"], other)
+
+
+def _fail(root: Path, rank: int, exc: BaseException) -> int:
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    rank_paths(root, rank)["error"].write_text(traceback.format_exc())
+    traceback.print_exc()
+    return 1
+
+
+def _prefix_if_torchrun(rank: int) -> None:
+    if os.environ.get("LOCAL_RANK") is not None and "HOROVOD_RANK" not in os.environ:
+        prefix_output(f"[rank{rank}] ")  # torchrun merges every rank's output; horovodrun prefixes its own
+
+
 def main(run_dir: str) -> int:
+    """One job: set up the backend, train, write the result, tear down."""
     root = Path(run_dir)
     (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     rank = _early_rank()
     adapter = None
     try:
         from .runtime.dist import make_adapter
-        from .runtime.loop import EventLog, train
         from .schema import load_config
 
-        if os.environ.get("LOCAL_RANK") is not None and "HOROVOD_RANK" not in os.environ:
-            prefix_output(f"[rank{rank}] ")  # torchrun merges every rank's output; horovodrun prefixes its own
+        _prefix_if_torchrun(rank)
         cfg = load_config(str(root / "config.yaml"))
         adapter = make_adapter(cfg)
         adapter.setup()
         rank = adapter.rank
-        paths = rank_paths(root, rank)
-        events = EventLog(paths["events"])
-        try:
-            from .checkpoint import find_latest
-
-            resume = find_latest(Path(cfg.trainer.resume)) if cfg.trainer.resume else None
-            res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json",
-                        ckpt_dir=root, resume=resume)
-        finally:
-            events.close()
-        if cfg.trainer.save_model and rank == 0:
-            import torch
-
-            tmp_model = root / "model.pt.tmp"
-            torch.save(res.model.state_dict(), tmp_model)
-            tmp_model.replace(root / "model.pt")
-        result = {
-            "param_digest": res.param_digest,
-            "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
-            "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
-            "steps": res.steps, "epochs": res.epochs, "first_loss": res.first_loss, "final_loss": res.final_loss,
-            "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
-        }
-        _write_json(paths["result"], result)
-        # rank 0's run dir gets every rank's result, also those of ranks on other machines
-        gathered = adapter.all_gather_object(result)
-        if rank == 0:
-            for other in gathered:
-                _write_json(rank_paths(root, other["rank"])["result"], other)
+        run_one(root, adapter, cfg)
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        if isinstance(exc, KeyboardInterrupt):
-            return 130
-        rank_paths(root, rank)["error"].write_text(traceback.format_exc())
-        traceback.print_exc()
-        return 1
+        return _fail(root, rank, exc)
+    finally:
+        if adapter is not None:
+            adapter.shutdown()
+
+
+POLL_S = 0.005
+
+
+def next_job(pool_dir: Path, seq: int) -> Optional[dict]:
+    """Wait for job `seq` (a JSON file the parent renames into place) or the stop file."""
+    path = pool_dir / "jobs" / f"{seq:06d}.json"
+    while True:
+        if path.exists():
+            return json.loads(path.read_text())
+        if (pool_dir / "stop").exists():
+            return None
+        time.sleep(POLL_S)
+
+
+def pool_main(pool_dir: str) -> int:
+    """Kept-alive ranks (tuning): the backend is set up once, then one job after another, each
+    rebuilding its data loader, model and optimizer from its own config. A failed job ends the
+    process; the parent starts fresh ranks."""
+    pool = Path(pool_dir)
+    rank = _early_rank()
+    adapter = None
+    root = pool
+    try:
+        import gc
+
+        from .runtime.dist import make_adapter
+        from .schema import load_config
+
+        _prefix_if_torchrun(rank)
+        seq = 0
+        while True:
+            job = next_job(pool, seq)
+            if job is None:
+                return 0
+            root = Path(job["run_dir"])
+            (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+            cfg = load_config(str(root / "config.yaml"))
+            if adapter is None:
+                adapter = make_adapter(cfg)
+                adapter.setup()
+                rank = adapter.rank
+            adapter.cfg = cfg  # same backend and world size; the knobs are the job's own
+            if job.get("mlflow_run_id"):
+                os.environ[MLFLOW_RUN_ENV] = job["mlflow_run_id"]
+            run_one(root, adapter, cfg)
+            gc.collect()  # the last job's loader workers and tensors go now, not later
+            seq += 1
+    except BaseException as exc:  # noqa: BLE001
+        return _fail(root, rank, exc)
     finally:
         if adapter is not None:
             adapter.shutdown()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: python -m orchestrator.rank RUN_DIR", file=sys.stderr)
+    args = sys.argv[1:]
+    if len(args) == 2 and args[0] == "--pool":
+        rc = pool_main(args[1])
+    elif len(args) == 1:
+        rc = main(args[0])
+    else:
+        print("usage: python -m orchestrator.rank RUN_DIR | --pool POOL_DIR", file=sys.stderr)
         sys.exit(2)
-    rc = main(sys.argv[1])
     # Everything is written and the process group is destroyed. Skip interpreter teardown: with
     # gloo, a C++ thread destroyed there intermittently aborts the process ("terminate called
     # without an active exception", SIGABRT) after a successful run.

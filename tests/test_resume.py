@@ -18,6 +18,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from orchestrator import checkpoint
+from orchestrator.tune.study import counted
 
 from .conftest import ROOT, job_processes
 
@@ -142,7 +143,8 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
             trials = optuna.load_study(study_name="interrupt-me", storage=storage).trials
         except KeyError:
             trials = []
-        if sum(t.state.is_finished() for t in trials) >= 2 and len(trials) >= 3:
+        done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+        if done >= 2 and any(t.state == optuna.trial.TrialState.RUNNING for t in trials):
             break
         time.sleep(0.2)
     first.send_signal(signal.SIGTERM)
@@ -159,7 +161,6 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     out = second.communicate(timeout=180)[0]
     assert second.returncode == 0, out
     trials = optuna.load_study(study_name="interrupt-me", storage=storage).trials
-    counted = [t for t in trials if not t.user_attrs.get("interrupted")]
-    assert len(counted) == 4 and all(t.state.is_finished() for t in trials)
+    assert counted(trials) == 4 and all(t.state.is_finished() for t in trials)
     assert completed_before <= {t.number for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
     assert os.path.exists(tmp_path / "second" / "trials.csv")

@@ -78,8 +78,11 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
                         *[tr.user_attrs.get(c, "") for c in COLUMNS], score, tr.user_attrs.get("error", "")])
     artifacts.append(str(csv_path))
 
+    from .study import counted
+
     summary: Dict[str, Any] = {"study_name": tuner.name, "storage": tuner.storage, "objective": tuner.t.objective.value,
-                               "n_trials": len(trials), "states": {}, "best": None, "pareto_front": []}
+                               "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
+                               "pareto_front": []}
     for tr in trials:
         summary["states"][tr.state.name] = summary["states"].get(tr.state.name, 0) + 1
     baseline = next((tr for tr in completed(study) if tr.user_attrs.get("baseline")), None)

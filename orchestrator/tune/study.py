@@ -23,6 +23,7 @@ from ..schema import Config, ConfigError, Objective, PrunerName
 from ..tracking import Tracker, resolve_uri
 from .space import SearchSpace, apply
 
+MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s")
 
 
@@ -132,12 +133,21 @@ class Tuner:
                       f"{d.name} {d.choices if d.choices is not None else [d.low, d.high]}" for d in self.space.dims))
         status = "FAILED"
         try:
+            duplicates_in_a_row = 0
             while True:
                 with study_lock(self.storage, self.name):
                     if counted(study.get_trials(deepcopy=False)) >= self.t.n_trials:
                         break
                     trial = study.ask()
-                self._run_trial(study, trial, parent)
+                try:
+                    self._run_trial(study, trial, parent)
+                except KeyboardInterrupt:
+                    self._interrupted(study, trial)
+                    raise
+                duplicates_in_a_row = duplicates_in_a_row + 1 if "duplicate_of" in trial.user_attrs else 0
+                if duplicates_in_a_row >= MAX_DUPLICATES:  # a small space is covered
+                    self._say(f"[tune] {MAX_DUPLICATES} proposals in a row were already measured: the space looks covered")
+                    break
                 self._check_failure_rate(study)
             status = "FINISHED"
         except KeyboardInterrupt:
@@ -155,6 +165,13 @@ class Tuner:
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
         rec.run_dir = str(run_dir)
         trial.set_user_attr("values", values)
+        twin = self._measured_twin(study, values)
+        if twin is not None:  # the sampler proposed a config already measured: no second launch
+            rec.state, rec.error = "PRUNED", f"duplicate of trial {twin}"
+            trial.set_user_attr("duplicate_of", twin)
+            study.tell(trial, state=TrialState.PRUNED)
+            self._record(rec, t0)
+            return
         try:
             cfg = trial_config(self.cfg, values)
         except ConfigError as exc:  # an invalid combination: recorded, never launched
@@ -165,11 +182,18 @@ class Tuner:
             return
         pruned = {"flag": False}
 
+        last_window = max(1, self.t.measure_steps // self.t.window_steps) - 1
+        best_thr = self._best_throughput(study)
+
         def monitor(window: int, job: Dict[str, float]) -> bool:
-            if self.multi:
+            """Report each window's score (the objective's, not raw utilization) to the pruner;
+            never prune on the last window, when the measurement is already paid for."""
+            if self.multi or self.t.objective is Objective.both:
                 return False
-            trial.report(job["utilization"], window)
-            if trial.should_prune():
+            value = (job["throughput"] if self.t.objective is Objective.throughput else
+                     utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
+            trial.report(value, window)
+            if window < last_window and trial.should_prune():
                 pruned["flag"] = True
             return pruned["flag"]
 
@@ -188,12 +212,6 @@ class Tuner:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             study.tell(trial, state=TrialState.PRUNED)
-        except KeyboardInterrupt:
-            # the trial's processes are ended; record it so a resumed study neither counts nor loses it
-            trial.set_user_attr("interrupted", True)
-            study.tell(trial, state=TrialState.FAIL)
-            self._say(f"[tune] trial {trial.number} interrupted; rerun with tune.study_name={self.name} to resume")
-            raise
         except JobFailed as exc:
             err = exc.result.get("error", str(exc))
             rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
@@ -207,6 +225,26 @@ class Tuner:
             trial_state_tags["trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
         self._record(rec, t0)
+
+    def _interrupted(self, study: Any, trial: Any) -> None:
+        """Record the running trial as failed and `interrupted`, so a resumed study neither counts
+        nor loses it (its processes were already ended by run_job)."""
+        TrialState = self.optuna.trial.TrialState
+        try:
+            if study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+                trial.set_user_attr("interrupted", True)
+                study.tell(trial, state=TrialState.FAIL)
+        except Exception as exc:  # the interrupt matters more than this record
+            print(f"[tune] could not record trial {trial.number} as interrupted: {exc}")
+        self._say(f"[tune] trial {trial.number} interrupted; rerun with tune.study_name={self.name} to resume")
+
+    def _measured_twin(self, study: Any, values: Dict[str, Any]) -> Optional[int]:
+        """A finished trial that ran exactly these values (COMPLETE or FAIL), if any."""
+        TrialState = self.optuna.trial.TrialState
+        for tr in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+            if tr.user_attrs.get("values") == values and not tr.user_attrs.get("interrupted"):
+                return tr.number
+        return None
 
     def _best_throughput(self, study: Any) -> float:
         done = study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
@@ -267,8 +305,9 @@ class Tuner:
 
 
 def counted(trials: List[Any]) -> int:
-    """Trials that count toward tune.n_trials: all but those an interrupt cut short."""
-    return sum(not t.user_attrs.get("interrupted") for t in trials)
+    """Trials that count toward tune.n_trials: all but those an interrupt cut short and the
+    re-proposals of an already measured config (never launched)."""
+    return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs) for t in trials)
 
 
 def trial_config(cfg: Config, values: Dict[str, Any]) -> Config:
