@@ -103,7 +103,7 @@ def _progress() -> Any:
 
 
 def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
-            monitor: Optional[Monitor] = None, run_name: Optional[str] = None) -> Dict[str, Any]:
+            monitor: Optional[Monitor] = None, run_name: Optional[str] = None, pool: Any = None) -> Dict[str, Any]:
     """Launch the job described by `cfg`, supervise it, merge and record its measured load.
 
     Returns the result (also in `run_dir/result.json`). Raises ConfigError before launching
@@ -152,8 +152,12 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         if progress is not None:
             progress.start()
         try:
-            outcome = supervise(launch, run_dir, timeout_s=cfg.trainer.timeout_s, on_events=live, echo=echo,
-                                should_stop=lambda: live.stop, memory_cap_mb=cfg.trainer.memory_cap_mb)
+            watch_kwargs = dict(timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
+                                memory_cap_mb=cfg.trainer.memory_cap_mb)
+            if pool is not None:  # kept-alive ranks (tune.reuse_ranks): orchestrator/tune/pool.py
+                outcome = pool.run(cfg, run_dir, run_id, **watch_kwargs)
+            else:
+                outcome = supervise(launch, run_dir, echo=echo, **watch_kwargs)
         finally:
             if progress is not None:
                 progress.stop()

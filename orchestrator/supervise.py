@@ -114,29 +114,45 @@ def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
     return ""
 
 
-def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
-              on_events: Optional[Callable[[List[tuple[int, Event]]], None]] = None,
-              should_stop: Optional[Callable[[], bool]] = None, memory_cap_mb: float = 0.0,
-              echo: bool = True, poll_s: float = 0.5, fail_grace_s: float = 3.0) -> Outcome:
-    """Start `launch`, stream its output, and return how it ended (KeyboardInterrupt propagates
-    after every process of the job is ended)."""
-    env = {**os.environ, **launch.env}
-    proc = subprocess.Popen(
-        launch.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True, text=True, bufsize=1, errors="replace",
-    )
-    tail: Deque[str] = collections.deque(maxlen=200)
+class Launched:
+    """A started launcher: its process (own session) and a thread keeping its output's tail."""
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line.rstrip("\n"))
+    def __init__(self, launch: Launch, echo: bool, log: Optional[Path] = None) -> None:
+        env = {**os.environ, **launch.env}
+        self.proc = subprocess.Popen(
+            launch.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, text=True, bufsize=1, errors="replace",
+        )
+        self.world_size = launch.world_size
+        self.tail: Deque[str] = collections.deque(maxlen=200)
+        self._log = open(log, "a") if log else None
+        self.reader = threading.Thread(target=self._pump, args=(echo,), name="rank-output", daemon=True)
+        self.reader.start()
+
+    def _pump(self, echo: bool) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip("\n"))
             if echo:
                 sys.stdout.write(line)
                 sys.stdout.flush()
+            if self._log:
+                self._log.write(line)
+                self._log.flush()
 
-    reader = threading.Thread(target=pump, name="rank-output", daemon=True)
-    reader.start()
+    def kill(self, grace_s: float = 5.0) -> None:
+        kill_tree(self.proc, grace_s=grace_s)
+        self.reader.join(timeout=5.0)
+
+
+def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeout_s: float = 0.0,
+          on_events: Optional[Callable[[List[tuple[int, Event]]], None]] = None,
+          should_stop: Optional[Callable[[], bool]] = None, memory_cap_mb: float = 0.0,
+          poll_s: float = 0.5, fail_grace_s: float = 3.0) -> Outcome:
+    """Follow one job running on `launched` until `done()`, the launcher exits, a rank fails, the
+    timeout passes, `should_stop()` or the memory cap; every way but `done` ends the processes.
+    KeyboardInterrupt ends them too and propagates."""
+    proc = launched.proc
     events = EventTail(run_dir)
     start = time.monotonic()
     outcome = Outcome(returncode=None)
@@ -148,8 +164,12 @@ def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
                 batch = events.poll()
                 if batch:
                     on_events(batch)
-            if rc is not None:
-                outcome.returncode = rc
+            if done():
+                rc = proc.poll()  # again: it may have exited since
+                outcome.returncode = 0 if rc is None else rc
+                break
+            if rc is not None:  # a kept-alive launcher exited before finishing the job
+                outcome.returncode = rc if rc != 0 else -1
                 break
             if timeout_s and time.monotonic() - start > timeout_s:
                 outcome.timed_out = True
@@ -158,14 +178,14 @@ def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
             elif memory_cap_mb:
                 outcome.over_memory = over_memory(proc, memory_cap_mb)
             if outcome.timed_out or outcome.stopped or outcome.over_memory:
-                kill_tree(proc)
+                launched.kill()
                 outcome.returncode = proc.returncode
                 break
             # a rank wrote its traceback: give the launcher a moment to stop the rest, then do it
             if fail_seen is None and any((run_dir / RANKS_DIR).glob("rank*.err")):
                 fail_seen = time.monotonic()
             if fail_seen is not None and time.monotonic() - fail_seen > fail_grace_s:
-                kill_tree(proc)
+                launched.kill()
                 outcome.returncode = proc.returncode if proc.returncode is not None else -9
                 break
             try:
@@ -173,17 +193,29 @@ def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
             except subprocess.TimeoutExpired:
                 pass
     except BaseException:
-        kill_tree(proc)
-        reader.join(timeout=2.0)
+        launched.kill(grace_s=2.0)
         raise
-    kill_tree(proc, grace_s=2.0)  # stragglers (e.g. DataLoader workers of a killed rank)
-    reader.join(timeout=5.0)
+    if proc.poll() is not None:
+        launched.reader.join(timeout=5.0)  # the last lines it printed
     if on_events is not None:
         batch = events.poll()
         if batch:
             on_events(batch)
-    outcome.output_tail = list(tail)
+    outcome.output_tail = list(launched.tail)
     outcome.failed_rank, outcome.error = _first_error(run_dir)
     if not outcome.ok and not outcome.error:
         outcome.error = "\n".join(outcome.output_tail[-30:])
+    return outcome
+
+
+def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
+              on_events: Optional[Callable[[List[tuple[int, Event]]], None]] = None,
+              should_stop: Optional[Callable[[], bool]] = None, memory_cap_mb: float = 0.0,
+              echo: bool = True, poll_s: float = 0.5, fail_grace_s: float = 3.0) -> Outcome:
+    """Start `launch` for the job in `run_dir`, stream its output, and return how it ended."""
+    launched = Launched(launch, echo)
+    outcome = watch(launched, run_dir, done=lambda: launched.proc.poll() is not None, timeout_s=timeout_s,
+                    on_events=on_events, should_stop=should_stop, memory_cap_mb=memory_cap_mb, poll_s=poll_s,
+                    fail_grace_s=fail_grace_s)
+    launched.kill(grace_s=2.0)  # stragglers (e.g. DataLoader workers of a killed rank)
     return outcome

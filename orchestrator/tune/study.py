@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from ..app import JobFailed, JobStopped, run_job
 from ..schema import Config, ConfigError, Objective, PrunerName
 from ..tracking import Tracker, resolve_uri
+from .pool import RankPool
 from .space import SearchSpace, apply
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
@@ -81,6 +82,7 @@ class Tuner:
         self.multi = self.t.objective is Objective.both
         self.tracker = Tracker(cfg.tracking)
         self.records: List[TrialRecord] = []
+        self.pool = RankPool(self.run_dir / "pools") if self.t.reuse_ranks else None
 
     # -- setup -----------------------------------------------------------------------------------
     def _study(self) -> Any:
@@ -154,6 +156,8 @@ class Tuner:
             status = "KILLED"
             raise
         finally:
+            if self.pool is not None:
+                self.pool.close()
             summary = self._finish(study, parent, status)
         return summary
 
@@ -199,7 +203,8 @@ class Tuner:
 
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
         try:
-            result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}")
+            result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
+                             pool=self.pool)
             rec.metrics = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
             rec.measured_s = _measured_seconds(result, cfg)
             rec.mlflow_run_id = result.get("mlflow_run_id")

@@ -1,0 +1,81 @@
+"""Ranks kept alive across the trials of a study (`tune.reuse_ranks`).
+
+Launching torchrun or horovodrun costs seconds per trial; a pool starts the ranks once per
+(backend, world size, ...) and hands them one trial after another through job files
+(`<pool dir>/jobs/<seq>.json`, renamed into place). The ranks rebuild the data loader, model and
+optimizer for each trial's knobs (orchestrator.rank.pool_main). A failed, timed-out or pruned
+trial ends the pool's processes; the next trial starts fresh ranks. `close()` (study end, failure
+or interrupt) ends them all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from ..launch import build_launch
+from ..rank import RANKS_DIR
+from ..schema import Config
+from ..supervise import Launched, Outcome, watch
+
+
+def pool_key(cfg: Config) -> tuple:
+    """What needs new processes when it changes."""
+    b, p = cfg.backend, cfg.parallelism
+    return (b.name, b.device, b.dist_backend, b.gloo, cfg.world_size, p.nproc_per_node, p.nnodes, p.hosts,
+            p.hostfile, p.master_addr)
+
+
+class RankPool:
+    def __init__(self, base_dir: Path) -> None:
+        self.base = Path(base_dir)
+        self.launched: Optional[Launched] = None
+        self.key: Optional[tuple] = None
+        self.dir: Optional[Path] = None
+        self.seq = 0
+        self.starts = 0
+
+    def _start(self, cfg: Config) -> None:
+        self.close()
+        self.starts += 1
+        self.dir = self.base / f"pool{self.starts:03d}"
+        (self.dir / "jobs").mkdir(parents=True, exist_ok=True)
+        launch = build_launch(cfg, self.dir, pool_dir=self.dir)
+        self.launched = Launched(launch, echo=False, log=self.dir / "output.log")
+        self.key, self.seq = pool_key(cfg), 0
+
+    def alive(self) -> bool:
+        return self.launched is not None and self.launched.proc.poll() is None
+
+    def run(self, cfg: Config, run_dir: Path, mlflow_run_id: Optional[str], **watch_kwargs: Any) -> Outcome:
+        """Run the job in `run_dir` (its config.yaml written) on the pool's ranks."""
+        if not self.alive() or self.key != pool_key(cfg):
+            self._start(cfg)
+        assert self.launched is not None and self.dir is not None
+        job = self.dir / "jobs" / f"{self.seq:06d}.json"
+        tmp = job.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id}))
+        tmp.replace(job)
+        self.seq += 1
+        world = self.launched.world_size
+        ranks = run_dir / RANKS_DIR
+        outcome = watch(self.launched, run_dir, done=lambda: len(list(ranks.glob("rank*.json"))) >= world,
+                        poll_s=0.02, **watch_kwargs)
+        if not outcome.ok:
+            self.close()  # fresh ranks for the next trial
+        return outcome
+
+    def close(self) -> None:
+        """End the pool's processes: ask politely (stop file), then kill what is left."""
+        if self.launched is None:
+            return
+        if self.dir is not None and self.alive():
+            (self.dir / "stop").touch()
+            try:
+                self.launched.proc.wait(timeout=10)
+            except Exception:
+                pass
+        self.launched.kill(grace_s=2.0)
+        self.launched = None
+        self.key = None

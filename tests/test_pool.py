@@ -1,0 +1,64 @@
+"""tune.reuse_ranks: trials handed to kept-alive ranks give the same answers as relaunching,
+a crashed trial gets fresh ranks, and nothing outlives the study."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+from orchestrator.tune.study import run_study
+
+from .conftest import job_processes
+
+SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
+         "tune.baseline=false"]
+
+
+def trials_of(summary):
+    return optuna.load_study(study_name=summary["study_name"], storage=summary["storage"]).trials
+
+
+@pytest.mark.parametrize("backend", ["single", "ddp"])
+def test_pool_and_relaunch_find_the_same_best(make_cfg, tmp_path, backend):
+    # 3 ms reads per sample: 4 DataLoader workers are clearly better than none
+    common = [f"backend={backend}", "parallelism.nproc_per_node=2", "experiment=input_bound",
+              "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=2",
+              "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
+              "tune.space.accumulation_steps.high=1", "tune.space.num_workers.type=categorical",
+              "tune.space.num_workers.choices=[0,4]"]
+    best = {}
+    for reuse in (True, False):
+        d = tmp_path / f"reuse-{reuse}"
+        summary = run_study(make_cfg(*common, f"tune.reuse_ranks={reuse}", f"tune.storage=sqlite:///{d}/optuna.db"),
+                            d, echo=False)
+        assert summary["n_trials"] == 2
+        best[reuse] = summary["best"]["values"]["data.num_workers"]
+        pools = list((d / "pools").glob("pool*")) if (d / "pools").exists() else []
+        assert len(pools) == (1 if reuse else 0)  # one set of ranks for the whole study, or none
+        pids = {json.loads((p / "ranks" / "rank0.json").read_text())["pid"] for p in (d / "trials").iterdir()}
+        assert len(pids) == (1 if reuse else 2)  # the same rank process ran both trials
+        assert not job_processes(d)
+    assert best[True] == best[False] == 4
+
+
+def test_crashed_trial_gets_fresh_ranks(make_cfg, tmp_path):
+    cfg = make_cfg("model._target_=tasks.faults.FailingLinear", *SHORT, "tune.n_trials=5", "tune.max_failure_rate=1",
+                   f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.high=16",
+                   "tune.space.num_workers.high=0",
+                   "+tune.space.crash={key: model.args.fail_at, type: categorical, choices: [2, 100000]}")
+    summary = run_study(cfg, tmp_path, echo=False)
+    launched = [t for t in trials_of(summary) if "duplicate_of" not in t.user_attrs]
+    states = [t.state.name for t in launched]
+    assert summary["n_trials"] == 5 and "FAIL" in states and "COMPLETE" in states
+    for t in launched:
+        crashed = t.user_attrs["values"]["model.args.fail_at"] == 2
+        assert (t.state == optuna.trial.TrialState.FAIL) == crashed, t.user_attrs
+    # every failure ends its ranks; the next trial starts fresh ones
+    fails_followed = sum(s == "FAIL" for s in states[:-1])
+    assert len(list((tmp_path / "pools").glob("pool*"))) == 1 + fails_followed
+    pids = [json.loads((tmp_path / "trials" / f"{t.number:04d}" / "ranks" / "rank0.json").read_text())["pid"]
+            for t in launched if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(set(pids)) <= 1 + fails_followed
+    assert not job_processes(tmp_path)
