@@ -18,3 +18,4 @@ bench:
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_launch.py
 	$(PY) bench/bench_tune.py
+	$(PY) bench/bench_pool.py

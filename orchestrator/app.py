@@ -103,7 +103,8 @@ def _progress() -> Any:
 
 
 def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
-            monitor: Optional[Monitor] = None, run_name: Optional[str] = None, pool: Any = None) -> Dict[str, Any]:
+            monitor: Optional[Monitor] = None, run_name: Optional[str] = None, pool: Any = None,
+            tracker: Optional[Tracker] = None, plots: bool = True) -> Dict[str, Any]:
     """Launch the job described by `cfg`, supervise it, merge and record its measured load.
 
     Returns the result (also in `run_dir/result.json`). Raises ConfigError before launching
@@ -118,8 +119,9 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
         _archive_attempt(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
-    tracker.check()
+    if tracker is None:
+        tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
+        tracker.check()
     launch = build_launch(cfg, run_dir)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
@@ -165,7 +167,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         result.update(merge(ranks))
         result["wall_s"] = time.monotonic() - t0
         if result.get("measured_steps"):
-            report, report_files = load_report.write(result, cfg, ranks, run_dir)
+            report, report_files = load_report.write(result, cfg, ranks, run_dir, plots=plots)
             result["diagnosis"] = report["diagnosis"]
             result["bottleneck"] = report["diagnosis"]["verdict"]
             result["straggler"] = report["straggler"]

@@ -80,7 +80,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
+def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
     """Utilization and data-wait timeline per rank; stacked step-time breakdown per rank."""
     import matplotlib
 
@@ -129,16 +129,19 @@ def plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
     return made
 
 
-def write(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]], run_dir: Path) -> tuple:
-    """Writes the report files; returns (report, [paths])."""
+def write(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]], run_dir: Path,
+          plots: bool = True) -> tuple:
+    """Writes the report files (and, with `plots`, the PNGs); returns (report, [paths])."""
     report = build(result, cfg, rank_results)
     js = run_dir / "load_report.json"
     js.write_text(json.dumps(report, indent=2, default=str))
     md = run_dir / "load_report.md"
     md.write_text(to_markdown(report))
     paths = [js, md]
+    if not plots:
+        return report, paths
     try:
-        paths += plots(rank_results, run_dir)
+        paths += make_plots(rank_results, run_dir)
     except Exception as exc:  # a plot must never cost the run its result
         print(f"[report] no plots: {exc}")
     return report, paths

@@ -63,10 +63,19 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp.replace(path)  # the parent never reads a half-written file
 
 
-def run_one(root: Path, adapter, cfg) -> None:
-    """Train the job in `root` on an adapter that is set up; write this rank's result."""
+def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
+    """Train the job in `root` on an adapter that is set up; write this rank's result.
+    `datasets` (kept-alive ranks) reuses a dataset built by an earlier job with the same arguments."""
     from .checkpoint import find_latest
-    from .runtime.loop import EventLog, train
+    from .runtime.loop import EventLog, build_dataset, train
+
+    dataset = None
+    if datasets is not None:
+        key = json.dumps([cfg.data._target_, cfg.data.args, cfg.data.read_latency_ms], sort_keys=True, default=str)
+        if key not in datasets:
+            datasets.clear()  # one at a time: a study varies the loader, rarely the data
+            datasets[key] = build_dataset(cfg)
+        dataset = datasets[key]
 
     rank = adapter.rank
     paths = rank_paths(root, rank)
@@ -74,7 +83,7 @@ def run_one(root: Path, adapter, cfg) -> None:
     try:
         resume = find_latest(Path(cfg.trainer.resume)) if cfg.trainer.resume else None
         res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json",
-                    ckpt_dir=root, resume=resume)
+                    ckpt_dir=root, resume=resume, dataset=dataset)
     finally:
         events.close()
     if cfg.trainer.save_model and rank == 0:
@@ -166,6 +175,7 @@ def pool_main(pool_dir: str) -> int:
 
         _prefix_if_torchrun(rank)
         seq = 0
+        datasets: dict = {}
         while True:
             job = next_job(pool, seq)
             if job is None:
@@ -180,7 +190,7 @@ def pool_main(pool_dir: str) -> int:
             adapter.cfg = cfg  # same backend and world size; the knobs are the job's own
             if job.get("mlflow_run_id"):
                 os.environ[MLFLOW_RUN_ENV] = job["mlflow_run_id"]
-            run_one(root, adapter, cfg)
+            run_one(root, adapter, cfg, datasets)
             gc.collect()  # the last job's loader workers and tensors go now, not later
             seq += 1
     except BaseException as exc:  # noqa: BLE001

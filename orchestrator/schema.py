@@ -313,6 +313,7 @@ class TuneConfig:
     seed: int = 0
     baseline: bool = True  # trial 0 runs the config as given, for comparison
     reuse_ranks: bool = True  # keep the ranks alive across trials (new ones when backend/world size change)
+    trial_plots: bool = False  # timeline/breakdown PNGs for every trial (~0.4 s each); the report files always
     trial_timeout_s: float = 600.0
     # name -> ParamSpec fields; free-form so `+tune.space.x={key: ..., ...}` works from the CLI
     # (OmegaConf cannot add a typed dict entry through an override). Typed in __post_init__.

@@ -81,6 +81,12 @@ class Tracker:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"tracking.uri: cannot use {self.uri}: {first[:300]}") from None
 
+    def sibling(self) -> "Tracker":
+        """A tracker for another run in the same checked store and experiment (no second check)."""
+        other = Tracker(self.cfg, enabled=self.enabled)
+        other.client, other.experiment_id = self.client, self.experiment_id
+        return other
+
     def _artifact_root(self) -> Optional[str]:
         """Artifacts of a SQLite store live beside the DB (not in the working directory)."""
         if self.uri.startswith("sqlite:///"):

@@ -211,7 +211,8 @@ def top_ops(prof: Any, cuda: bool, n: int = 15) -> list:
 
 def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
           model: Optional[nn.Module] = None, trace_path: Optional[Path] = None,
-          ckpt_dir: Optional[Path] = None, resume: Optional[Path] = None) -> TrainResult:
+          ckpt_dir: Optional[Path] = None, resume: Optional[Path] = None,
+          dataset: Optional[Dataset] = None) -> TrainResult:
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
     events = events or EventLog(None)
     t = cfg.trainer
@@ -220,7 +221,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not t.deterministic
 
-    dataset = build_dataset(cfg)
+    dataset = dataset if dataset is not None else build_dataset(cfg)
     loader = build_loader(cfg, dataset, adapter)
     if len(loader) == 0:
         raise ValueError(

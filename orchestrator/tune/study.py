@@ -204,7 +204,7 @@ class Tuner:
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
         try:
             result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
-                             pool=self.pool)
+                             pool=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
             rec.metrics = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
             rec.measured_s = _measured_seconds(result, cfg)
             rec.mlflow_run_id = result.get("mlflow_run_id")
