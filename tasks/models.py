@@ -37,9 +37,10 @@ class MLP(nn.Module):
 
 
 class ManySmallLayers(nn.Module):
-    """Many tiny parameter tensors and almost no compute: a communication-heavy workload."""
+    """Many parameter tensors and almost no compute: a communication-heavy workload. (Very narrow
+    layers would make it bound by per-operator overhead on CPU instead, not by the all-reduce.)"""
 
-    def __init__(self, in_features: int = 16, width: int = 16, depth: int = 64, out_features: int = 2) -> None:
+    def __init__(self, in_features: int = 16, width: int = 128, depth: int = 16, out_features: int = 2) -> None:
         super().__init__()
         self.inp = nn.Linear(in_features, width)
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
