@@ -1,4 +1,5 @@
-"""Per-rank results merged into one job result: totals, imbalance, straggler, bottleneck."""
+"""Per-rank results merged into one job result: totals, imbalance, straggler (the verdict on what
+bounds the job is diagnose.py's)."""
 
 from __future__ import annotations
 
@@ -17,26 +18,11 @@ RANK_FIELDS = (
     "utilization_spread", "throughput_spread",
 )
 
-# A share of the step above this is what the step is bound by (see `bottleneck`).
-BOUND_SHARE = 0.3
-
-
 def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
     out = []
     for path in (run_dir / RANKS_DIR).glob("rank*.json"):
         out.append(json.loads(path.read_text()))
     return sorted(out, key=lambda r: r["rank"])
-
-
-def bottleneck(r: Dict[str, Any]) -> str:
-    """The largest of input (data + h2d), communication and compute shares of the step."""
-    shares = {
-        "input": r.get("data_wait_frac", 0.0) + r.get("h2d_frac", 0.0),
-        "communication": r.get("comm_frac", 0.0),
-        "compute": r.get("compute_frac", 0.0) + r.get("optimizer_frac", 0.0),
-        "overhead": r.get("other_frac", 0.0),
-    }
-    return max(shares, key=shares.__getitem__)
 
 
 def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -82,7 +68,6 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "utilization_spread": max(utils) - min(utils),
         "straggler_rank": straggler if len(measured) > 1 else None,
     }
-    job["bottleneck"] = bottleneck(job)
     return job
 
 

@@ -81,7 +81,6 @@ class Tuner:
                                          f"{datetime.now():%Y%m%d-%H%M%S}"
         self.multi = self.t.objective is Objective.both
         self.tracker = Tracker(cfg.tracking)
-        self.records: List[TrialRecord] = []
         self.pool = RankPool(self.run_dir / "pools") if self.t.reuse_ranks else None
 
     # -- setup -----------------------------------------------------------------------------------
@@ -284,7 +283,6 @@ class Tuner:
 
     def _record(self, rec: TrialRecord, t0: float) -> None:
         rec.duration_s = rec.duration_s or time.monotonic() - t0
-        self.records.append(rec)
         m = rec.metrics
         knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in rec.values.items() if v is not None)
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s"
