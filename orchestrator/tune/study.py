@@ -62,7 +62,6 @@ class TrialRecord:
     metrics: Dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
     measured_s: float = 0.0
-    run_dir: str = ""
     mlflow_run_id: Optional[str] = None
     error: str = ""
 
@@ -166,7 +165,6 @@ class Tuner:
         values = self.space.sample(trial)
         rec = TrialRecord(trial.number, "RUNNING", values)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
-        rec.run_dir = str(run_dir)
         trial.set_user_attr("values", values)
         twin = self._measured_twin(study, values)
         if twin is not None:  # the sampler proposed a config already measured: no second launch
