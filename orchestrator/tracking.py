@@ -14,19 +14,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 from .schema import ConfigError, TrackingConfig
+from .stores import resolve_uri, sqlite_lock, sqlite_path
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-
-
-def resolve_uri(uri: str) -> str:
-    """Relative SQLite paths are relative to the working directory; make them absolute so ranks,
-    subprocesses and the UI agree."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
 
 
 class Tracker:
@@ -44,8 +36,8 @@ class Tracker:
         """Make sure the tracking store is usable; raises ConfigError naming tracking.uri."""
         if not self.enabled:
             return
-        if self.uri.startswith("sqlite:///"):
-            db = Path(self.uri[len("sqlite:///"):])
+        db = sqlite_path(self.uri)
+        if db is not None:
             try:
                 db.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -61,25 +53,41 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         try:
-            self.client = MlflowClient(tracking_uri=self.uri)
-            exp = self.client.get_experiment_by_name(self.cfg.experiment)
-            if exp is None:
-                # the UI shows training runs (not its GenAI views) for this kind of experiment
-                self.experiment_id = self.client.create_experiment(
-                    self.cfg.experiment, self._artifact_root(), tags={"mlflow.experimentKind": "custom_model_development"})
-            else:
-                if exp.lifecycle_stage == "deleted":
-                    raise ConfigError(
-                        f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.uri}; restore it or pick another name"
-                    )
-                self.experiment_id = exp.experiment_id
-                if "mlflow.experimentKind" not in exp.tags:  # older experiments: show them as training runs
-                    self.client.set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "custom_model_development")
+            # The first use of a fresh SQLite file creates MLflow's tables: one process at a time.
+            with sqlite_lock(self.uri):
+                self.client = MlflowClient(tracking_uri=self.uri)
+                exp = self._get_or_create_experiment()
+            if exp.lifecycle_stage == "deleted":
+                raise ConfigError(
+                    f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.uri}; restore it or pick another name"
+                )
+            self.experiment_id = exp.experiment_id
+            if "mlflow.experimentKind" not in exp.tags:  # older experiments: show them as training runs
+                self.client.set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "custom_model_development")
         except ConfigError:
             raise
         except Exception as exc:  # driver missing, auth, schema...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"tracking.uri: cannot use {self.uri}: {first[:300]}") from None
+
+    def _get_or_create_experiment(self) -> Any:
+        """The experiment named tracking.experiment, created if missing. Another process (on this
+        machine or another, on any store) may create it between our read and our create: its
+        "already exists" is success, and we read the experiment back."""
+        name = self.cfg.experiment
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp
+        try:
+            # the UI shows training runs (not its GenAI views) for this kind of experiment
+            self.client.create_experiment(name, self._artifact_root(),
+                                          tags={"mlflow.experimentKind": "custom_model_development"})
+        except Exception:  # created meanwhile by someone else, or a real error: the read tells
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp
+        return self.client.get_experiment_by_name(name)
 
     def sibling(self) -> "Tracker":
         """A tracker for another run in the same checked store and experiment (no second check)."""
@@ -89,8 +97,9 @@ class Tracker:
 
     def _artifact_root(self) -> Optional[str]:
         """Artifacts of a SQLite store live beside the DB (not in the working directory)."""
-        if self.uri.startswith("sqlite:///"):
-            return (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+        db = sqlite_path(self.uri)
+        if db is not None:
+            return (db.parent / "mlartifacts").as_uri()
         return None  # a server decides
 
     def start(self, run_name: Optional[str], params: Dict[str, Any], tags: Dict[str, str],

@@ -141,20 +141,45 @@ def test_resume_adds_up(make_cfg, tmp_path):
     assert all(t.state.is_finished() for t in trials)
 
 
-def test_two_tuner_processes_share_one_study(tmp_path, mlflow_uri):
-    args = [sys.executable, "-m", "orchestrator", *SHORT, "tune.n_trials=5", "tune.study_name=shared",
-            f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.high=32",
-            "tune.space.num_workers.high=0", f"tracking.uri={mlflow_uri}"]
+def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):
+    """A job scheduler starts workers at the same moment: on fresh SQLite stores (Optuna and
+    MLflow) every one of them must come up, and together they run exactly n_trials."""
+    optuna_url, mlflow_url = f"sqlite:///{tmp_path}/optuna.db", f"sqlite:///{tmp_path}/mlflow.db"
+    args = [sys.executable, "-m", "orchestrator", *SHORT, "tune.n_trials=6", "tune.study_name=shared",
+            f"tune.storage={optuna_url}", "tune.space.batch_size.high=32", "tune.space.num_workers.high=0",
+            f"tracking.uri={mlflow_url}"]
     procs = [subprocess.Popen(args + [f"hydra.run.dir={tmp_path}/p{i}"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                              stderr=subprocess.STDOUT, text=True) for i in range(4)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    study = optuna.load_study(study_name="shared", storage=f"sqlite:///{tmp_path}/optuna.db")
-    assert counted(study.trials) == 5 and all(t.state.is_finished() for t in study.trials)
-    ran = [json.loads((tmp_path / f"p{i}" / "summary.json").read_text()) for i in range(2)]
-    assert all(r["n_trials"] == 5 for r in ran)
-    per_process = [len(list((tmp_path / f"p{i}" / "trials").iterdir())) for i in range(2)]
-    assert sum(per_process) == 5 and min(per_process) >= 1  # both did work, none duplicated
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
+    study = optuna.load_study(study_name="shared", storage=optuna_url)
+    assert counted(study.trials) == 6 and all(t.state.is_finished() for t in study.trials)
+    assert sum(bool(t.user_attrs.get("baseline")) for t in study.trials) == 1
+    launched = [t for t in study.trials if "mlflow_run_id" in t.user_attrs]
+    per_process = [len(list((tmp_path / f"p{i}" / "trials").glob("*"))) if (tmp_path / f"p{i}" / "trials").exists()
+                   else 0 for i in range(4)]
+    assert sum(per_process) == len(launched)  # no trial ran twice
+    client = MlflowClient(mlflow_url)
+    runs = client.search_runs([client.get_experiment_by_name("orchestrator").experiment_id])
+    parents = {r.info.run_id for r in runs if r.data.tags.get("mode") == "tune"}
+    assert len(parents) == 4  # one study run per tuner process
+    assert {r.info.run_id for r in runs} >= parents | {t.user_attrs["mlflow_run_id"] for t in launched}
+    nested = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
+    assert len(nested) == len(launched)  # every trial's nested run is there
+    assert all(r.info.status != "RUNNING" for r in runs)
+
+
+def test_runs_started_together_on_a_fresh_tracking_db(tmp_path):
+    mlflow_url = f"sqlite:///{tmp_path}/mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "trainer.max_steps=6", "trainer.warmup_steps=1",
+                               "trainer.window_steps=2", f"tracking.uri={mlflow_url}", f"hydra.run.dir={tmp_path}/r{i}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    ids = {json.loads((tmp_path / f"r{i}" / "result.json").read_text())["mlflow_run_id"] for i in range(3)}
+    client = MlflowClient(mlflow_url)
+    assert len(ids) == 3 and all(client.get_run(i).info.status == "FINISHED" for i in ids)
+    assert len(client.search_experiments(filter_string="name = 'orchestrator'")) == 1
 
 
 def test_global_batch_holds_the_model_math(make_cfg, tmp_path):

@@ -10,17 +10,16 @@ from winning when it costs samples per second.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, run_job
 from ..schema import Config, ConfigError, Objective, PrunerName
-from ..tracking import Tracker, resolve_uri
+from ..stores import resolve_uri, sqlite_lock
+from ..tracking import Tracker
 from .pool import RankPool
 from .space import SearchSpace, apply
 
@@ -36,22 +35,11 @@ def storage_url(url: str) -> str:
     return resolve_uri(url)  # relative sqlite paths are relative to the working directory
 
 
-@contextlib.contextmanager
-def study_lock(storage: str, study_name: str) -> Iterator[None]:
+def study_lock(storage: str, study_name: str):
     """Serializes 'count trials, then ask' between tuner processes sharing a SQLite study, so
     together they run exactly n_trials. (Server databases: processes on several machines may
     overshoot by at most one trial each.)"""
-    if not storage.startswith("sqlite:///"):
-        yield
-        return
-    path = Path(storage[len("sqlite:///"):] + f".{study_name}.lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return sqlite_lock(storage, study_name)
 
 
 @dataclass
@@ -89,16 +77,9 @@ class Tuner:
             Path(self.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
                   if self.t.pruner is PrunerName.median and not self.multi else optuna.pruners.NopPruner())
-        with study_lock(self.storage, self.name):
-            try:
-                study = optuna.create_study(
-                    study_name=self.name, storage=self.storage, load_if_exists=True, pruner=pruner,
-                    directions=["maximize", "maximize"] if self.multi else ["maximize"],
-                )
-            except ValueError as exc:  # e.g. resuming a single-objective study as multi-objective
-                raise ConfigError(f"tune.study_name: cannot resume '{self.name}': {exc}") from None
-            except Exception as exc:
-                raise ConfigError(f"tune.storage: cannot use {self.storage}: {str(exc).splitlines()[0][:200]}") from None
+        # the store lock covers the first use of a fresh SQLite file (Optuna creates its tables)
+        with sqlite_lock(self.storage), study_lock(self.storage, self.name):
+            study = self._create_or_load(pruner)
             worker = int(study.user_attrs.get("workers", 0))
             study.set_user_attr("workers", worker + 1)
             if worker == 0 and self.t.baseline and not study.trials:
@@ -109,6 +90,23 @@ class Tuner:
         study.sampler = optuna.samplers.TPESampler(seed=self.t.seed + worker, multivariate=True,
                                                    n_startup_trials=min(5, max(2, self.t.n_trials // 4)))
         return study
+
+    def _create_or_load(self, pruner: Any, attempts: int = 3) -> Any:
+        """create_study(load_if_exists=True); on a server database another machine's tuner may be
+        creating the schema or the study at the same moment: try again before giving up."""
+        for attempt in range(attempts):
+            try:
+                return self.optuna.create_study(
+                    study_name=self.name, storage=self.storage, load_if_exists=True, pruner=pruner,
+                    directions=["maximize", "maximize"] if self.multi else ["maximize"],
+                )
+            except ValueError as exc:  # e.g. resuming a single-objective study as multi-objective
+                raise ConfigError(f"tune.study_name: cannot resume '{self.name}': {exc}") from None
+            except Exception as exc:
+                if attempt == attempts - 1:
+                    raise ConfigError(f"tune.storage: cannot use {self.storage}: {str(exc).splitlines()[0][:200]}") from None
+                time.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _contains(self, name: str, value: Any) -> bool:
         d = next(d for d in self.space.dims if d.name == name)
