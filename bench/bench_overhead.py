@@ -31,14 +31,12 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

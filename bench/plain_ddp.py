@@ -11,9 +11,7 @@ time, the same statistic the orchestrator's StepMeter reports as `step_time_s`.
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tasks.datasets
 
 import torch
 import torch.distributed as dist

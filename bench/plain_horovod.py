@@ -12,9 +12,7 @@ time, the same statistic the orchestrator's StepMeter reports as `step_time_s`.
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tasks.datasets
 
 import horovod.torch as hvd
 import torch

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
+from typing import List
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -52,7 +54,7 @@ def main(dcfg: DictConfig) -> None:
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
-    from .app import JobFailed, print_summary, run_job
+    from .app import JobFailed, NothingToResume, print_summary, run_job
     from .tune.study import StudyFailed
 
     try:
@@ -64,9 +66,14 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
             run_study(cfg, run_dir, overrides=overrides)
             return 0
         result = run_job(cfg, run_dir, extra_tags=tags)
+    except NothingToResume as exc:
+        print(f"[orchestrator] {exc}")
+        return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        (run_dir / "result.json").write_text(json.dumps({"status": "INVALID", "error": str(exc)}))
+        out = run_dir / "result.json"
+        if not out.exists():  # a refused resume runs in the run it names: leave its records alone
+            out.write_text(json.dumps({"status": "INVALID", "error": str(exc)}))
         return EXIT_CONFIG
     except StudyFailed as exc:
         print(f"error: tune: study stopped: {exc} (run dir: {run_dir})", file=sys.stderr)
@@ -77,18 +84,51 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         return EXIT_FAILED
     except Terminated:
         print("error: terminated (SIGTERM); every rank was stopped", file=sys.stderr)
+        _resume_hint(run_dir, overrides)
         sys.exit(EXIT_SIGTERM)
     except KeyboardInterrupt:
         print("error: interrupted; every rank was stopped", file=sys.stderr)
+        _resume_hint(run_dir, overrides)
         sys.exit(EXIT_SIGINT)
     print_summary(result, run_dir)
     return 0
+
+
+def _resume_hint(run_dir: Path, overrides: list) -> None:
+    """After an interrupt: the command that continues the run, when it has a checkpoint."""
+    from . import checkpoint
+    from .commands import orchestrator_command
+
+    if (run_dir / checkpoint.DIR).exists() and checkpoint.find_latest(run_dir) is not None:
+        args = [o for o in overrides if not o.lstrip("+~").startswith("trainer.resume=")]
+        print(f"resume it: {orchestrator_command([*args, f'trainer.resume={run_dir}'])}", file=sys.stderr)
+
+
+RESUME_ARG = re.compile(r"^\+{0,2}trainer\.resume=(.*)$")
+
+
+def resume_in_place(argv: List[str]) -> List[str]:
+    """A resume runs in the run dir it continues: point Hydra there (no new, empty run dir) and
+    keep Hydra from rewriting the run's own .hydra/ record. Values that do not resolve are left
+    for the config check, which names the field."""
+    values = [m.group(1) for m in map(RESUME_ARG.match, argv) if m]
+    if not values or values[-1] in ("", "null", "None") or {"-m", "--multirun"} & set(argv):
+        return argv
+    from .checkpoint import resolve_resume
+
+    try:
+        run_dir = resolve_resume(values[-1])
+    except ValueError:
+        return argv
+    kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir="))]
+    return [*kept, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
 
 
 def cli() -> None:
     # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.argv = [sys.argv[0], *resume_in_place(sys.argv[1:])]
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors

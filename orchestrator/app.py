@@ -6,8 +6,10 @@ only glue around it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 import socket
 import sys
 import time
@@ -17,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .report import load_rank_results, merge, summary_rows
-from .schema import Config, ConfigError, flatten, to_yaml
-from .supervise import Event, supervise
+from .runtime.dist import check_devices
+from .schema import Config, ConfigError, flatten, load_config, to_yaml
+from .supervise import Event, Outcome, supervise
 from .tracking import Tracker
 
 
@@ -28,6 +31,10 @@ class JobFailed(RuntimeError):
     def __init__(self, message: str, result: Dict[str, Any]) -> None:
         super().__init__(message)
         self.result = result
+
+
+class NothingToResume(Exception):
+    """trainer.resume names a run that finished, and the new config trains no further."""
 
 
 class JobStopped(JobFailed):
@@ -115,13 +122,14 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     resumed = resume_point(cfg) if cfg.trainer.resume else None
     if resumed is not None:  # continue in the original run dir, with the original MLflow run
         run_dir, meta = resumed
-        cfg.trainer.resume = str(run_dir)
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
         print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
         _archive_attempt(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
+    check_devices(cfg)
     launch = build_launch(cfg, run_dir)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
@@ -166,28 +174,17 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         ranks = load_rank_results(run_dir)
         result.update(merge(ranks))
         result["wall_s"] = time.monotonic() - t0
+        status, why = classify(outcome, len(ranks), expected, cfg.trainer.timeout_s)
+        result["status"] = status  # before the load report, which records it
         if result.get("measured_steps"):
             report, report_files = load_report.write(result, cfg, ranks, run_dir, plots=plots)
             result["diagnosis"] = report["diagnosis"]
             result["bottleneck"] = report["diagnosis"]["verdict"]
             result["straggler"] = report["straggler"]
-        if outcome.ok and len(ranks) == expected:
-            status = "FINISHED"
-        else:
-            if outcome.stopped:
-                status = "KILLED"
-                result["error"] = "stopped by the monitor (pruned)"
-                raise JobStopped("stopped", result)
-            if outcome.timed_out:
-                why = f"timed out after trainer.timeout_s={cfg.trainer.timeout_s:g}s"
-            elif outcome.over_memory:
-                why = f"out of memory: {outcome.over_memory}"
-            elif outcome.failed_rank is not None:
-                why = f"rank {outcome.failed_rank} failed"
-            elif outcome.ok:
-                why = f"only {len(ranks)} of {expected} ranks reported a result"
-            else:
-                why = f"launcher exited with code {outcome.returncode}"
+        if status == "KILLED":
+            result["error"] = why
+            raise JobStopped("stopped", result)
+        if status == "FAILED":
             result["error"] = f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
     except KeyboardInterrupt:
@@ -200,8 +197,28 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     return result
 
 
-def resume_point(cfg: Config) -> Optional[tuple]:
-    """(run dir, checkpoint metadata) for trainer.resume; ConfigError when it cannot resume."""
+def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
+    """(status, why) of a watched job: FINISHED, KILLED (the monitor stopped it: a pruned trial)
+    or FAILED, with the reason a user reads first."""
+    if outcome.ok and reported == expected:
+        return "FINISHED", ""
+    if outcome.stopped:
+        return "KILLED", "stopped by the monitor (pruned)"
+    if outcome.timed_out:
+        return "FAILED", f"timed out after trainer.timeout_s={timeout_s:g}s"
+    if outcome.over_memory:
+        return "FAILED", f"out of memory: {outcome.over_memory}"
+    if outcome.failed_rank is not None:
+        return "FAILED", f"rank {outcome.failed_rank} failed"
+    if outcome.ok:
+        return "FAILED", f"only {reported} of {expected} ranks reported a result"
+    return "FAILED", f"launcher exited with code {outcome.returncode}"
+
+
+def resume_point(cfg: Config) -> tuple:
+    """(run dir, checkpoint metadata) for trainer.resume. ConfigError when it cannot resume (no
+    checkpoint, another world size, a key the checkpoint fixed changed); NothingToResume when the
+    run finished and the new config trains no further. Neither touches the run."""
     try:
         run_dir = checkpoint.resolve_resume(str(cfg.trainer.resume))
     except ValueError as exc:
@@ -210,17 +227,39 @@ def resume_point(cfg: Config) -> Optional[tuple]:
     if meta["world_size"] != cfg.world_size:
         raise ConfigError(f"trainer.resume: the checkpoint was written by {meta['world_size']} ranks and this job has "
                           f"{cfg.world_size}; resume with the same world size (parallelism.nproc_per_node / nnodes)")
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.exists():
+        return run_dir, meta
+    saved = load_config(str(saved_path))
+    changed = checkpoint.changed_keys(flatten(saved), flatten(cfg))
+    if changed:
+        listed = ", ".join(f"{k} ({old} -> {new})" for k, old, new in changed)
+        raise ConfigError(f"trainer.resume: a resume continues the same run, but these keys differ from its config.yaml: "
+                          f"{listed}; pass the run's own values (README, 'Long runs', lists what may change)")
+    result_path = run_dir / "result.json"
+    previous = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if previous.get("status") == "FINISHED" and not checkpoint.trains_further(
+            saved.trainer, cfg.trainer, int(previous.get("steps") or 0), previous.get("steps_per_epoch")):
+        raise NothingToResume(
+            f"nothing to resume: {run_dir} finished at step {previous.get('steps', meta['step'])} "
+            f"(trainer.max_steps={saved.trainer.max_steps}, trainer.epochs={saved.trainer.epochs}); raise "
+            "trainer.max_steps or trainer.epochs to train further. Its records are unchanged.")
     return run_dir, meta
 
 
 def _archive_attempt(run_dir: Path) -> None:
-    """Keep the interrupted attempt's rank files (renamed), so the supervisor starts clean."""
-    ranks = run_dir / "ranks"
-    if ranks.exists():
-        n = 1
-        while (run_dir / f"ranks.attempt{n}").exists():
-            n += 1
-        ranks.rename(run_dir / f"ranks.attempt{n}")
+    """Keep what the earlier attempt recorded under attempts/<n>/ (its rank files, config, result
+    and load report), so the new attempt overwrites nothing and the supervisor starts clean."""
+    n = 1
+    while (run_dir / "attempts" / str(n)).exists():
+        n += 1
+    dest = run_dir / "attempts" / str(n)
+    dest.mkdir(parents=True)
+    if (run_dir / "ranks").exists():
+        (run_dir / "ranks").rename(dest / "ranks")
+    for name in ("config.yaml", "result.json", "load_report.json", "load_report.md"):
+        if (run_dir / name).exists():
+            shutil.copy2(run_dir / name, dest / name)
 
 
 def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, files: List[Path], status: str) -> None:

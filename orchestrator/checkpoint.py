@@ -23,7 +23,7 @@ import torch
 
 from .rank import MLFLOW_RUN_ENV
 
-__all__ = ["MLFLOW_RUN_ENV", "find_latest", "load", "meta_of", "resolve_resume", "save"]
+__all__ = ["MAY_CHANGE", "MLFLOW_RUN_ENV", "changed_keys", "find_latest", "load", "meta_of", "resolve_resume", "save"]
 
 DIR = "checkpoints"
 KEEP = 2  # checkpoints kept on disk (the newest and the one before it)
@@ -109,3 +109,36 @@ def resolve_resume(value: str, outputs: Path = Path("outputs")) -> Path:
     if find_latest(run_dir) is None:
         raise ValueError(f"trainer.resume: {run_dir} holds no complete checkpoint")
     return run_dir
+
+
+# What a resume may change: how long and how often, where it is recorded, the loader's speed knobs
+# and the machines' addresses. Everything else (model and data targets and args, batch size,
+# accumulation, seed, optimizer, backend, world size, ...) was fixed by the checkpoint and must
+# match the run's config.yaml. Prefixes of dotted keys.
+MAY_CHANGE = (
+    "mode", "tags", "tune.", "tracking.",
+    "trainer.max_steps", "trainer.epochs", "trainer.checkpoint_every", "trainer.timeout_s", "trainer.resume",
+    "trainer.log_every", "trainer.window_steps", "trainer.warmup_steps", "trainer.profile_steps",
+    "trainer.save_model", "trainer.memory_cap_mb",
+    "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
+    "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
+    "parallelism.hostfile",
+)
+
+
+def changed_keys(saved: Dict[str, Any], new: Dict[str, Any]) -> list:
+    """(key, saved value, new value) for every flattened key a resume may not change."""
+    keys = sorted(set(saved) | set(new))
+    return [(k, saved.get(k), new.get(k)) for k in keys
+            if not k.startswith(MAY_CHANGE) and str(saved.get(k)) != str(new.get(k))]
+
+
+def trains_further(saved: Any, new: Any, steps_done: int, steps_per_epoch: Optional[int]) -> bool:
+    """Would the new trainer config (max_steps, epochs) train past `steps_done`, where the saved
+    one finished? Without the epoch length (older results), any raised limit counts."""
+    if steps_per_epoch:
+        total = steps_per_epoch * new.epochs
+        return (min(total, new.max_steps) if new.max_steps else total) > steps_done
+    if new.epochs > saved.epochs:
+        return True
+    return saved.max_steps != 0 and (new.max_steps == 0 or new.max_steps > saved.max_steps)

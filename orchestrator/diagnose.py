@@ -99,7 +99,7 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float]) -
 
 def straggler_note(job: Dict[str, Any]) -> Optional[str]:
     imb = job.get("imbalance") or {}
-    if imb.get("straggler_rank") is None or imb.get("own_time_spread", 0.0) <= STRAGGLER_SPREAD:
+    if imb.get("straggler_rank") is None:  # named by report.merge only past STRAGGLER_SPREAD
         return None
     return (f"rank {imb['straggler_rank']} is a straggler: its own work per step is {_pct(imb['own_time_spread'])} above "
             f"the fastest rank's (> {_pct(STRAGGLER_SPREAD)}); the others wait for it in the all-reduce. Check its "

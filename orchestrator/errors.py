@@ -56,7 +56,8 @@ def format_error(exc: BaseException) -> str:
 
     m = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
     if m:
-        return (f"{m.group(1)}: a value with commas must be quoted, e.g. {m.group(1)}='{m.group(2)}' "
+        # the outer double quotes keep the inner single quotes through a POSIX shell
+        return (f"{m.group(1)}: a value with commas must be quoted, e.g. \"{m.group(1)}='{m.group(2)}'\" "
                 "(unquoted commas mean a multirun sweep, with -m)")
 
     m = re.search(r"Key '([^']+)' (?:not in|is not in struct)", text)
@@ -76,6 +77,10 @@ def format_error(exc: BaseException) -> str:
     m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", text)
     if m and key:
         return f"{key}: '{m.group(1)}' is not a valid {m.group(2)}"
+
+    if key and re.search(r"[Mm]issing mandatory value", text):
+        example = {"model._target_": "mypkg.nets.Net", "data._target_": "mypkg.data.make_dataset"}.get(key, "...")
+        return f"{key}: required, and no value was given; set it, e.g. {key}={example}"
 
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{key}: {first}" if key and key not in first else first

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +24,6 @@ class Launch:
     env: Dict[str, str] = field(default_factory=dict)  # added to the parent's environment
     world_size: int = 1
     local_ranks: int = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _threads_per_rank(local_ranks: int, cpu_count: Optional[int]) -> str:
@@ -50,14 +43,14 @@ def _single(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_coun
 
 def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
     p = cfg.parallelism
-    port = p.master_port or free_port(p.master_addr)
+    if p.nnodes == 1 and not p.master_port:
+        where = ["--standalone"]  # one node: torchrun picks a free port on localhost itself
+    else:
+        where = [f"--nnodes={p.nnodes}", f"--node-rank={p.node_rank}", f"--master-addr={p.master_addr}",
+                 f"--master-port={p.master_port}"]
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={p.nproc_per_node}",
-        f"--nnodes={p.nnodes}",
-        f"--node-rank={p.node_rank}",
-        f"--master-addr={p.master_addr}",
-        f"--master-port={port}",
+        f"--nproc-per-node={p.nproc_per_node}", *where,
         "--max-restarts=0",
         "--module", RANK_MODULE, *target,
     ]

@@ -96,7 +96,8 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         "param_digest": res.param_digest,
         "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
         "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
-        "steps": res.steps, "epochs": res.epochs, "first_loss": res.first_loss, "final_loss": res.final_loss,
+        "steps": res.steps, "epochs": res.epochs, "steps_per_epoch": res.steps_per_epoch,
+        "first_loss": res.first_loss, "final_loss": res.final_loss,
         "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
     }
     _write_json(paths["result"], result)

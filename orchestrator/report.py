@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List
 
+from .diagnose import STRAGGLER_SPREAD
 from .rank import RANKS_DIR
 
 # Fields every rank reports and `result.json` repeats per rank.
@@ -28,7 +29,8 @@ def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
 def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Job-level figures: throughput summed over ranks, shares and utilization averaged, memory
     maxed. Imbalance compares each rank's own work per step (step time minus the time it waited
-    on the others in communication); the straggler is the rank with the most."""
+    on the others in communication); the rank with the most is the straggler when it is more
+    than STRAGGLER_SPREAD above the fastest."""
     if not ranks:
         return {}
     per_rank = [{k: r.get(k) for k in RANK_FIELDS} for r in ranks]
@@ -36,6 +38,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     job: Dict[str, Any] = {
         "world_size": len(ranks),
         "steps": max(r["steps"] for r in ranks),
+        "steps_per_epoch": ranks[0].get("steps_per_epoch"),
         "final_loss": ranks[0].get("final_loss"),
         "first_loss": ranks[0].get("first_loss"),
         "per_rank": per_rank,
@@ -60,13 +63,16 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     })
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
-    straggler = max(own, key=own.__getitem__)
+    slowest = max(own, key=own.__getitem__) if len(measured) > 1 else None
+    own_spread = _spread(list(own.values()))
     job["imbalance"] = {
         "own_step_time_s": own,
-        "own_time_spread": (max(own.values()) - min(own.values())) / max(own.values()) if max(own.values()) > 0 else 0.0,
+        "own_time_spread": own_spread,
         "step_time_spread": _spread([r["step_time_s"] for r in measured]),
         "utilization_spread": max(utils) - min(utils),
-        "straggler_rank": straggler if len(measured) > 1 else None,
+        "slowest_rank": slowest,
+        # a straggler is named only past the threshold: a few percent is noise, not a slow rank
+        "straggler_rank": slowest if own_spread > STRAGGLER_SPREAD else None,
     }
     return job
 

@@ -71,18 +71,23 @@ class AmpDtype(str, Enum):
 
 
 def import_target(path: str) -> Any:
-    """`pkg.module.attr` -> the object (what `_target_` names)."""
+    """`pkg.module.attr` -> the object (what `_target_` names). Not `hydra.utils.get_object`: it
+    logs a multi-line error before raising, and reports a missing attribute as a missing module."""
     module, _, attr = path.rpartition(".")
     if not module:
         raise ImportError(f"'{path}' is not a dotted path like package.module.Name")
-    obj = importlib.import_module(module)
-    return getattr(obj, attr)
+    return getattr(importlib.import_module(module), attr)
 
 
 def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
     """`target` must import, and `args` must bind to its signature (names the bad key)."""
     try:
         obj = import_target(target)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"{node}._target_: cannot import '{target}' ({exc}); make its package importable: run from the "
+            f"directory that holds it, add that directory to PYTHONPATH, or pip install it into this venv"
+        ) from None
     except Exception as exc:  # ImportError, AttributeError, ValueError
         raise ConfigError(f"{node}._target_: cannot import '{target}' ({type(exc).__name__}: {exc})") from None
     if not callable(obj):
@@ -416,8 +421,9 @@ def register_configs() -> None:
         ("tune", TuneConfig),
         ("tracking", TrackingConfig),
     ):
-        # conf/<group>/*.yaml start with `- /schema/<group>@_here_` (kept out of the group's choices)
-        cs.store(group="schema", name=group, node=node)
+        # conf/<group>/*.yaml start with `- /<group>_schema@_here_`: a root config, not a group, so
+        # neither the group's choices nor --help list it
+        cs.store(name=f"{group}_schema", node=node)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:

@@ -124,16 +124,17 @@ class Launched:
             start_new_session=True, text=True, bufsize=1, errors="replace",
         )
         self.world_size = launch.world_size
+        self.echo = echo
         self.tail: Deque[str] = collections.deque(maxlen=200)
         self._log = open(log, "a") if log else None
-        self.reader = threading.Thread(target=self._pump, args=(echo,), name="rank-output", daemon=True)
+        self.reader = threading.Thread(target=self._pump, name="rank-output", daemon=True)
         self.reader.start()
 
-    def _pump(self, echo: bool) -> None:
+    def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.tail.append(line.rstrip("\n"))
-            if echo:
+            if self.echo:
                 sys.stdout.write(line)
                 sys.stdout.flush()
             if self._log:
@@ -141,6 +142,9 @@ class Launched:
                 self._log.flush()
 
     def kill(self, grace_s: float = 5.0) -> None:
+        """End every process of the job. What they print while dying (torchrun's traceback of the
+        signal, for one) is kept in the tail, not echoed: the caller says what happened."""
+        self.echo = False
         kill_tree(self.proc, grace_s=grace_s)
         self.reader.join(timeout=5.0)
 

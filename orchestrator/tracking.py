@@ -114,9 +114,8 @@ class Tracker:
         run = self.client.create_run(self.experiment_id, run_name=run_name,
                                      tags={k: str(v) for k, v in all_tags.items()})
         self.run_id = run.info.run_id
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        # log_batch splits into the store's batch limits itself
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         return self.run_id
 
     def reopen(self, run_id: str, tags: Dict[str, Any]) -> Optional[str]:
@@ -145,8 +144,7 @@ class Tracker:
             Metric(k, float(v), now, int(s)) for k, v, s in points
             if v is not None and float(v) == float(v) and abs(float(v)) != float("inf")
         ]
-        for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        self.client.log_batch(self.run_id, metrics=metrics)
 
     def set_tags(self, tags: Dict[str, Any]) -> None:
         if not self.run_id:

@@ -51,6 +51,14 @@ def make_cfg(mlflow_uri) -> Callable[..., Config]:
     return make
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def job_processes(run_dir: Path) -> list:
     """Every live process whose command line names this run dir (launchers, ranks, loader workers)."""
     import psutil

@@ -21,6 +21,8 @@ def test_cli_runs_a_job(tmp_path, mlflow_uri):
 def test_cli_help_and_cfg():
     help_ = run_cli(["--help"])
     assert help_.returncode == 0 and "backend: ddp, dp, horovod, single" in help_.stdout
+    groups = help_.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "schema" not in groups  # the schemas behind the groups are not options
     job = run_cli(["--cfg", "job", "backend=ddp", "data.batch_size=64"])
     assert job.returncode == 0
     assert "batch_size: 64" in job.stdout and "name: ddp" in job.stdout

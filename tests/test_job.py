@@ -63,8 +63,62 @@ def test_bad_tracking_uri_launches_nothing(make_cfg, tmp_path):
     assert not (tmp_path / "ranks").exists() and not (tmp_path / "result.json").exists()
 
 
-def test_no_run_left_running(make_cfg):
-    cfg = make_cfg()
-    client = MlflowClient(cfg.tracking.uri)
-    exps = [e.experiment_id for e in client.search_experiments()]
-    assert not client.search_runs(exps, "attributes.status = 'RUNNING'")
+def test_no_run_left_running(make_cfg, tmp_path):
+    """Whatever way a job ends (finished, failed, stopped by its monitor), its MLflow run is closed."""
+    from orchestrator.app import JobStopped
+
+    common = ["tracking.experiment=left-running", "trainer.max_steps=8"]
+    run_job(make_cfg(*common), tmp_path / "ok", echo=False)
+    with pytest.raises(JobFailed):
+        run_job(make_cfg(*common, "model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=2"),
+                tmp_path / "failed", echo=False)
+    with pytest.raises(JobStopped):
+        run_job(make_cfg(*common, "trainer.max_steps=400"), tmp_path / "stopped", echo=False,
+                monitor=lambda window, job: True)
+    client = MlflowClient(make_cfg().tracking.uri)
+    runs = client.search_runs([client.get_experiment_by_name("left-running").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "KILLED"]
+
+
+def test_devices_this_machine_lacks_are_refused_before_launch(make_cfg, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for overrides, expected in [
+        (["backend.device=cuda"], "backend.device: cuda requested but torch.cuda.is_available() is False; allowed here"),
+        (["backend=ddp", "parallelism.nproc_per_node=2", "backend.dist_backend=nccl"],
+         "backend.dist_backend: nccl needs CUDA devices; allowed on CPU: gloo, auto"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            run_job(make_cfg(*overrides), tmp_path / "x", echo=False)
+        assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+        assert not (tmp_path / "x" / "ranks").exists()  # nothing launched
+
+
+@pytest.mark.parametrize("outcome, reported, expected", [
+    (dict(returncode=0), 2, ("FINISHED", "")),
+    (dict(returncode=0), 1, ("FAILED", "only 1 of 2 ranks reported a result")),
+    (dict(returncode=-15, stopped=True), 0, ("KILLED", "stopped by the monitor (pruned)")),
+    (dict(returncode=-9, timed_out=True), 0, ("FAILED", "timed out after trainer.timeout_s=5s")),
+    (dict(returncode=-9, over_memory="process 7 used 90 MB > trainer.memory_cap_mb=50"), 0,
+     ("FAILED", "out of memory: process 7 used 90 MB > trainer.memory_cap_mb=50")),
+    (dict(returncode=1, failed_rank=1), 1, ("FAILED", "rank 1 failed")),
+    (dict(returncode=3), 0, ("FAILED", "launcher exited with code 3")),
+])
+def test_outcome_classification(outcome, reported, expected):
+    from orchestrator.app import classify
+    from orchestrator.supervise import Outcome
+
+    assert classify(Outcome(**outcome), reported, 2, 5.0) == expected
+
+
+def test_own_model_and_data_without_inherited_args(make_cfg, tmp_path):
+    """README's promise: model=custom / data=custom start from empty args, so a plain signature
+    (no **kwargs) takes exactly the arguments given."""
+    cfg = make_cfg("model=custom", "model._target_=tests.custom_task.Net", "+model.args.width=8", "data=custom",
+                   "data._target_=tests.custom_task.make_dataset", "+data.args.items=64", "data.batch_size=8",
+                   "trainer.max_steps=6")
+    assert cfg.model.args == {"width": 8} and cfg.data.args == {"items": 64}
+    result = run_job(cfg, tmp_path, echo=False)
+    assert result["status"] == "FINISHED" and result["steps"] == 6

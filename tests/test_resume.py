@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from orchestrator import checkpoint
 from orchestrator.tune.study import counted
 
-from .conftest import ROOT, job_processes
+from .conftest import ROOT, job_processes, run_cli
 
 # ~15 ms per step on 2 ranks: long enough to be interrupted mid-way
 SLOW = ["data.args.size=2048", "data.batch_size=8", "data.read_latency_ms=2", "trainer.lr=0.05",
@@ -80,6 +80,9 @@ def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend
     client = MlflowClient(mlflow_uri)
     if how == "sigterm-parent":
         assert job.returncode == 143, out
+        # one line, then the command that resumes it; no launcher traceback
+        assert "Traceback" not in out, out
+        assert f"trainer.resume={run_dir}" in out.split("error: terminated (SIGTERM)")[1], out
         assert result["status"] == "KILLED" and client.get_run(result["mlflow_run_id"]).info.status == "KILLED"
     else:
         assert job.returncode == 1, out
@@ -99,12 +102,56 @@ def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend
     assert final["mlflow_run_id"] == result["mlflow_run_id"] and run.info.status == "FINISHED"
     assert run.data.tags["resumed_from_step"] == str(stopped_at)
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == 60  # steps continue
-    assert (run_dir / "ranks.attempt1").is_dir()  # the interrupted attempt's files are kept
+    assert (run_dir / "attempts" / "1" / "ranks").is_dir()  # the interrupted attempt's files are kept
+    assert json.loads((run_dir / "attempts" / "1" / "result.json").read_text())["status"] == result["status"]
+    assert not (tmp_path / "resume-invocation").exists()  # a resume runs in the run it continues
 
     want = reference_model(tmp_path, backend, mlflow_uri)
     got = torch.load(run_dir / "model.pt")
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-5), k
+
+
+SHORT_RUN = ["trainer.max_steps=12", "trainer.checkpoint_every=5", "trainer.warmup_steps=1", "trainer.window_steps=2",
+             "data.read_latency_ms=0.2"]
+
+
+def test_finished_run_is_never_rewritten_and_continues_only_when_raised(tmp_path, mlflow_uri):
+    run_dir = tmp_path / "run"
+    first = run_cli([*SHORT_RUN, f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    recorded = (run_dir / "result.json").read_bytes()
+    run_id = json.loads(recorded)["mlflow_run_id"]
+    client = MlflowClient(mlflow_uri)
+    tags = client.get_run(run_id).data.tags
+    assert checkpoint.meta_of(checkpoint.find_latest(run_dir))["step"] == 12  # the end is a checkpoint too
+
+    # the same command again, resuming: nothing to do, nothing touched, no new run dir
+    again = run_cli([*SHORT_RUN, f"tracking.uri={mlflow_uri}", f"trainer.resume={run_dir}"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"nothing to resume: {run_dir} finished at step 12" in again.stdout
+    assert (run_dir / "result.json").read_bytes() == recorded
+    assert client.get_run(run_id).data.tags == tags and client.get_run(run_id).info.status == "FINISHED"
+    assert not (tmp_path / "outputs").exists() and not (run_dir / "attempts").exists()
+
+    # a key the checkpoint fixed, changed: refused in one line naming it; records untouched
+    changed = run_cli([*SHORT_RUN[:-1], f"tracking.uri={mlflow_uri}", f"trainer.resume={run_dir}"], cwd=tmp_path)
+    assert changed.returncode == 2
+    lines = [x for x in changed.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "data.read_latency_ms (0.2 -> 0.0)" in lines[0], changed.stderr
+    assert lines[0].startswith("error: trainer.resume: a resume continues the same run")
+    assert (run_dir / "result.json").read_bytes() == recorded and not (tmp_path / "outputs").exists()
+
+    # raised max_steps: continues in its own run dir, the earlier attempt's records kept
+    more = run_cli(["trainer.max_steps=20", *SHORT_RUN[1:], f"tracking.uri={mlflow_uri}", f"trainer.resume={run_dir}"],
+                   cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert f"run dir: {run_dir}" in more.stdout and f"resuming {run_dir} from step 12" in more.stdout
+    assert f"load report: {run_dir / 'load_report.md'}" in more.stdout.replace("\n", "")
+    final = json.loads((run_dir / "result.json").read_text())
+    assert final["status"] == "FINISHED" and final["steps"] == 20 and final["mlflow_run_id"] == run_id
+    assert (run_dir / "attempts" / "1" / "result.json").read_bytes() == recorded
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_half_written_checkpoint_is_never_picked(tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 
@@ -52,6 +54,8 @@ def test_tuned_workers_beat_the_default(workers_study):
     out = subprocess.run([sys.executable, "-m", "orchestrator", "--config-dir", str(run_dir), "--cfg", "job",
                           "experiment=input_bound", "+tuned=best"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and f"num_workers: {best['values']['data.num_workers']}" in out.stdout
+    # the rerun line starts with the interpreter that ran the study, not a bare `python`
+    assert os.path.abspath(shlex.split(summary["rerun"])[0]) == os.path.abspath(sys.executable)
     assert {"trials.csv", "summary.json", "optimization_history.png", "parallel_coordinate.png"} <= {
         p.name for p in run_dir.iterdir()}
     assert 0 < summary["trial_overhead"]["median"] < 1
@@ -130,7 +134,7 @@ def test_failure_rate_stops_the_study(make_cfg, tmp_path):
     assert (tmp_path / "trials.csv").exists()  # what was recorded is kept
 
 
-def test_resume_adds_up(make_cfg, tmp_path):
+def test_resume_adds_up(make_cfg, tmp_path, capsys):
     common = [*SHORT, "tune.study_name=resume-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
               "tune.space.batch_size.high=32", "tune.space.num_workers.high=0"]
     first = run_study(make_cfg(*common, "tune.n_trials=2"), tmp_path / "a", echo=False)
@@ -139,6 +143,13 @@ def test_resume_adds_up(make_cfg, tmp_path):
     assert first["n_trials"] == 2 and second["n_trials"] == 4 and counted(trials) == 4
     assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
     assert all(t.state.is_finished() for t in trials)
+    # once more with the same total: nothing to run, and it says so
+    third = run_study(make_cfg(*common, "tune.n_trials=4"), tmp_path / "c", echo=True)
+    out = capsys.readouterr().out
+    assert third["n_trials"] == 4 and len(study_of(third).trials) == len(trials)
+    assert "already has 4 counted trials (tune.n_trials=4): nothing to run" in out
+    assert "tune.n_trials=8" in out
+    assert "num_workers [0, 0]" in out and "0.0" not in out.split("space:")[1].splitlines()[0]
 
 
 def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):

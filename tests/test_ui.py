@@ -13,10 +13,9 @@ import urllib.request
 import pytest
 
 from orchestrator.app import run_job
-from orchestrator.launch import free_port
 from orchestrator.tune.study import run_study
 
-from .conftest import ROOT
+from .conftest import ROOT, free_port
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 

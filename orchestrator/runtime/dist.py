@@ -19,11 +19,20 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from ..schema import BackendName, Config, ConfigError, Device, DistBackend
 
 
-def pick_device(cfg: Config, local_rank: int) -> torch.device:
-    want = cfg.backend.device
-    if want is Device.cuda and not torch.cuda.is_available():
+def check_devices(cfg: Config) -> None:
+    """What the config asks of this machine's devices, checked by the parent before launch (and
+    again by each rank on its own machine). Raises ConfigError naming the field."""
+    cuda = torch.cuda.is_available()
+    if cfg.backend.device is Device.cuda and not cuda:
         raise ConfigError("backend.device: cuda requested but torch.cuda.is_available() is False; allowed here: auto, cpu")
-    if want is Device.cpu or not torch.cuda.is_available():
+    on_cuda = cuda and cfg.backend.device is not Device.cpu
+    if cfg.backend.dist_backend is DistBackend.nccl and not on_cuda and cfg.backend.name is BackendName.ddp:
+        raise ConfigError("backend.dist_backend: nccl needs CUDA devices; allowed on CPU: gloo, auto")
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    check_devices(cfg)
+    if cfg.backend.device is Device.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)

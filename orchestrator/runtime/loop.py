@@ -156,6 +156,7 @@ class TrainResult:
     param_digest: str
     steps: int
     epochs: int
+    steps_per_epoch: int
     final_loss: float
     first_loss: float
     wall_s: float
@@ -268,6 +269,16 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     exposed_comm = adapter.exposed_comm
     plain = not amp and accum == 1  # no context to enter: the micro-step is the seed's own code
     mark = meter.mark
+
+    def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: torch.Tensor) -> None:
+        checkpoint.save(ckpt_dir, step, {  # type: ignore[arg-type]
+            "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
+        }, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
+            "backend": cfg.backend.name.value, "mlflow_run_id": os.environ.get(checkpoint.MLFLOW_RUN_ENV)})
+        events.write(type="checkpoint", step=step)
+
     t_start = time.perf_counter()
     model.train()
     meter.start()
@@ -334,13 +345,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                                  utilization=window.utilization, data_wait_frac=window.share("data"),
                                  comm_frac=window.share("comm"), step_time_s=window.wall_s / window.steps)
                 if writes_checkpoints and step % t.checkpoint_every == 0:
-                    checkpoint.save(ckpt_dir, step, {  # type: ignore[arg-type]
-                        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                        "scaler": scaler.state_dict() if scaler is not None else None,
-                        "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
-                    }, {"step": step, "epoch": epoch, "batch_in_epoch": b, "world_size": adapter.world_size,
-                        "backend": cfg.backend.name.value, "mlflow_run_id": os.environ.get(checkpoint.MLFLOW_RUN_ENV)})
-                    events.write(type="checkpoint", step=step)
+                    save_checkpoint(epoch, b, epoch_generator)
                     logged = True
                 if logged or window is not None:
                     mark(OTHER)  # the bookkeeping above is nobody's data wait
@@ -349,6 +354,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             if step >= total:
                 break
         meter.flush()
+        if writes_checkpoints and step % t.checkpoint_every != 0 and step > (ck["meta"]["step"] if ck else 0):
+            # the end of the run is a checkpoint too: raising max_steps or epochs continues from here
+            save_checkpoint(epoch, b, epoch_generator)
     finally:
         meter.close()
         if profiler is not None:
@@ -359,5 +367,6 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     summary = meter.summary()
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
-    return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1, final_loss=last_loss, first_loss=first_loss, wall_s=wall,
+    return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1,
+                       steps_per_epoch=per_epoch, final_loss=last_loss, first_loss=first_loss, wall_s=wall,
                        meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])

@@ -11,6 +11,7 @@ from typing import Any, Dict, List
 
 import yaml
 
+from ..commands import orchestrator_command
 from ..schema import Objective, TuneConfig
 
 COLUMNS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "measured_s")
@@ -100,8 +101,7 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
         tuned = out_dir / "tuned"
         tuned.mkdir(exist_ok=True)
         best_yaml = tuned / "best.yaml"
-        rerun = " ".join(["python -m orchestrator --config-dir", str(tuned.parent),
-                          *map(shlex.quote, tuner.overrides), "+tuned=best"])
+        rerun = orchestrator_command(["--config-dir", str(tuned.parent), *tuner.overrides, "+tuned=best"])
         best_yaml.write_text(
             "# @package _global_\n"
             f"# Best trial {b.number} of study '{tuner.name}' (objective {tuner.t.objective.value}).\n"

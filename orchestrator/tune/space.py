@@ -55,6 +55,12 @@ class Dimension:
             return trial.suggest_float(self.name, float(self.low), float(self.high), log=self.log)  # type: ignore[arg-type]
         return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)  # type: ignore[arg-type]
 
+    def describe(self) -> str:
+        """The range as a user wrote it: `[0, 4]` for integers, the list for choices."""
+        if self.choices is not None:
+            return str(list(self.choices))
+        return str(self.extremes())
+
     def extremes(self) -> List[Any]:
         if self.choices is not None:
             return list(self.choices)

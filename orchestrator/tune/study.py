@@ -122,13 +122,17 @@ class Tuner:
             self.cfg.tracking.run_name or f"tune {self.name}",
             {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": self.storage,
              "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
-             **{f"space.{d.name}": d.choices if d.choices is not None else f"[{d.low}, {d.high}]" for d in self.space.dims}},
+             **{f"space.{d.name}": d.describe() for d in self.space.dims}},
             {"mode": "tune", "study_name": self.name, "backend": self.cfg.backend.name.value,
              "world_size": str(self.cfg.world_size), **self.cfg.tags},
         )
         self._say(f"[tune] study '{self.name}' in {self.storage}: {self.t.n_trials} trials, objective "
-                  f"{self.t.objective.value}, space: " + ", ".join(
-                      f"{d.name} {d.choices if d.choices is not None else [d.low, d.high]}" for d in self.space.dims))
+                  f"{self.t.objective.value}, space: " + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims))
+        done = counted(study.get_trials(deepcopy=False))
+        if done >= self.t.n_trials:
+            self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
+                      f"nothing to run. To add more, raise it: tune.study_name={self.name} "
+                      f"tune.n_trials={done + self.t.n_trials}")
         status = "FAILED"
         try:
             duplicates_in_a_row = 0

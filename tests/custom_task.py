@@ -1,0 +1,22 @@
+"""A user's own model and dataset, as a package outside `tasks/` would define them: plain
+signatures, no **kwargs, so a leftover default argument would be refused."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_dataset(items: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(items, 16, generator=g), torch.randint(0, 4, (items,), generator=g))
