@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
@@ -69,6 +70,25 @@ class Tracker:
         except Exception as exc:  # driver missing, auth, schema...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"tracking.uri: cannot use {self.uri}: {first[:300]}") from None
+        self._check_artifact_home()
+
+    def _check_artifact_home(self) -> None:
+        """An experiment keeps its artifacts either on the disk of its SQLite store's machine
+        (file://, beside the DB) or in a server's proxied store (mlflow-artifacts:/). Runs logged
+        through a server must not write a file:// path themselves (another machine cannot reach
+        it), and a SQLite client cannot reach a proxied store: refuse both before any launch."""
+        location = self.client.get_experiment(self.experiment_id).artifact_location
+        scheme, name = urllib.parse.urlparse(location).scheme, self.cfg.experiment
+        served = self.uri.startswith(("http://", "https://"))
+        if served and scheme in ("", "file"):
+            raise ConfigError(
+                f"tracking.experiment: '{name}' keeps its artifacts at {location}, a path on the server's machine that "
+                f"runs logged through {self.uri} cannot write; pick a new tracking.experiment (created through the "
+                f"server, its artifacts go through it) or log on that machine with tracking.uri=sqlite:///<its DB>")
+        if not served and scheme == "mlflow-artifacts":
+            raise ConfigError(
+                f"tracking.experiment: '{name}' keeps its artifacts in a server's proxied store ({location}); "
+                f"log it through that server (tracking.uri=http://HOST:PORT) or pick another experiment")
 
     def _get_or_create_experiment(self) -> Any:
         """The experiment named tracking.experiment, created if missing. Another process (on this

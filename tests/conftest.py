@@ -1,10 +1,14 @@
-"""Shared fixtures: compose configs like the CLI does, tiny workloads, one MLflow DB per session."""
+"""Shared fixtures: compose configs like the CLI does, tiny workloads, one MLflow DB per session,
+an MLflow server started by scripts/ui.sh."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Callable, List
 
@@ -57,6 +61,41 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def ui_server(tmp_path):
+    """`scripts/ui.sh` on a free loopback port over tmp_path/mlflow.db, serving the artifacts in
+    tmp_path/mlartifacts (where SQLite runs of that DB keep theirs); yields (url, store) once it answers."""
+    port = free_port()
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    log = open(tmp_path / "ui.log", "wb")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "ui.sh"), str(port), store, str(tmp_path / "mlartifacts")],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).read() == b"OK":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > end:
+                pytest.fail(f"scripts/ui.sh did not serve {url}: " + (tmp_path / "ui.log").read_text()[-2000:])
+            time.sleep(0.3)
+        yield url, store
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # it had already exited
+            pass
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        assert proc.poll() is not None  # the server is stopped
 
 
 def job_processes(run_dir: Path) -> list:
