@@ -19,3 +19,4 @@ bench:
 	$(PY) bench/bench_launch.py
 	$(PY) bench/bench_tune.py
 	$(PY) bench/bench_pool.py
+	$(PY) bench/bench_advice.py

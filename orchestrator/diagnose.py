@@ -9,39 +9,92 @@ time went. The verdict is the first rule that holds, in this order:
   communication-bound   exposed communication >= COMM_BOUND of the step
   compute-bound         otherwise (compute + optimizer dominate)
 
+Advice must hold when a user follows it, so each piece weighs what the move costs and names the
+evidence it rests on. The moves (config overrides, first = the one to try first) are machine
+readable for the tuner and the advice benchmark (bench/bench_advice.py). The main cost weighed:
+a DataLoader worker hands every batch to the training process at a measured cost per batch
+(orchestrator/costs.py); when building a batch in process is cheaper than that, more workers
+make the job slower, and a larger batch (which amortizes per-batch overheads) comes first.
+
 Imbalance: a rank whose own work per step (step time minus its communication wait) exceeds the
 fastest rank's by more than STRAGGLER_SPREAD is named as the straggler.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .schema import BackendName, Config
+from .tune.space import default_max_workers
 
 INPUT_BOUND = 0.30
 COMM_BOUND = 0.30
 MEMORY_FULL = 0.90
 STRAGGLER_SPREAD = 0.20
+WORKERS_WORTH_IT = 2.0  # workers are advised when a batch costs this many hand-offs to build in process
+
+Handoff = Callable[[int, int], Dict[str, Any]]  # (batch bytes, batch size) -> {"seconds", "source"}
+
+
+@dataclass
+class Move:
+    """One change to try: the config overrides and why (the evidence)."""
+
+    set: Dict[str, Any]
+    why: str
+
+    @property
+    def text(self) -> str:
+        knobs = ", ".join(f"{k}={_fmt(v)}" for k, v in self.set.items())
+        return f"{knobs}: {self.why}"
 
 
 @dataclass
 class Diagnosis:
     verdict: str  # input-bound | communication-bound | compute-bound | memory-bound
     reason: str
-    advice: List[str] = field(default_factory=list)
+    moves: List[Move] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # advice with no single knob to turn
+
+    @property
+    def advice(self) -> List[str]:
+        return [m.text for m in self.moves] + self.notes
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"verdict": self.verdict, "reason": self.reason, "advice": self.advice}
+        return {"verdict": self.verdict, "reason": self.reason, "advice": self.advice,
+                "moves": [{"set": m.set, "why": m.why} for m in self.moves]}
+
+
+def _fmt(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float]) -> Diagnosis:
-    """`job` is the merged result (report.merge); `device_mem_mb` the memory one rank can use."""
+def _ms(s: float) -> str:
+    return f"{1000 * s:.2f} ms"
+
+
+def _default_handoff(batch_bytes: int, batch_size: int) -> Dict[str, Any]:
+    from .costs import handoff_s
+
+    return handoff_s(batch_bytes, batch_size)
+
+
+def _global_note(cfg: Config, factor: int) -> str:
+    g = cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size
+    return (f"the global batch grows from {g} to {g * factor} (different optimization math: scale trainer.lr, or "
+            "tune with tune.global_batch to hold it)")
+
+
+def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
+             handoff: Handoff = _default_handoff) -> Diagnosis:
+    """`job` is the merged result (report.merge); `device_mem_mb` the memory one rank can use;
+    `handoff` the measured worker hand-off cost (only asked for when workers are in question)."""
     d, t, p = cfg.data, cfg.trainer, cfg.parallelism
     inp = job.get("data_wait_frac", 0.0) + job.get("h2d_frac", 0.0)
     comm = job.get("comm_frac", 0.0)
@@ -49,52 +102,99 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float]) -
     cuda = str((job.get("per_rank") or [{}])[0].get("device", "cpu")).startswith("cuda")
     peak = job.get("peak_mem_mb") or 0.0
     mem_share = peak / device_mem_mb if device_mem_mb else 0.0
+    step = job.get("step_time_s") or 0.0
 
     if mem_share >= MEMORY_FULL:
-        advice = [f"lower data.batch_size to {max(1, d.batch_size // 2)} and raise trainer.accumulation_steps to "
-                  f"{t.accumulation_steps * 2} (same global batch, half the activations)"]
-        if not t.amp:
-            advice.append("turn on trainer.amp=true (bf16/fp16 activations take half the memory)")
+        moves = [Move({"data.batch_size": max(1, d.batch_size // 2), "trainer.accumulation_steps": t.accumulation_steps * 2},
+                      f"peak memory is {_pct(mem_share)} of the device; half the batch takes half the activations, and "
+                      "twice the accumulation keeps the global batch (the same model math)")]
+        if not t.amp and cuda:
+            moves.append(Move({"trainer.amp": True}, "bf16/fp16 activations take half the memory"))
         return Diagnosis("memory-bound", f"peak memory {peak:.0f} MB is {_pct(mem_share)} of the {device_mem_mb:.0f} MB "
-                                         f"available (>= {_pct(MEMORY_FULL)})", advice)
+                                         f"available (>= {_pct(MEMORY_FULL)})", moves)
 
     if inp >= INPUT_BOUND:
-        advice = []
-        more = max(2, 2 * d.num_workers) if d.num_workers else 2
-        advice.append(f"raise data.num_workers from {d.num_workers} to {more}"
-                      + (" and set data.persistent_workers=true" if not d.persistent_workers else ""))
-        if d.num_workers and (d.prefetch_factor or 2) < 4:
-            advice.append(f"raise data.prefetch_factor from {d.prefetch_factor or 2} to 4")
-        if cuda and not d.pin_memory:
-            advice.append("turn on data.pin_memory=true (faster, asynchronous host-to-device copies)")
-        if job.get("h2d_frac", 0.0) > job.get("data_wait_frac", 0.0):
-            advice.append("host-to-device copies dominate the input time: pin memory and keep inputs compact "
-                          "(uint8 images, converted on the device)")
-        advice.append(f"or try a larger data.batch_size ({d.batch_size * 2}): per-batch overheads amortize")
-        return Diagnosis("input-bound", f"the step waits on input {_pct(inp)} of the time (data {_pct(job.get('data_wait_frac', 0))}, "
-                                        f"h2d {_pct(job.get('h2d_frac', 0))}; >= {_pct(INPUT_BOUND)})", advice)
+        diag = Diagnosis("input-bound", f"the step waits on input {_pct(inp)} of the time (data "
+                                        f"{_pct(job.get('data_wait_frac', 0))}, h2d {_pct(job.get('h2d_frac', 0))}; "
+                                        f">= {_pct(INPUT_BOUND)})")
+        _input_moves(diag, job, cfg, cuda, handoff)
+        return diag
 
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1:
-        advice = [f"raise trainer.accumulation_steps from {t.accumulation_steps} to {t.accumulation_steps * 4} "
-                  "(one all-reduce per optimizer step)",
-                  f"or a larger data.batch_size ({d.batch_size * 4}): more compute per all-reduce"]
+        moves = [Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
+                      f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
+                      f"samples divides it by 4 per sample; {_global_note(cfg, 4)}")]
         if cfg.backend.name is BackendName.horovod and not cfg.backend.fp16_compression:
-            advice.append("turn on backend.fp16_compression=true (half the bytes on the wire)")
-        if not t.amp and cuda:
-            advice.append("turn on trainer.amp=true (shorter compute leaves less to overlap, but bf16 grads halve traffic)")
+            moves.append(Move({"backend.fp16_compression": True}, "half the bytes on the wire, the same model math up to "
+                                                                  "fp16 rounding of the gradients"))
+        notes = []
         if p.nnodes > 1:
-            advice.append("check the inter-node network: fewer, larger nodes communicate less")
+            notes.append("check the inter-node network: fewer, larger nodes communicate less")
         return Diagnosis("communication-bound", f"exposed communication is {_pct(comm)} of the step (>= {_pct(COMM_BOUND)})",
-                         advice)
+                         moves, notes)
 
-    advice = []
-    if not t.amp:
-        advice.append("turn on trainer.amp=true (bf16 where supported)")
+    moves = []
+    if not t.amp and cuda:  # on CPU, bf16 autocast is often slower than fp32: not advised there
+        moves.append(Move({"trainer.amp": True}, "tensor cores run bf16/fp16 several times faster than fp32"))
     if mem_share and mem_share < 0.5:
-        advice.append(f"memory allows a larger data.batch_size ({d.batch_size * 2}) for better kernel efficiency")
-    advice.append("the device is the limit: a faster model (fused ops, torch.compile) or more ranks")
+        moves.append(Move({"data.batch_size": d.batch_size * 2},
+                          f"peak memory is {_pct(mem_share)} of the device, so twice the batch fits; larger batches run "
+                          f"more efficient kernels and pay per-step overheads half as often; {_global_note(cfg, 2)}"))
     return Diagnosis("compute-bound", f"compute + optimizer take {_pct(busy)} of the step; input {_pct(inp)}, "
-                                      f"communication {_pct(comm)}", advice)
+                                      f"communication {_pct(comm)}", moves,
+                     ["the device is the limit: a faster model (fused ops, torch.compile) or more ranks"])
+
+
+def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, handoff: Handoff) -> None:
+    d, t = cfg.data, cfg.trainer
+    step = job.get("step_time_s") or 0.0
+    wait = step * job.get("data_wait_frac", 0.0) / t.accumulation_steps  # per micro-batch
+    other = max(0.0, step / t.accumulation_steps - wait)  # what the rest of a micro-step takes
+    if job.get("h2d_frac", 0.0) > job.get("data_wait_frac", 0.0):
+        if cuda and not d.pin_memory:
+            diag.moves.append(Move({"data.pin_memory": True}, f"host-to-device copies take {_pct(job['h2d_frac'])} of the "
+                                                             "step; pinned memory makes them faster and asynchronous"))
+        diag.notes.append("host-to-device copies dominate the input time: keep inputs compact (uint8 images, "
+                          "converted on the device)")
+        return
+    cap = cfg.tune.max_workers if cfg.tune.max_workers is not None else default_max_workers(cfg)
+    bigger = Move({"data.batch_size": d.batch_size * 4}, "")
+    batch_bytes = int(job.get("item_bytes") or 0) * d.batch_size
+    cost = handoff(batch_bytes, d.batch_size) if batch_bytes else {"seconds": 1e-3, "source": "an estimate"}
+    if d.num_workers == 0:
+        if wait > WORKERS_WORTH_IT * cost["seconds"]:
+            n = min(cap, max(2, math.ceil(wait / max(other, cost["seconds"]))))
+            diag.moves.append(Move(
+                {"data.num_workers": n, "data.persistent_workers": True},
+                f"building a batch takes {_ms(wait)} in the training process, and handing one over from a worker costs "
+                f"about {_ms(cost['seconds'])} ({cost['source']}); {n} workers build batches while the step computes "
+                f"({_ms(other)} of other work per batch)"))
+            return
+        bigger.why = (f"building a batch takes only {_ms(wait)} in the training process, less than the "
+                      f"{_ms(cost['seconds'])} a worker hand-off costs here ({cost['source']}), so workers would make "
+                      f"this job slower; the per-batch overhead dominates and a 4x batch amortizes it; "
+                      f"{_global_note(cfg, 4)}")
+        diag.moves.append(bigger)
+        return
+    if wait <= 1.5 * cost["seconds"]:  # the wait is the hand-off itself: more workers cannot lower it
+        bigger.why = (f"the step waits {_ms(wait)} per batch, about what one worker hand-off costs here "
+                      f"({_ms(cost['seconds'])}, {cost['source']}): more workers cannot lower it, a 4x batch pays it a "
+                      f"quarter as often per sample; {_global_note(cfg, 4)}")
+        diag.moves.append(bigger)
+        diag.notes.append(f"or try data.num_workers=0 if building a batch in process takes less than "
+                          f"{_ms(cost['seconds'])}")
+        return
+    if d.num_workers < cap:
+        more = min(cap, 2 * d.num_workers)
+        move = {"data.num_workers": more}
+        if not d.persistent_workers:
+            move["data.persistent_workers"] = True
+        diag.moves.append(Move(move, f"{d.num_workers} workers do not keep up: the step still waits {_ms(wait)} per "
+                                     f"batch, more than the {_ms(cost['seconds'])} hand-off ({cost['source']})"))
+    if (d.prefetch_factor or 2) < 4:
+        diag.moves.append(Move({"data.prefetch_factor": 4}, "a deeper queue per worker absorbs slow batches"))
+    bigger.why = f"per-batch overheads amortize; {_global_note(cfg, 4)}"
+    diag.moves.append(bigger)
 
 
 def straggler_note(job: Dict[str, Any]) -> Optional[str]:

@@ -97,6 +97,7 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
         "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
         "steps": res.steps, "epochs": res.epochs, "steps_per_epoch": res.steps_per_epoch,
+        "item_bytes": res.item_bytes,
         "first_loss": res.first_loss, "final_loss": res.final_loss,
         "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
     }

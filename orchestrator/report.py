@@ -39,6 +39,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "world_size": len(ranks),
         "steps": max(r["steps"] for r in ranks),
         "steps_per_epoch": ranks[0].get("steps_per_epoch"),
+        "item_bytes": ranks[0].get("item_bytes"),
         "final_loss": ranks[0].get("final_loss"),
         "first_loss": ranks[0].get("first_loss"),
         "per_rank": per_rank,

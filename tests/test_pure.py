@@ -63,3 +63,22 @@ def test_resume_rules(make_cfg):
     assert not checkpoint.trains_further(t, make_cfg("trainer.max_steps=100").trainer, 60, 60)  # the epoch ran out
     assert checkpoint.trains_further(t, make_cfg("trainer.max_steps=0", "trainer.epochs=2").trainer, 60, 60)
     assert checkpoint.trains_further(t, make_cfg("trainer.max_steps=100").trainer, 60, None)  # epoch length unknown
+
+
+def test_handoff_cost_is_measured_once_per_size_class(tmp_path, monkeypatch):
+    from orchestrator import costs
+
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(costs, "measure_handoff", lambda nbytes, bs: calls.append((nbytes, bs)) or 0.002)
+    assert costs.handoff_s(100_000, 32)["seconds"] == 0.002
+    assert costs.handoff_s(120_000, 32)["seconds"] == 0.002  # the same power-of-two size class: cached
+    assert calls == [(131072, 32)] and (tmp_path / "handoff.json").exists()
+    costs.handoff_s(1_000_000, 32)
+    assert calls[-1] == (1048576, 32)
+
+
+def test_measured_handoff_is_a_real_cost():
+    from orchestrator.costs import measure_handoff
+
+    assert 0 < measure_handoff(32 * 4000, 32, batches=10) < 1.0  # a worker costs something, and not seconds

@@ -157,11 +157,22 @@ class TrainResult:
     steps: int
     epochs: int
     steps_per_epoch: int
+    item_bytes: int
     final_loss: float
     first_loss: float
     wall_s: float
     meter: Dict[str, Any]
     windows: list
+
+
+def item_bytes(dataset: Dataset) -> int:
+    """Bytes of one item's tensors (what a DataLoader worker hands over per sample)."""
+    try:
+        item = dataset[0]
+    except Exception:  # an iterable-style or failing dataset: unknown
+        return 0
+    parts = item if isinstance(item, (tuple, list)) else (item,)
+    return sum(x.element_size() * x.nelement() if isinstance(x, torch.Tensor) else 8 for x in parts)
 
 
 def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:
@@ -368,5 +379,5 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1,
-                       steps_per_epoch=per_epoch, final_loss=last_loss, first_loss=first_loss, wall_s=wall,
+                       steps_per_epoch=per_epoch, item_bytes=item_bytes(dataset), final_loss=last_loss, first_loss=first_loss, wall_s=wall,
                        meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])
