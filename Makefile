@@ -20,3 +20,4 @@ bench:
 	$(PY) bench/bench_tune.py
 	$(PY) bench/bench_pool.py
 	$(PY) bench/bench_advice.py
+	$(PY) bench/bench_mfu.py

@@ -142,7 +142,7 @@ def main() -> int:
         rows.append([r["name"], r["verdict"], " ".join(override(k, v) for k, v in r["move"].items()),
                      f"{r['a']:.0f}", f"{r['b']:.0f}",
                      f"{r['ratio']:.2f} ({min(r['ratios']):.2f}-{max(r['ratios']):.2f})", f"{100 * noise:.0f}%",
-                     f"> 1 + noise" if default else ">= 1 - noise", "yes" if ok else "NO"])
+                     "> 1 + noise" if default else ">= 1 - noise", "yes" if ok else "NO"])
     print("\n== bench_advice results (throughput: medians of interleaved steady-state runs)")
     print(table(rows))
     print(f"\ntotal {time.monotonic() - start:.0f}s; load average {os.getloadavg()[0]:.2f}; "

@@ -98,7 +98,8 @@ class LiveLog:
 
 
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
-                   "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s")
+                   "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
+                   "nvml_util", "sm_active", "flops_per_sample")
 
 
 def _progress() -> Any:

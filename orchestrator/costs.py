@@ -1,5 +1,6 @@
-"""Costs of this host that advice rests on, measured once and cached under
-~/.cache/orchestrator/ (ORCHESTRATOR_CACHE overrides the folder).
+"""Costs of this host that advice and figures rest on, measured once and cached in
+~/.cache/orchestrator/costs.json (ORCHESTRATOR_CACHE overrides the folder): the DataLoader worker
+hand-off below, and the CPU's matmul peak (the denominator of MFU on CPU, runtime/flops.py).
 
 The DataLoader worker hand-off: with `num_workers > 0`, every batch is built in a worker process
 and handed to the training process through shared memory and a pipe. That costs time per batch
@@ -17,7 +18,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -62,25 +63,58 @@ def measure_handoff(batch_bytes: int, batch_size: int, batches: int = 40) -> flo
     return max(0.0, worker - in_process)
 
 
-def handoff_s(batch_bytes: int, batch_size: int) -> Dict[str, Any]:
-    """The hand-off cost for batches of about this size on this host: {"seconds", "source"},
-    measured once per host, torch version and power-of-two size class, then cached."""
-    size_class = 2 ** max(10, math.ceil(math.log2(max(1, batch_bytes))))
-    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{size_class}|{batch_size}"
-    path = cache_dir() / "handoff.json"
+def _cached(key: str, measure: Callable[[], float]) -> Dict[str, Any]:
+    """The value cached under `key` in cache_dir()/costs.json, else `measure()` (then cached)."""
+    path = cache_dir() / "costs.json"
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
     if key in cached:
-        return {"seconds": cached[key], "source": "measured on this host"}
-    seconds = measure_handoff(size_class, batch_size)
-    cached[key] = seconds
+        return {"value": cached[key], "source": "measured on this host"}
+    value = measure()
+    cached[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
+        tmp.replace(path)  # concurrent writers: the last one wins, each file is whole
     except OSError:
         pass  # a read-only home: measure again next time
-    return {"seconds": seconds, "source": "measured on this host"}
+    return {"value": value, "source": "measured on this host"}
+
+
+def _host() -> str:
+    return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}"
+
+
+def handoff_s(batch_bytes: int, batch_size: int) -> Dict[str, Any]:
+    """The hand-off cost for batches of about this size on this host: {"seconds", "source"},
+    measured once per host, torch version and power-of-two size class, then cached."""
+    size_class = 2 ** max(10, math.ceil(math.log2(max(1, batch_bytes))))
+    got = _cached(f"handoff|{_host()}|{size_class}|{batch_size}", lambda: measure_handoff(size_class, batch_size))
+    return {"seconds": got["value"], "source": got["source"]}
+
+
+CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of an n x n matmul at the current thread count: the best of `reps` after a warmup."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def cpu_peak_flops(dtype: str, threads: int) -> Dict[str, Any]:
+    """{"flops", "source"}: the matmul peak this host reaches in `dtype` with `threads` threads,
+    measured once (about 0.2 s) and cached."""
+    if dtype not in CPU_DTYPES:
+        return {"flops": None, "source": f"unknown peak: no CPU measurement for {dtype}"}
+    got = _cached(f"matmul|{_host()}|{dtype}|{threads}", lambda: measure_matmul_flops(CPU_DTYPES[dtype]))
+    return {"flops": got["value"], "source": f"{got['source']}: {dtype} matmul, {threads} threads"}

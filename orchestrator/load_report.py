@@ -29,7 +29,8 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
             "shares": {p: r[f"{p}_frac" if p != "data" else "data_wait_frac"] for p in PHASES},
             "peak_mem_mb": r.get("peak_mem_mb"), "reserved_mem_mb": r.get("reserved_mem_mb"),
             "device_mem_mb": r.get("device_mem_mb"), "mem_source": r.get("mem_source"),
-            "memory_summary": r.get("memory_summary"),
+            "memory_summary": r.get("memory_summary"), "mfu": r.get("mfu"), "mfu_source": r.get("mfu_source"),
+            "nvml_util": r.get("nvml_util"), "sm_active": r.get("sm_active"),
         })
     device_mem = min((r["device_mem_mb"] for r in per_rank if r.get("device_mem_mb")), default=None)
     diag = diagnose(result, cfg, device_mem)
@@ -42,7 +43,8 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
         "imbalance": result.get("imbalance"),
         "job": {k: result.get(k) for k in ("utilization", "utilization_source", "throughput", "step_time_s",
                                             "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac",
-                                            "optimizer_frac", "other_frac", "peak_mem_mb")},
+                                            "optimizer_frac", "other_frac", "peak_mem_mb", "mfu", "mfu_source",
+                                            "nvml_util", "nvml_util_source", "sm_active", "sm_active_source")},
         "per_rank": per_rank,
         "share_check": {"tolerance": SHARE_TOLERANCE,
                         "phase_sum_over_step_time": {r["rank"]: phase_sum[r["rank"]] / r["step_time_s"] for r in per_rank}},
@@ -59,6 +61,12 @@ def to_markdown(report: Dict[str, Any]) -> str:
         lines += ["What to try:", ""] + [f"- {a}" for a in d["advice"]] + [""]
     if report.get("straggler"):
         lines += [f"**Imbalance**: {report['straggler']}.", ""]
+    job = report["job"]
+    lines += ["| figure | value | source |", "|---|---|---|"]
+    for key in ("utilization", "mfu", "nvml_util", "sm_active"):
+        value = job.get(key)
+        lines.append(f"| {key} | {'-' if value is None else f'{100 * value:.1f}%'} | {job.get(key + '_source') or '-'} |")
+    lines.append("")
     lines += ["| rank | utilization | throughput | step ms | " + " | ".join(PHASES) + " | peak MB |",
               "|---" * (5 + len(PHASES)) + "|"]
     for r in report["per_rank"]:

@@ -16,7 +16,8 @@ RANK_FIELDS = (
     "rank", "host", "device", "param_digest", "steps", "first_loss", "final_loss", "utilization", "utilization_source",
     "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac", "optimizer_frac",
     "other_frac", "phase_s", "peak_mem_mb", "reserved_mem_mb", "mem_source", "measured_steps", "warmup_excluded",
-    "utilization_spread", "throughput_spread",
+    "utilization_spread", "throughput_spread", "mfu", "mfu_source", "mfu_dtype", "flops_per_sample", "peak_flops", "nvml_util",
+    "nvml_util_source", "sm_active", "sm_active_source",
 )
 
 def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
@@ -61,6 +62,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "peak_mem_mb": max(r["peak_mem_mb"] for r in measured),
         "measured_steps": min(r["measured_steps"] for r in measured),
         "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
+        **_device_figures(measured),
     })
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
@@ -76,6 +78,19 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "straggler_rank": slowest if own_spread > STRAGGLER_SPREAD else None,
     }
     return job
+
+
+def _device_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """mfu, nvml_util, sm_active for the job: the mean over ranks where every rank has the figure
+    (otherwise None), each with rank 0's source."""
+    out: Dict[str, Any] = {}
+    for key in ("mfu", "nvml_util", "sm_active"):
+        values = [r.get(key) for r in measured]
+        out[key] = statistics.fmean(values) if values and all(v is not None for v in values) else None
+        out[f"{key}_source"] = measured[0].get(f"{key}_source", "-")
+    out["mfu_dtype"] = measured[0].get("mfu_dtype")
+    out["flops_per_sample"] = measured[0].get("flops_per_sample")
+    return out
 
 
 def _spread(values: List[float]) -> float:
@@ -94,6 +109,10 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("loss first -> last", f"{result.get('first_loss', float('nan')):.4g} -> {result.get('final_loss', float('nan')):.4g}"
          if result.get("final_loss") is not None else "-"),
         ("utilization", f"{pct(result.get('utilization'))} ({result.get('utilization_source', '-')})"),
+        ("mfu", f"{pct(result['mfu'])} of the {result.get('mfu_dtype')} peak" if result.get("mfu") is not None
+         else f"- ({result.get('mfu_source', 'not measured')})"),
+        *[(label, f"{pct(result[key])} ({result.get(key + '_source')})") for key, label in
+          (("nvml_util", "nvml utilization.gpu"), ("sm_active", "SM active")) if result.get(key) is not None],
         ("throughput", f"{result['throughput']:.1f} samples/s" if result.get("throughput") else "-"),
         ("step time", f"{1000 * result['step_time_s']:.2f} ms" if result.get("step_time_s") else "-"),
         ("data wait / h2d", f"{pct(result.get('data_wait_frac'))} / {pct(result.get('h2d_frac'))}"),

@@ -232,6 +232,7 @@ class TrainerConfig:
     memory_cap_mb: float = 0.0  # a rank process above this RSS fails the job (CPU "OOM"); 0: none
     profile_steps: int = 0  # torch.profiler over this many steps after warmup (not measured); 0: off
     checkpoint_every: int = 0  # steps between checkpoints (rank 0, atomic); 0: off
+    peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
     resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
 
     def __post_init__(self) -> None:
@@ -251,11 +252,14 @@ class TrainerConfig:
         _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every: must be >= 0 (0 = off), got {self.checkpoint_every}")
         _require(self.profile_steps >= 0, f"trainer.profile_steps: must be >= 0 (0 = off), got {self.profile_steps}")
         _require(self.memory_cap_mb >= 0, f"trainer.memory_cap_mb: must be >= 0 (0 = none), got {self.memory_cap_mb}")
+        _require(self.peak_tflops >= 0,
+                 f"trainer.peak_tflops: must be >= 0 (0 = the table or a CPU measurement), got {self.peak_tflops}")
 
 
 class Objective(str, Enum):
     utilization = "utilization"  # max utilization among trials near the best throughput (README)
     throughput = "throughput"
+    mfu = "mfu"  # model FLOPs utilization (runtime/flops.py): useful FLOP/s over the device's peak
     both = "both"  # multi-objective: the Pareto front is reported
 
 

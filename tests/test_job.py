@@ -35,8 +35,10 @@ def test_job_writes_result_and_mlflow_run(make_cfg, tmp_path):
     assert run.data.params["model._target_"] == "tasks.models.Linear"
     tags = run.data.tags
     assert (tags["backend"], tags["world_size"], tags["utilization_source"], tags["device"]) == ("single", "1", "cpu-busy", "cpu")
-    for key in ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb"):
+    for key in ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "mfu"):
         assert key in run.data.metrics, key
+    assert 0 < on_disk["mfu"] <= 1 and on_disk["per_rank"][0]["mfu"] == on_disk["mfu"]
+    assert on_disk["nvml_util"] is None and on_disk["nvml_util_source"].startswith("absent")  # a CPU run
     client = MlflowClient(cfg.tracking.uri)
     loss = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in loss][:3] == [1, 2, 3] and len(loss) == 12  # log_every=1

@@ -73,7 +73,7 @@ def test_handoff_cost_is_measured_once_per_size_class(tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "measure_handoff", lambda nbytes, bs: calls.append((nbytes, bs)) or 0.002)
     assert costs.handoff_s(100_000, 32)["seconds"] == 0.002
     assert costs.handoff_s(120_000, 32)["seconds"] == 0.002  # the same power-of-two size class: cached
-    assert calls == [(131072, 32)] and (tmp_path / "handoff.json").exists()
+    assert calls == [(131072, 32)] and (tmp_path / "costs.json").exists()
     costs.handoff_s(1_000_000, 32)
     assert calls[-1] == (1048576, 32)
 

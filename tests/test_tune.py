@@ -97,6 +97,17 @@ def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     assert summary["best"]["values"]["data.batch_size"] == 64
 
 
+def test_mfu_objective_picks_the_highest_mfu(make_cfg, tmp_path):
+    cfg = make_cfg(*SHORT, "tune.n_trials=3", "tune.objective=mfu", "tune.baseline=false",
+                   f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.type=categorical",
+                   "tune.space.batch_size.choices=[8,64]", "tune.space.num_workers.high=0",
+                   "tune.space.accumulation_steps.high=1")
+    summary = run_study(cfg, tmp_path, echo=False)
+    done = [t for t in study_of(summary).trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert done and all(0 < t.user_attrs["mfu"] <= 1 and t.value == t.user_attrs["mfu"] for t in done)
+    assert summary["best"]["mfu"] == max(t.user_attrs["mfu"] for t in done)
+
+
 def test_utilization_score_ranks_like_the_final_rule():
     assert utilization_score(0.3, 100, 100, 0.95) > utilization_score(0.9, 80, 100, 0.95)
     assert utilization_score(0.5, 96, 100, 0.95) > utilization_score(0.3, 100, 100, 0.95)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..schema import AmpDtype, Config, Loss, OptimizerName, import_target
 from .. import checkpoint
 from .dist import Adapter
+from .flops import StepCounter, mfu_figures
 from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter
 
 
@@ -273,6 +274,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         step, start_epoch, skip = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         checkpoint.set_rng_state(ck["rng"])
         events.write(type="resume", step=step, epoch=start_epoch)
+    # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
+    counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
+    counted_step = step
+    flops: Dict[str, Any] = {"flops": None, "reason": "not counted: trainer.warmup_steps=0 leaves no unmeasured step"}
     # Hot path: on a ~200 us step every microsecond shows, so work that does nothing is skipped
     # (CPU copies, a disabled autocast, a division by 1, loss bookkeeping on unlogged steps).
     move = device.type != "cpu"
@@ -311,6 +316,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             while b < n_batches and step < total:
                 if profiler is not None:
                     profiler.at_step(step, t.warmup_steps, t.profile_steps)
+                if counter is not None and step == counted_step:
+                    counter.__enter__()
                 micro = min(accum, n_batches - b)  # the epoch's last step takes the remainder
                 logged = (step + 1) % t.log_every == 0 or step == 0 or step + 1 == total
                 samples = 0
@@ -336,6 +343,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     samples += x.shape[0]
                     mark(COMPUTE)
                 b += micro
+                if counter is not None and step == counted_step:
+                    counter.__exit__(None, None, None)
+                    flops, counter = counter.per_sample(samples), None
                 if exposed_comm:
                     adapter.synchronize(optimizer)
                     mark(COMM)
@@ -376,8 +386,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t_start
     summary = meter.summary()
+    summary.update(mfu_figures(flops, summary.get("throughput"), device, amp, amp_dtype, t.peak_tflops))
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1,
-                       steps_per_epoch=per_epoch, item_bytes=item_bytes(dataset), final_loss=last_loss, first_loss=first_loss, wall_s=wall,
+                       steps_per_epoch=per_epoch, item_bytes=item_bytes(dataset), final_loss=last_loss,
+                       first_loss=first_loss, wall_s=wall,
                        meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])

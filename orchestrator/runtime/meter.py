@@ -36,7 +36,9 @@ BUSY = ("compute", "optimizer")
 
 
 class NvmlSampler:
-    """Samples NVML `utilization.gpu` of one device at `hz` in a daemon thread."""
+    """Samples NVML `utilization.gpu` of one device at `hz` in a daemon thread, and where NVML's
+    GPU performance monitoring (GPM, Hopper and newer) is supported, SM activity: the share of
+    time the SMs were busy between two samples (`NVML_GPM_METRIC_SM_UTIL`)."""
 
     source = "nvml"
 
@@ -52,23 +54,57 @@ class NvmlSampler:
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self._period = 1.0 / hz
         self.samples: List[tuple[float, float]] = []
+        self.sm_samples: List[tuple[float, float]] = []
+        try:
+            self.gpm = bool(pynvml.nvmlGpmQueryDeviceSupport(self._handle).isSupportedDevice)
+            self.sm_source = "nvml-gpm" if self.gpm else "absent: this GPU has no NVML GPM (Hopper and newer)"
+        except Exception as exc:  # an older driver or library
+            self.gpm, self.sm_source = False, f"absent: NVML GPM unavailable ({type(exc).__name__})"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
         self._thread.start()
 
+    def _sm_util(self, prev: Any, cur: Any) -> float:
+        nvml = self._nvml
+        req = nvml.c_nvmlGpmMetricsGet_t()
+        req.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        req.numMetrics = 1
+        req.sample1, req.sample2 = prev, cur
+        req.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
+        nvml.nvmlGpmMetricsGet(req)
+        return float(req.metrics[0].value)
+
     def _run(self) -> None:
+        nvml, prev = self._nvml, None
+        if self.gpm:
+            try:
+                prev = nvml.nvmlGpmSampleGet(self._handle, nvml.nvmlGpmSampleAlloc())
+            except Exception as exc:
+                self.gpm, self.sm_source = False, f"absent: NVML GPM sampling failed ({type(exc).__name__})"
         while not self._stop.is_set():
             try:
-                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+                util = nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
                 self.samples.append((time.perf_counter(), float(util)))
+                if prev is not None:
+                    cur = nvml.nvmlGpmSampleGet(self._handle, nvml.nvmlGpmSampleAlloc())
+                    self.sm_samples.append((time.perf_counter(), self._sm_util(prev, cur)))
+                    nvml.nvmlGpmSampleFree(prev)
+                    prev = cur
             except Exception:  # a transient NVML error must not kill training
                 pass
             self._stop.wait(self._period)
+        if prev is not None:
+            try:
+                nvml.nvmlGpmSampleFree(prev)
+            except Exception:
+                pass
 
-    def mean(self, t0: float, t1: float) -> Optional[float]:
-        vals = [u for t, u in self.samples if t0 <= t <= t1]
+    def mean(self, t0: float, t1: float, samples: Optional[List[tuple[float, float]]] = None) -> Optional[float]:
+        """Mean of the samples in [t0, t1] as a fraction (utilization.gpu, or `samples`)."""
+        samples = self.samples if samples is None else samples
+        vals = [u for t, u in samples if t0 <= t <= t1]
         if not vals:  # window shorter than the sampling period: nearest sample
-            near = [u for t, u in self.samples if t <= t1]
+            near = [u for t, u in samples if t <= t1]
             return near[-1] / 100.0 if near else None
         return statistics.fmean(vals) / 100.0
 
@@ -92,6 +128,7 @@ class Window:
     utilization: float
     t_start: float  # perf_counter, for timelines
     t_end: float
+    sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
 
     @property
     def throughput(self) -> float:
@@ -105,7 +142,7 @@ class Window:
         return {
             "index": self.index, "first_step": self.first_step, "steps": self.steps, "samples": self.samples,
             "wall_s": self.wall_s, "throughput": self.throughput, "utilization": self.utilization,
-            "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end,
+            "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end, "sm_active": self.sm_active,
         }
 
 
@@ -197,14 +234,17 @@ class StepMeter:
         busy = sum(phases[p] for p in BUSY)
         total = sum(phases.values())
         util: Optional[float] = None
+        sm: Optional[float] = None
         if self.sampler is not None:
             util = self.sampler.mean(self._wall0, wall1)
+            if self.sampler.gpm:
+                sm = self.sampler.mean(self._wall0, wall1, self.sampler.sm_samples)
         if util is None:
             util = busy / total if total > 0 else 0.0
         steps = self._step - self._window_first
         win = Window(
             index=len(self.windows), first_step=self._window_first, steps=steps, samples=self._samples,
-            wall_s=wall, phases_s=phases, utilization=util, t_start=self._wall0, t_end=wall1,
+            wall_s=wall, phases_s=phases, utilization=util, t_start=self._wall0, t_end=wall1, sm_active=sm,
         )
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
@@ -239,6 +279,7 @@ class StepMeter:
         utils = [w.utilization for w in wins]
         thr = [w.throughput for w in wins]
         shares = {p: med.share(p) for p in PHASES}
+        sm = [w.sm_active for w in wins if w.sm_active is not None]
         return {
             "measured_steps": steps,
             "warmup_excluded": bool(self.windows),
@@ -256,6 +297,11 @@ class StepMeter:
             "comm_frac": shares["comm"],
             "optimizer_frac": shares["optimizer"],
             "other_frac": shares["other"],
+            # the three device figures side by side (README, "What is measured")
+            "nvml_util": statistics.median(utils) if self.source == "nvml" else None,
+            "nvml_util_source": "nvml utilization.gpu" if self.source == "nvml" else "absent: no NVML device",
+            "sm_active": statistics.median(sm) if sm else None,
+            "sm_active_source": self.sampler.sm_source if self.sampler is not None else "absent: no NVML device",
             **memory_stats(self.device),
         }
 

@@ -14,7 +14,7 @@ import yaml
 from ..commands import orchestrator_command
 from ..schema import Objective, TuneConfig
 
-COLUMNS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "measured_s")
+COLUMNS = ("utilization", "throughput", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "measured_s")
 
 
 def completed(study: Any) -> List[Any]:
@@ -26,14 +26,15 @@ def completed(study: Any) -> List[Any]:
 
 def best_trials(study: Any, t: TuneConfig) -> List[Any]:
     """Best first. utilization: highest utilization among trials within throughput_floor of the
-    study's best throughput; throughput: highest throughput; both: the Pareto front."""
+    study's best throughput; throughput / mfu: the highest; both: the Pareto front."""
     done = completed(study)
     if not done:
         return []
     if t.objective is Objective.both:
         return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"])
-    if t.objective is Objective.throughput:
-        return sorted(done, key=lambda tr: -tr.user_attrs["throughput"])[:1]
+    if t.objective in (Objective.throughput, Objective.mfu):
+        key = t.objective.value
+        return sorted(done, key=lambda tr: -(tr.user_attrs.get(key) or 0.0))[:1]
     top = max(tr.user_attrs["throughput"] for tr in done)
     eligible = [tr for tr in done if tr.user_attrs["throughput"] >= t.throughput_floor * top]
     return sorted(eligible, key=lambda tr: -tr.user_attrs["utilization"])[:1]
@@ -44,8 +45,8 @@ def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
     from .study import utilization_score
 
     a = trial.user_attrs
-    if t.objective is Objective.throughput:
-        return a["throughput"]
+    if t.objective in (Objective.throughput, Objective.mfu):
+        return a.get(t.objective.value) or 0.0
     return utilization_score(a["utilization"], a["throughput"], top_throughput, t.throughput_floor)
 
 

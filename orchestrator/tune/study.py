@@ -24,7 +24,7 @@ from .pool import RankPool
 from .space import SearchSpace, apply
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
-METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s")
+METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu")
 
 
 class StudyFailed(RuntimeError):
@@ -193,7 +193,8 @@ class Tuner:
             never prune on the last window, when the measurement is already paid for."""
             if self.multi or self.t.objective is Objective.both:
                 return False
-            value = (job["throughput"] if self.t.objective is Objective.throughput else
+            # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
+            value = (job["throughput"] if self.t.objective in (Objective.throughput, Objective.mfu) else
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
             trial.report(value, window)
             if window < last_window and trial.should_prune():
@@ -205,6 +206,8 @@ class Tuner:
             result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
                              pool=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
             rec.metrics = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
+            if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
+                raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
             rec.measured_s = _measured_seconds(result, cfg)
             rec.mlflow_run_id = result.get("mlflow_run_id")
             for k, v in {**rec.metrics, "measured_s": rec.measured_s, "mlflow_run_id": rec.mlflow_run_id,
@@ -260,6 +263,8 @@ class Tuner:
             return [util, thr]
         if self.t.objective is Objective.throughput:
             return thr
+        if self.t.objective is Objective.mfu:
+            return rec.metrics["mfu"]
         return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor)
 
     def _check_failure_rate(self, study: Any) -> None:
