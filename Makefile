@@ -21,3 +21,4 @@ bench:
 	$(PY) bench/bench_pool.py
 	$(PY) bench/bench_advice.py
 	$(PY) bench/bench_mfu.py
+	$(PY) bench/bench_storage.py

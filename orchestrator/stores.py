@@ -1,16 +1,18 @@
-"""Database URLs shared by MLflow and Optuna, and the file locks that make their first use safe
-when several processes start together.
+"""Database URLs shared by MLflow and Optuna, and the locks that make their shared use safe when
+several processes, on one machine or many, start together or share a study.
 
 SQLite has no server to arbitrate schema creation: two processes opening a fresh file both try
-to create the tables and one fails ("table ... already exists"). A lock file beside the
-database serializes that first use (and the tuner's "count trials, then ask") between the
-processes of one machine; server databases arbitrate themselves.
+to create the tables and one fails ("table ... already exists"). A lock file beside the database
+serializes that first use, and the tuner's "count trials, then ask", between the processes of
+one machine. On PostgreSQL the same sections take an advisory lock, which the database holds
+for processes on any machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -23,6 +25,18 @@ def resolve_uri(uri: str) -> str:
     if uri.startswith(SQLITE) and not uri.startswith(SQLITE + "/"):
         return SQLITE + str(Path(uri[len(SQLITE):]).resolve())
     return uri
+
+
+def redact(uri: str) -> str:
+    """The URL with its password masked, for messages, logs and MLflow params."""
+    if "@" not in uri or "://" not in uri:
+        return uri
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(uri).render_as_string(hide_password=True)
+    except Exception:
+        return uri
 
 
 def sqlite_path(uri: str) -> Optional[Path]:
@@ -43,11 +57,45 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sqlite_lock(uri: str, name: str = "") -> Iterator[None]:
-    """Lock `<db>.lock` (or `<db>.<name>.lock`) for a SQLite URL; a no-op for other URLs."""
+def store_lock(uri: str, name: str = "") -> Iterator[None]:
+    """Serializes a critical section between the processes that share the store `uri`: a lock
+    file beside a SQLite database (`<db>.lock`, or `<db>.<name>.lock`; processes of one machine),
+    a PostgreSQL advisory lock keyed by `name` (processes on any machine); other stores: none."""
     db = sqlite_path(uri)
-    if db is None:
+    if db is not None:
+        with file_lock(db.with_name(db.name + (f".{name}" if name else "") + ".lock")):
+            yield
+    elif uri.startswith(("postgresql://", "postgresql+")):
+        with advisory_lock(uri, name or "store"):
+            yield
+    else:
         yield
-        return
-    with file_lock(db.with_name(db.name + (f".{name}" if name else "") + ".lock")):
-        yield
+
+
+def lock_key(name: str) -> int:
+    """A stable signed 64-bit key for pg_advisory_lock (the same on every machine)."""
+    return int.from_bytes(hashlib.blake2b(f"orchestrator:{name}".encode(), digest_size=8).digest(), "big",
+                          signed=True)
+
+
+@contextlib.contextmanager
+def advisory_lock(uri: str, name: str) -> Iterator[None]:
+    """A PostgreSQL session-level advisory lock held on its own connection (released by the server
+    if that connection dies, e.g. when the database restarts)."""
+    import sqlalchemy as sa
+    from sqlalchemy.pool import NullPool
+
+    engine = sa.create_engine(uri, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    key = lock_key(name)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                try:
+                    conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                except Exception:  # the connection is gone, and the lock with it
+                    pass
+    finally:
+        engine.dispose()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 from .schema import ConfigError, TrackingConfig
-from .stores import resolve_uri, sqlite_lock, sqlite_path
+from .stores import redact, resolve_uri, sqlite_path, store_lock
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -55,7 +55,7 @@ class Tracker:
 
         try:
             # The first use of a fresh SQLite file creates MLflow's tables: one process at a time.
-            with sqlite_lock(self.uri):
+            with store_lock(self.uri):
                 self.client = MlflowClient(tracking_uri=self.uri)
                 exp = self._get_or_create_experiment()
             if exp.lifecycle_stage == "deleted":
@@ -69,7 +69,7 @@ class Tracker:
             raise
         except Exception as exc:  # driver missing, auth, schema...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"tracking.uri: cannot use {self.uri}: {first[:300]}") from None
+            raise ConfigError(f"tracking.uri: cannot use {redact(self.uri)}: {first[:300]}") from None
         self._check_artifact_home()
 
     def _check_artifact_home(self) -> None:

@@ -27,7 +27,7 @@ STAMP=.venv/.orchestrator-deps
 WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import orchestrator, hydra, mlflow, optuna" >/dev/null 2>&1; then
   echo "setup: installing the project and its dependencies"
-  "$PY" -m pip install -q -e ".[test]"
+  "$PY" -m pip install -q -e ".[test,postgres]"
   echo "$WANT" > "$STAMP"
 fi
 
@@ -42,6 +42,18 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
       || echo "setup: could not install chromium; tests/test_ui.py will fail until it is installed" >&2
   else
     echo "setup: install Debian's chromium and chromium-driver for the UI test (sudo apt-get install chromium chromium-driver)" >&2
+  fi
+fi
+
+# PostgreSQL for the many-machines tests (a throwaway server per test run; Debian's package).
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing postgresql (tests of studies shared through PostgreSQL)"
+    (DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 || \
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }) \
+      || echo "setup: could not install postgresql; tests/test_postgres.py will be skipped" >&2
+  else
+    echo "setup: install Debian's postgresql for tests/test_postgres.py (sudo apt-get install postgresql)" >&2
   fi
 fi
 

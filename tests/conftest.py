@@ -3,6 +3,7 @@ an MLflow server started by scripts/ui.sh."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Iterator, List
 
 import pytest
 import torch
@@ -63,18 +64,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def ui_server(tmp_path):
-    """`scripts/ui.sh` on a free loopback port over tmp_path/mlflow.db, serving the artifacts in
-    tmp_path/mlartifacts (where SQLite runs of that DB keep theirs); yields (url, store) once it answers."""
+@contextlib.contextmanager
+def mlflow_ui(store: str, artifacts: Path, log_path: Path) -> Iterator[str]:
+    """`scripts/ui.sh` on a free loopback port over `store`, serving `artifacts`; yields its URL
+    once it answers, and stops it afterwards."""
     port = free_port()
-    store = f"sqlite:///{tmp_path}/mlflow.db"
-    log = open(tmp_path / "ui.log", "wb")
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "ui.sh"), str(port), store, str(tmp_path / "mlartifacts")],
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "ui.sh"), str(port), store, str(artifacts)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        end = time.monotonic() + 60
+        end = time.monotonic() + 90
         while True:
             try:
                 if urllib.request.urlopen(url + "/health", timeout=2).read() == b"OK":
@@ -82,9 +82,9 @@ def ui_server(tmp_path):
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > end:
-                pytest.fail(f"scripts/ui.sh did not serve {url}: " + (tmp_path / "ui.log").read_text()[-2000:])
+                pytest.fail(f"scripts/ui.sh did not serve {url}: " + log_path.read_text()[-2000:])
             time.sleep(0.3)
-        yield url, store
+        yield url
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -96,6 +96,15 @@ def ui_server(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
         assert proc.poll() is not None  # the server is stopped
+
+
+@pytest.fixture
+def ui_server(tmp_path):
+    """`scripts/ui.sh` over tmp_path/mlflow.db, serving the artifacts in tmp_path/mlartifacts
+    (where SQLite runs of that DB keep theirs); yields (url, store) once it answers."""
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    with mlflow_ui(store, tmp_path / "mlartifacts", tmp_path / "ui.log") as url:
+        yield url, store
 
 
 def job_processes(run_dir: Path) -> list:

@@ -10,15 +10,19 @@ from winning when it costs samples per second.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import psutil
+
 from ..app import JobFailed, JobStopped, run_job
 from ..schema import Config, ConfigError, Objective, PrunerName
-from ..stores import resolve_uri, sqlite_lock
+from ..stores import redact, resolve_uri, sqlite_path, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from .space import SearchSpace, apply
@@ -36,10 +40,10 @@ def storage_url(url: str) -> str:
 
 
 def study_lock(storage: str, study_name: str):
-    """Serializes 'count trials, then ask' between tuner processes sharing a SQLite study, so
-    together they run exactly n_trials. (Server databases: processes on several machines may
-    overshoot by at most one trial each.)"""
-    return sqlite_lock(storage, study_name)
+    """Serializes 'count trials, then ask' between tuner processes sharing a study, so together
+    they run exactly n_trials: a lock file beside a SQLite DB, an advisory lock on PostgreSQL
+    (processes on any machine). Other server databases: each process may overshoot by one."""
+    return store_lock(storage, f"study.{study_name}")
 
 
 @dataclass
@@ -77,15 +81,21 @@ class Tuner:
             Path(self.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
                   if self.t.pruner is PrunerName.median and not self.multi else optuna.pruners.NopPruner())
-        # the store lock covers the first use of a fresh SQLite file (Optuna creates its tables)
-        with sqlite_lock(self.storage), study_lock(self.storage, self.name):
-            study = self._create_or_load(pruner)
-            worker = int(study.user_attrs.get("workers", 0))
-            study.set_user_attr("workers", worker + 1)
-            if worker == 0 and self.t.baseline and not study.trials:
-                base = self.space.params_of(self.space.baseline())
-                contained = {k: v for k, v in base.items() if self._contains(k, v)}
-                study.enqueue_trial(contained, user_attrs={"baseline": True})
+        # the store lock covers the first use of a fresh store (Optuna creates its tables)
+        try:
+            with store_lock(self.storage), study_lock(self.storage, self.name):
+                study = self._create_or_load(pruner)
+                worker = int(study.user_attrs.get("workers", 0))
+                study.set_user_attr("workers", worker + 1)
+                self._reclaim_orphans(study)
+                if worker == 0 and self.t.baseline and not study.trials:
+                    base = self.space.params_of(self.space.baseline())
+                    contained = {k: v for k, v in base.items() if self._contains(k, v)}
+                    study.enqueue_trial(contained, user_attrs={"baseline": True})
+        except ConfigError:
+            raise
+        except Exception as exc:  # unreachable host, wrong password, ...: before any trial
+            raise ConfigError(f"tune.storage: cannot use {redact(self.storage)}: {_first_line(exc)}") from None
         # each tuner process samples its own stream; the first one is reproducible from tune.seed
         study.sampler = optuna.samplers.TPESampler(seed=self.t.seed + worker, multivariate=True,
                                                    n_startup_trials=min(5, max(2, self.t.n_trials // 4)))
@@ -97,16 +107,35 @@ class Tuner:
         for attempt in range(attempts):
             try:
                 return self.optuna.create_study(
-                    study_name=self.name, storage=self.storage, load_if_exists=True, pruner=pruner,
+                    study_name=self.name, storage=self._storage(), load_if_exists=True, pruner=pruner,
                     directions=["maximize", "maximize"] if self.multi else ["maximize"],
                 )
             except ValueError as exc:  # e.g. resuming a single-objective study as multi-objective
                 raise ConfigError(f"tune.study_name: cannot resume '{self.name}': {exc}") from None
             except Exception as exc:
                 if attempt == attempts - 1:
-                    raise ConfigError(f"tune.storage: cannot use {self.storage}: {str(exc).splitlines()[0][:200]}") from None
+                    raise ConfigError(f"tune.storage: cannot use {redact(self.storage)}: {_first_line(exc)}") from None
                 time.sleep(0.5 * (attempt + 1))
         raise AssertionError("unreachable")
+
+    def _storage(self) -> Any:
+        """A SQLite URL as it is; a server database with pre-ping, so that connections a database
+        restart closed are replaced instead of failing the next call."""
+        if sqlite_path(self.storage) is not None:
+            return self.storage
+        return self.optuna.storages.RDBStorage(self.storage, engine_kwargs={"pool_pre_ping": True})
+
+    def _reclaim_orphans(self, study: Any) -> None:
+        """Trials left RUNNING by a tuner process of this host that no longer exists (killed, or
+        its database went away mid-trial) are recorded as interrupted: they neither count toward
+        tune.n_trials nor hold a slot. (Processes on other hosts cannot be checked from here.)"""
+        host = socket.gethostname()
+        for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,)):
+            owner = str(tr.user_attrs.get("owner", ""))
+            pid = owner.rpartition(":")[2]
+            if owner.startswith(host + ":") and pid.isdigit() and not psutil.pid_exists(int(pid)):
+                study._storage.set_trial_user_attr(tr._trial_id, "interrupted", True)
+                study._storage.set_trial_state_values(tr._trial_id, self.optuna.trial.TrialState.FAIL)
 
     def _contains(self, name: str, value: Any) -> bool:
         d = next(d for d in self.space.dims if d.name == name)
@@ -120,13 +149,13 @@ class Tuner:
         self.tracker.check()
         parent = self.tracker.start(
             self.cfg.tracking.run_name or f"tune {self.name}",
-            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": self.storage,
+            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
              "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
              **{f"space.{d.name}": d.describe() for d in self.space.dims}},
             {"mode": "tune", "study_name": self.name, "backend": self.cfg.backend.name.value,
              "world_size": str(self.cfg.world_size), **self.cfg.tags},
         )
-        self._say(f"[tune] study '{self.name}' in {self.storage}: {self.t.n_trials} trials, objective "
+        self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {self.t.n_trials} trials, objective "
                   f"{self.t.objective.value}, space: " + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims))
         done = counted(study.get_trials(deepcopy=False))
         if done >= self.t.n_trials:
@@ -155,10 +184,21 @@ class Tuner:
         except KeyboardInterrupt:
             status = "KILLED"
             raise
+        except Exception as exc:
+            if not _is_storage_error(exc):
+                raise
+            raise StudyFailed(f"the study's database failed ({_first_line(exc)}); completed trials are kept: "
+                              f"rerun with tune.study_name={self.name} to finish the count") from None
         finally:
             if self.pool is not None:
                 self.pool.close()
-            summary = self._finish(study, parent, status)
+            try:
+                summary = self._finish(study, parent, status)
+            except Exception as exc:
+                if status == "FINISHED" or not _is_storage_error(exc):
+                    raise
+                print(f"[tune] could not write the study's outputs: {_first_line(exc)}")
+                self.tracker.end(status)
         return summary
 
     def _run_trial(self, study: Any, trial: Any, parent: Optional[str]) -> None:
@@ -167,6 +207,7 @@ class Tuner:
         values = self.space.sample(trial)
         rec = TrialRecord(trial.number, "RUNNING", values)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
+        trial.set_user_attr("owner", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("values", values)
         twin = self._measured_twin(study, values)
         if twin is not None:  # the sampler proposed a config already measured: no second launch
@@ -310,6 +351,19 @@ class Tuner:
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
+
+
+def _is_storage_error(exc: BaseException) -> bool:
+    """A failure of the study's database (connection lost, server restarted), not of a trial."""
+    import sqlalchemy.exc
+    from optuna.exceptions import StorageInternalError
+
+    return isinstance(exc, (StorageInternalError, sqlalchemy.exc.SQLAlchemyError))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def counted(trials: List[Any]) -> int:
