@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import format_error
-from .schema import ConfigError, Mode, register_configs, to_config
+from .schema import Config, ConfigError, Mode, register_configs, to_config
 
 register_configs()
 
@@ -132,7 +132,7 @@ def cli() -> None:
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors
-        print(f"error: {format_error(exc)}", file=sys.stderr)
+        print(f"error: {format_error(exc, Config)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .report import load_rank_results, merge, summary_rows
+from .rundir import WINDOW_KEYS, ranks_dir, write_job
 from .runtime.dist import check_devices
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
 from .supervise import Event, Outcome, supervise
@@ -43,9 +44,6 @@ class JobStopped(JobFailed):
 
 # monitor(window ordinal, job-level window metrics) -> True to stop the job
 Monitor = Callable[[int, Dict[str, float]], bool]
-
-
-WINDOW_KEYS = ("throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s")
 
 
 class LiveLog:
@@ -150,8 +148,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         run_id = tracker.reopen(resumed[1]["mlflow_run_id"], {"resumed_from_step": resumed[1]["step"]})
     else:
         run_id = tracker.start(name, flatten(cfg), tags)
-    if run_id:
-        launch.env[checkpoint.MLFLOW_RUN_ENV] = run_id  # recorded in checkpoints
+    write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
     result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
                               "run_dir": str(run_dir)}
     status = "FAILED"
@@ -166,7 +163,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
             watch_kwargs = dict(timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
                                 memory_cap_mb=cfg.trainer.memory_cap_mb)
             if pool is not None:  # kept-alive ranks (tune.reuse_ranks): orchestrator/tune/pool.py
-                outcome = pool.run(cfg, run_dir, run_id, **watch_kwargs)
+                outcome = pool.run(cfg, run_dir, **watch_kwargs)
             else:
                 outcome = supervise(launch, run_dir, echo=echo, **watch_kwargs)
         finally:
@@ -256,8 +253,8 @@ def _archive_attempt(run_dir: Path) -> None:
         n += 1
     dest = run_dir / "attempts" / str(n)
     dest.mkdir(parents=True)
-    if (run_dir / "ranks").exists():
-        (run_dir / "ranks").rename(dest / "ranks")
+    if ranks_dir(run_dir).exists():
+        ranks_dir(run_dir).rename(dest / "ranks")
     for name in ("config.yaml", "result.json", "load_report.json", "load_report.md"):
         if (run_dir / name).exists():
             shutil.copy2(run_dir / name, dest / name)
@@ -281,9 +278,9 @@ def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, files: List
         tracker.set_tags(tags)
         for path in [*files, out]:
             tracker.log_artifact(path)
-        for trace in sorted((run_dir / "ranks").glob("trace_rank*.json")):
+        for trace in sorted(ranks_dir(run_dir).glob("trace_rank*.json")):
             tracker.log_artifact(trace, "traces")
-        for err in sorted((run_dir / "ranks").glob("rank*.err")):
+        for err in sorted(ranks_dir(run_dir).glob("rank*.err")):
             tracker.log_artifact(err, "errors")
     except Exception as exc:
         print(f"[tracking] could not record the result: {exc}")

@@ -21,9 +21,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from .rank import MLFLOW_RUN_ENV
-
-__all__ = ["MAY_CHANGE", "MLFLOW_RUN_ENV", "changed_keys", "find_latest", "load", "meta_of", "resolve_resume", "save"]
+__all__ = ["MAY_CHANGE", "changed_keys", "find_latest", "load", "meta_of", "resolve_resume", "save"]
 
 DIR = "checkpoints"
 KEEP = 2  # checkpoints kept on disk (the newest and the one before it)

@@ -7,12 +7,11 @@ import re
 import typing
 from typing import Any, Optional
 
-from .schema import Config
 
 
-def _schema_at(path: str) -> Optional[Any]:
-    """The dataclass type at a dotted path of `Config` (None past a free-form node)."""
-    node: Any = Config
+def _schema_at(path: str, root: type) -> Optional[Any]:
+    """The dataclass type at a dotted path of the `root` schema (None past a free-form node)."""
+    node: Any = root
     for part in [p for p in path.split(".") if p]:
         if not dataclasses.is_dataclass(node):
             return None
@@ -26,15 +25,16 @@ def _schema_at(path: str) -> Optional[Any]:
     return node
 
 
-def _allowed_keys(parent: str) -> str:
-    node = _schema_at(parent)
+def _allowed_keys(parent: str, root: type) -> str:
+    node = _schema_at(parent, root)
     if node is not None and dataclasses.is_dataclass(node):
         return ", ".join(f.name for f in dataclasses.fields(node))
     return ""
 
 
-def format_error(exc: BaseException) -> str:
-    """Reduce Hydra's multi-line compose errors to `field: problem; allowed: ...`."""
+def format_error(exc: BaseException, root: type) -> str:
+    """Reduce Hydra's multi-line compose errors to `field: problem; allowed: ...`; `root` is the
+    config schema (schema.Config), passed in so this module does not import the schema back."""
     chain = [exc]
     while chain[-1].__cause__ is not None:
         chain.append(chain[-1].__cause__)
@@ -65,7 +65,7 @@ def format_error(exc: BaseException) -> str:
     if m:
         full = key or m.group(1)
         parent = full.rsplit(".", 1)[0] if "." in full else ""
-        allowed = _allowed_keys(parent)
+        allowed = _allowed_keys(parent, root)
         if allowed:
             return f"{full}: unknown key in {parent or 'config'}; allowed: {allowed}"
         return f"{full}: not in the config; to add a key to a free-form node write +{full}=..."

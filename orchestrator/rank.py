@@ -16,14 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-MLFLOW_RUN_ENV = "ORCHESTRATOR_MLFLOW_RUN_ID"  # set by the parent for the ranks; recorded in checkpoints
-
-RANKS_DIR = "ranks"
-
-
-def rank_paths(run_dir: Path, rank: int) -> dict[str, Path]:
-    d = run_dir / RANKS_DIR
-    return {"events": d / f"rank{rank}.jsonl", "result": d / f"rank{rank}.json", "error": d / f"rank{rank}.err"}
+from .rundir import pool_job_path, pool_stop_path, rank_paths, ranks_dir, read_job, write_json
 
 
 def _early_rank() -> int:
@@ -57,15 +50,10 @@ def prefix_output(prefix: str) -> None:
     sys.stderr = _Prefixed(sys.stderr, prefix)  # type: ignore[assignment]
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)  # the parent never reads a half-written file
-
-
 def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
-    """Train the job in `root` on an adapter that is set up; write this rank's result.
-    `datasets` (kept-alive ranks) reuses a dataset built by an earlier job with the same arguments."""
+    """Train the job in `root` (its config and job spec read by the caller) on an adapter that is
+    set up; write this rank's result. `datasets` (kept-alive ranks) reuses a dataset built by an
+    earlier job with the same arguments."""
     from .checkpoint import find_latest
     from .runtime.loop import EventLog, build_dataset, train
 
@@ -82,8 +70,8 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
     events = EventLog(paths["events"])
     try:
         resume = find_latest(Path(cfg.trainer.resume)) if cfg.trainer.resume else None
-        res = train(cfg, adapter, events, trace_path=root / RANKS_DIR / f"trace_rank{rank}.json",
-                    ckpt_dir=root, resume=resume, dataset=dataset)
+        res = train(cfg, adapter, events, trace_path=paths["trace"], ckpt_dir=root, resume=resume, dataset=dataset,
+                    mlflow_run_id=read_job(root).get("mlflow_run_id"))
     finally:
         events.close()
     if cfg.trainer.save_model and rank == 0:
@@ -101,18 +89,18 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         "first_loss": res.first_loss, "final_loss": res.final_loss,
         "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
     }
-    _write_json(paths["result"], result)
+    write_json(paths["result"], result)
     # rank 0's run dir gets every rank's result, also those of ranks on other machines
     gathered = adapter.all_gather_object(result)
     if rank == 0:
         for other in gathered:
-            _write_json(rank_paths(root, other["rank"])["result"], other)
+            write_json(rank_paths(root, other["rank"])["result"], other)
 
 
 def _fail(root: Path, rank: int, exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         return 130
-    (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    ranks_dir(root).mkdir(parents=True, exist_ok=True)
     rank_paths(root, rank)["error"].write_text(traceback.format_exc())
     traceback.print_exc()
     return 1
@@ -126,7 +114,7 @@ def _prefix_if_torchrun(rank: int) -> None:
 def main(run_dir: str) -> int:
     """One job: set up the backend, train, write the result, tear down."""
     root = Path(run_dir)
-    (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    ranks_dir(root).mkdir(parents=True, exist_ok=True)
     rank = _early_rank()
     adapter = None
     try:
@@ -152,11 +140,11 @@ POLL_S = 0.005
 
 def next_job(pool_dir: Path, seq: int) -> Optional[dict]:
     """Wait for job `seq` (a JSON file the parent renames into place) or the stop file."""
-    path = pool_dir / "jobs" / f"{seq:06d}.json"
+    path = pool_job_path(pool_dir, seq)
     while True:
         if path.exists():
             return json.loads(path.read_text())
-        if (pool_dir / "stop").exists():
+        if pool_stop_path(pool_dir).exists():
             return None
         time.sleep(POLL_S)
 
@@ -183,15 +171,13 @@ def pool_main(pool_dir: str) -> int:
             if job is None:
                 return 0
             root = Path(job["run_dir"])
-            (root / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+            ranks_dir(root).mkdir(parents=True, exist_ok=True)
             cfg = load_config(str(root / "config.yaml"))
             if adapter is None:
                 adapter = make_adapter(cfg)
                 adapter.setup()
                 rank = adapter.rank
             adapter.cfg = cfg  # same backend and world size; the knobs are the job's own
-            if job.get("mlflow_run_id"):
-                os.environ[MLFLOW_RUN_ENV] = job["mlflow_run_id"]
             run_one(root, adapter, cfg, datasets)
             gc.collect()  # the last job's loader workers and tensors go now, not later
             seq += 1

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from .diagnose import STRAGGLER_SPREAD
-from .rank import RANKS_DIR
+from .rundir import ranks_dir
 
 # Fields every rank reports and `result.json` repeats per rank.
 RANK_FIELDS = (
@@ -22,7 +22,7 @@ RANK_FIELDS = (
 
 def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
     out = []
-    for path in (run_dir / RANKS_DIR).glob("rank*.json"):
+    for path in ranks_dir(run_dir).glob("rank*.json"):
         out.append(json.loads(path.read_text()))
     return sorted(out, key=lambda r: r["rank"])
 

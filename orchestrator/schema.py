@@ -444,7 +444,7 @@ def to_config(cfg: DictConfig | dict) -> Config:
     except OmegaConfBaseException as exc:
         from .errors import format_error
 
-        raise ConfigError(format_error(exc)) from None
+        raise ConfigError(format_error(exc, Config)) from None
     except ValueError as exc:  # __post_init__ raising ConfigError gets wrapped by OmegaConf
         raise ConfigError(str(exc).splitlines()[0]) from None
 

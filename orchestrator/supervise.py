@@ -19,7 +19,7 @@ from typing import Callable, Deque, Dict, List, Optional
 import psutil
 
 from .launch import Launch
-from .rank import RANKS_DIR
+from .rundir import rank_of, ranks_dir
 
 Event = Dict[str, object]
 
@@ -44,14 +44,14 @@ class EventTail:
     """Reads new complete lines from every `ranks/rank*.jsonl` as they are written."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.dir = run_dir / RANKS_DIR
+        self.dir = ranks_dir(run_dir)
         self._pos: Dict[Path, int] = {}
         self._partial: Dict[Path, str] = {}
 
     def poll(self) -> List[tuple[int, Event]]:
         out: List[tuple[int, Event]] = []
         for path in sorted(self.dir.glob("rank*.jsonl")):
-            rank = int(path.stem[4:])
+            rank = rank_of(path)
             with open(path) as f:
                 f.seek(self._pos.get(path, 0))
                 chunk = self._partial.get(path, "") + f.read()
@@ -92,10 +92,10 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def _first_error(run_dir: Path) -> tuple[Optional[int], str]:
-    errs = sorted((run_dir / RANKS_DIR).glob("rank*.err"), key=lambda p: p.stat().st_mtime)
+    errs = sorted(ranks_dir(run_dir).glob("rank*.err"), key=lambda p: p.stat().st_mtime)
     if not errs:
         return None, ""
-    return int(errs[0].stem[4:]), errs[0].read_text()
+    return rank_of(errs[0]), errs[0].read_text()
 
 
 def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
@@ -186,7 +186,7 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
                 outcome.returncode = proc.returncode
                 break
             # a rank wrote its traceback: give the launcher a moment to stop the rest, then do it
-            if fail_seen is None and any((run_dir / RANKS_DIR).glob("rank*.err")):
+            if fail_seen is None and any(ranks_dir(run_dir).glob("rank*.err")):
                 fail_seen = time.monotonic()
             if fail_seen is not None and time.monotonic() - fail_seen > fail_grace_s:
                 launched.kill()

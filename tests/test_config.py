@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import format_error
-from orchestrator.schema import BackendName, ConfigError, Loss, flatten, load_config, to_config, to_yaml
+from orchestrator.schema import BackendName, Config, ConfigError, Loss, flatten, load_config, to_config, to_yaml
 
 from .conftest import CONF, compose_dict
 
@@ -17,7 +17,7 @@ def config_error(overrides):
     except ConfigError as exc:
         return str(exc)
     except Exception as exc:  # Hydra compose errors, formatted as the CLI formats them
-        return format_error(exc)
+        return format_error(exc, Config)
     raise AssertionError(f"{overrides} was accepted")
 
 
@@ -88,7 +88,7 @@ def test_names_later_issues_rely_on():
                                         "make its package importable"),
     (["backend=ddp", "parallelism.hosts='a:2'"], "parallelism.hosts / parallelism.hostfile: apply to backend=horovod"),
     (["trainer.lr=0"], "trainer.lr: must be > 0"),
-    (["tune.objective=speed"], "tune.objective: invalid value 'speed'; allowed: utilization, throughput, both"),
+    (["tune.objective=speed"], "tune.objective: invalid value 'speed'; allowed: utilization, throughput, mfu, both"),
     (["tune.space.batch_size.type=nah"], "tune.space.batch_size.type: Invalid value 'nah'"),
     (["+tune.space.x={kee: data.batch_size}"], "tune.space.x.kee: Key 'kee' not in 'ParamSpec'"),
     (["tune.throughput_floor=0"], "tune.throughput_floor: must be in (0, 1]"),

@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -225,7 +224,7 @@ def top_ops(prof: Any, cuda: bool, n: int = 15) -> list:
 def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
           model: Optional[nn.Module] = None, trace_path: Optional[Path] = None,
           ckpt_dir: Optional[Path] = None, resume: Optional[Path] = None,
-          dataset: Optional[Dataset] = None) -> TrainResult:
+          dataset: Optional[Dataset] = None, mlflow_run_id: Optional[str] = None) -> TrainResult:
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
     events = events or EventLog(None)
     t = cfg.trainer
@@ -292,7 +291,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
         }, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
-            "backend": cfg.backend.name.value, "mlflow_run_id": os.environ.get(checkpoint.MLFLOW_RUN_ENV)})
+            "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id})
         events.write(type="checkpoint", step=step)
 
     t_start = time.perf_counter()

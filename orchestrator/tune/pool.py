@@ -10,12 +10,11 @@ or interrupt) ends them all.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from ..launch import build_launch
-from ..rank import RANKS_DIR
+from ..rundir import pool_job_path, pool_stop_path, ranks_dir, write_json
 from ..schema import Config
 from ..supervise import Launched, Outcome, watch
 
@@ -48,18 +47,15 @@ class RankPool:
     def alive(self) -> bool:
         return self.launched is not None and self.launched.proc.poll() is None
 
-    def run(self, cfg: Config, run_dir: Path, mlflow_run_id: Optional[str], **watch_kwargs: Any) -> Outcome:
-        """Run the job in `run_dir` (its config.yaml written) on the pool's ranks."""
+    def run(self, cfg: Config, run_dir: Path, **watch_kwargs: Any) -> Outcome:
+        """Run the job in `run_dir` (its config.yaml and job.json written) on the pool's ranks."""
         if not self.alive() or self.key != pool_key(cfg):
             self._start(cfg)
         assert self.launched is not None and self.dir is not None
-        job = self.dir / "jobs" / f"{self.seq:06d}.json"
-        tmp = job.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id}))
-        tmp.replace(job)
+        write_json(pool_job_path(self.dir, self.seq), {"run_dir": str(run_dir)})
         self.seq += 1
         world = self.launched.world_size
-        ranks = run_dir / RANKS_DIR
+        ranks = ranks_dir(run_dir)
         outcome = watch(self.launched, run_dir, done=lambda: len(list(ranks.glob("rank*.json"))) >= world,
                         poll_s=0.02, **watch_kwargs)
         if not outcome.ok:
@@ -71,7 +67,7 @@ class RankPool:
         if self.launched is None:
             return
         if self.dir is not None and self.alive():
-            (self.dir / "stop").touch()
+            pool_stop_path(self.dir).touch()
             try:
                 self.launched.proc.wait(timeout=10)
             except Exception:

@@ -1,0 +1,69 @@
+"""The run directory's layout: the contract between the parent (supervise, merge, pool, job) and
+the ranks (rank.py, the loop). Every path, file name and record format the two sides exchange is
+defined here and nowhere else.
+
+    <run dir>/config.yaml          the resolved config the ranks load (written by the parent)
+    <run dir>/job.json             the job spec: what a rank needs besides the config (MLflow run id)
+    <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (EVENT_TYPES)
+    <run dir>/ranks/rank<R>.json   rank R's result (rank 0 also writes every other rank's)
+    <run dir>/ranks/rank<R>.err    rank R's traceback, when it failed
+    <pool dir>/jobs/<seq>.json     a kept-alive pool's next job: {"run_dir", **job spec}
+    <pool dir>/stop                asks a pool's ranks to exit
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+RANKS_DIR = "ranks"
+JOB_FILE = "job.json"
+# event types of rank<R>.jsonl, and the per-window fields the parent turns into metrics
+EVENT_TYPES = ("start", "resume", "log", "window", "checkpoint")
+WINDOW_KEYS = ("throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s")
+
+_RANK_FILE = re.compile(r"^rank(\d+)$")
+
+
+def ranks_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / RANKS_DIR
+
+
+def rank_paths(run_dir: Path, rank: int) -> Dict[str, Path]:
+    d = ranks_dir(run_dir)
+    return {"events": d / f"rank{rank}.jsonl", "result": d / f"rank{rank}.json", "error": d / f"rank{rank}.err",
+            "trace": d / f"trace_rank{rank}.json"}
+
+
+def rank_of(path: Path) -> int:
+    """The rank a rank file belongs to (`rank3.jsonl` -> 3)."""
+    m = _RANK_FILE.match(Path(path).stem)
+    if m is None:
+        raise ValueError(f"not a rank file: {path}")
+    return int(m.group(1))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write to a temporary name and rename: a reader never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+
+
+def write_job(run_dir: Path, mlflow_run_id: Optional[str]) -> None:
+    write_json(Path(run_dir) / JOB_FILE, {"mlflow_run_id": mlflow_run_id})
+
+
+def read_job(run_dir: Path) -> Dict[str, Any]:
+    path = Path(run_dir) / JOB_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def pool_job_path(pool_dir: Path, seq: int) -> Path:
+    return Path(pool_dir) / "jobs" / f"{seq:06d}.json"
+
+
+def pool_stop_path(pool_dir: Path) -> Path:
+    return Path(pool_dir) / "stop"
