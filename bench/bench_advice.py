@@ -12,7 +12,7 @@ of the per-round ratios, and A's own round-to-round spread (the noise). Targets 
 no advice makes a workload slower (B / A >= 1 - noise), and the default job's advice improves it
 (B / A > 1 + noise). A workload whose diagnosis has no move (nothing to turn) is reported as such.
 
-    .venv/bin/python bench/bench_advice.py [--rounds 3] [--seconds 6] [--only seed000 ...]
+    .venv/bin/python bench/bench_advice.py [--rounds 3] [--seconds 6] [--only linear_classifier ...]
 
 About 6-8 minutes on 2 idle cores; other load on the machine makes every figure noisier (the
 load average is printed).
@@ -37,9 +37,9 @@ from bench_tune import ROOT, compose_cfg, table
 from orchestrator.app import JobFailed, run_job
 
 WORKLOADS: Dict[str, List[str]] = {
-    "seed000": ["experiment=seed000"],  # the default job
-    "seed001": ["experiment=seed001"],
-    "seed002": ["experiment=seed002"],
+    "linear_classifier": ["experiment=linear_classifier"],  # the default job (article 000)
+    "mlp_accumulation": ["experiment=mlp_accumulation"],  # article 001
+    "linear_regression": ["experiment=linear_regression"],  # article 002
     "input_bound": ["experiment=input_bound"],
     "transformer_lm": ["experiment=transformer_lm"],
     "comm_heavy": ["experiment=comm_heavy", "backend=ddp", "parallelism.nproc_per_node=2"],
@@ -136,7 +136,7 @@ def main() -> int:
             rows.append([r["name"], r["verdict"], "none advised", "", "", "", "", "", "-"])
             continue
         noise = r["noise"] if r["noise"] == r["noise"] else 0.0
-        default = r["name"] == "seed000"
+        default = r["name"] == "linear_classifier"
         ok = r["ratio"] > 1 + noise if default else r["ratio"] >= 1 - noise
         verdicts.append(ok)
         rows.append([r["name"], r["verdict"], " ".join(override(k, v) for k, v in r["move"].items()),

@@ -28,7 +28,7 @@ from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.flops import StepCounter
 from orchestrator.runtime.loop import build_dataset, build_loader, build_model, loss_fn
 
-PRESETS = ("seed000", "seed001", "seed002", "input_bound", "transformer_lm", "comm_heavy")
+PRESETS = ("linear_classifier", "mlp_accumulation", "linear_regression", "input_bound", "transformer_lm", "comm_heavy")
 
 
 def steady_mfu(batch: int, tmp: Path, n: int) -> dict:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import checkpoint, load_report
 from .launch import build_launch
-from .report import load_rank_results, merge, summary_rows
+from .merge import load_rank_results, merge, summary_rows
 from .rundir import WINDOW_KEYS, ranks_dir, write_job
 from .runtime.dist import check_devices
 from .schema import Config, ConfigError, flatten, load_config, to_yaml

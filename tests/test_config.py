@@ -21,7 +21,7 @@ def config_error(overrides):
     raise AssertionError(f"{overrides} was accepted")
 
 
-def test_default_is_seed000():
+def test_default_is_the_linear_classifier_of_article_000():
     cfg = to_config(compose_dict([]))
     assert cfg.model._target_ == "tasks.models.Linear"
     assert cfg.model.args == {"in_features": 1000, "out_features": 10}
@@ -102,7 +102,7 @@ def test_bad_input_is_one_clear_line(overrides, expected):
 
 
 def test_resolved_yaml_round_trips(tmp_path):
-    cfg = to_config(compose_dict(["experiment=seed001", "backend=ddp", "parallelism.nproc_per_node=2"]))
+    cfg = to_config(compose_dict(["experiment=mlp_accumulation", "backend=ddp", "parallelism.nproc_per_node=2"]))
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
     assert "${" not in path.read_text()  # resolved: ranks never interpolate

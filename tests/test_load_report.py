@@ -122,7 +122,7 @@ def _rank(rank: int, step_ms: float, comm_ms: float) -> dict:
 
 
 def test_merge_names_a_straggler_only_past_the_threshold():
-    from orchestrator.report import merge, summary_rows
+    from orchestrator.merge import merge, summary_rows
 
     # equal step times (they wait for each other); rank 1 waits less in the all-reduce: more own work
     close = merge([_rank(0, 10.0, 2.0), _rank(1, 10.0, 1.7)])  # own work 8.0 vs 8.3 ms: 3.6%

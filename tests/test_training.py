@@ -29,9 +29,9 @@ def run(cfg):
 
 # (preset, extra overrides, steps, learnable)
 TASKS = [
-    ("seed000", ["trainer.lr=0.1"], 60, True),
-    ("seed001", [], 8, False),
-    ("seed002", [], 60, True),
+    ("linear_classifier", ["trainer.lr=0.1"], 60, True),
+    ("mlp_accumulation", [], 8, False),
+    ("linear_regression", [], 60, True),
     ("input_bound", ["data.read_latency_ms=0", "data.args.size=512", "data.batch_size=16", "trainer.lr=0.05",
                      "trainer.momentum=0.9"], 60, True),
     ("transformer_lm", ["data.args.size=512"], 40, True),

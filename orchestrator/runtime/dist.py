@@ -74,8 +74,9 @@ class Adapter:
     def sampler(self, dataset: Dataset, shuffle: bool, seed: int, drop_last: bool) -> Optional[Sampler]:
         return None  # the DataLoader shuffles with its own seeded generator
 
-    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
-        """Context for one micro-step's forward+backward; `sync` is False on accumulation steps."""
+    def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
+        """Context for one micro-step's forward+backward in which gradients are all-reduced only
+        when `enabled` (the last micro-step of an accumulation); one process: nothing to sync."""
         return contextlib.nullcontext()
 
     def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
@@ -149,8 +150,8 @@ class DDPAdapter(Adapter):
         return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
                                   seed=seed, drop_last=drop_last)
 
-    def no_sync(self, model: nn.Module, sync: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext() if sync else model.no_sync()  # type: ignore[operator]
+    def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
+        return contextlib.nullcontext() if enabled else model.no_sync()  # type: ignore[operator]
 
     def install_comm_hook(self, model: nn.Module, on_bucket: Callable[[], None]) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -332,7 +332,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         loss = criterion(model(x), y)
                         loss.backward()
                     else:
-                        with adapter.no_sync(model, sync=m == micro - 1), autocast():
+                        with adapter.grad_sync(model, enabled=m == micro - 1), autocast():
                             loss = criterion(model(x), y)
                             if micro > 1:
                                 loss = loss / micro
