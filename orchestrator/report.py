@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from .rank import RANKS_DIR
+from .runtime.meter import estimate_of
 
 # Fields every rank reports and `result.json` repeats per rank.
 RANK_FIELDS = (
@@ -40,6 +41,10 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "first_loss": ranks[0].get("first_loss"),
         "per_rank": per_rank,
     }
+    if ranks[0].get("warmup"):
+        job["warmup"] = ranks[0]["warmup"]  # the same on every rank (same steps, same loader)
+    if ranks[0].get("stopped_by"):
+        job["stopped_by"] = ranks[0]["stopped_by"]
     if not measured:
         return job
     mean = lambda key: statistics.fmean(r[key] for r in measured)  # noqa: E731
@@ -58,6 +63,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "measured_steps": min(r["measured_steps"] for r in measured),
         "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
     })
+    job["estimate"] = job_estimate(measured)
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
     straggler = max(own, key=own.__getitem__)
@@ -69,6 +75,15 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "straggler_rank": straggler if len(measured) > 1 else None,
     }
     return job
+
+
+def job_estimate(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The job's throughput estimate (meter.estimate) over its measured windows: window i's job
+    throughput is the sum of every rank's window i (the ranks close windows at the same steps)."""
+    per_rank = [[w for w in r.get("windows_detail") or [] if not w.get("warmup")] for r in ranks]
+    n = min(len(ws) for ws in per_rank)
+    job = [{**ws0, "throughput": sum(ws[i]["throughput"] for ws in per_rank)} for i, ws0 in enumerate(per_rank[0][:n])]
+    return estimate_of(job)
 
 
 def _spread(values: List[float]) -> float:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..app import JobFailed, JobStopped, run_job
+from ..runtime.loop import steady_warmup_steps
 from ..schema import Config, ConfigError, Objective, PrunerName
 from ..tracking import Tracker, resolve_uri
 from .pool import RankPool
@@ -311,15 +312,22 @@ def counted(trials: List[Any]) -> int:
     return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs) for t in trials)
 
 
-def trial_config(cfg: Config, values: Dict[str, Any]) -> Config:
-    """The job a trial launches: `cfg` with the sampled `values`, cut to warmup + measured steps."""
+def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Config:
+    """The job a trial launches: `cfg` with the sampled `values`, measured after a steady-state
+    warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0). `longer`
+    stretches the windows and the minimum measured time (the confirmation runs)."""
     t = cfg.tune
     fixed = {
-        "trainer.max_steps": t.warmup_steps + t.measure_steps, "trainer.warmup_steps": t.warmup_steps,
-        "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000, "trainer.timeout_s": t.trial_timeout_s,
-        "trainer.save_model": False, "trainer.log_every": max(1, t.window_steps),
+        "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000,
+        "trainer.timeout_s": t.trial_timeout_s, "trainer.save_model": False,
+        "trainer.log_every": max(1, t.window_steps), "trainer.window_s": t.window_s * longer,
+        "trainer.rel_precision": t.rel_precision, "trainer.min_measure_s": t.min_measure_s * longer,
+        "trainer.max_measure_s": t.max_measure_s * longer, "trainer.max_steps": 0,
     }
-    return apply(cfg, {**fixed, **values})
+    job = apply(cfg, {**fixed, **values})
+    if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
+        job = apply(job, {"trainer.max_steps": steady_warmup_steps(job) + t.measure_steps})
+    return job
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
