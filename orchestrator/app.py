@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import checkpoint, load_report
 from .launch import build_launch
-from .report import load_rank_results, merge, summary_rows
+from .report import load_rank_results, measurement_warning, merge, summary_rows
 from .schema import Config, ConfigError, flatten, to_yaml
 from .supervise import Event, supervise
 from .tracking import Tracker
@@ -267,4 +267,7 @@ def print_summary(result: Dict[str, Any], run_dir: Path) -> None:
             console.print(f"  - {advice}", highlight=False)
     if result.get("straggler"):
         console.print(f"imbalance: {result['straggler']}", highlight=False)
+    warning = measurement_warning(result)
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
     console.print(f"load report: {run_dir / 'load_report.md'}", highlight=False)

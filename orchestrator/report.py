@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from .rank import RANKS_DIR
-from .runtime.meter import estimate_of
+from .runtime.meter import MIN_WINDOWS, estimate_of
 
 # Fields every rank reports and `result.json` repeats per rank.
 RANK_FIELDS = (
@@ -43,8 +43,9 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
     if ranks[0].get("warmup"):
         job["warmup"] = ranks[0]["warmup"]  # the same on every rank (same steps, same loader)
-    if ranks[0].get("stopped_by"):
-        job["stopped_by"] = ranks[0]["stopped_by"]
+    for key in ("stopped_by", "steps_per_epoch", "epochs"):
+        if ranks[0].get(key) is not None:
+            job[key] = ranks[0][key]
     if not measured:
         return job
     mean = lambda key: statistics.fmean(r[key] for r in measured)  # noqa: E731
@@ -114,3 +115,23 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
     if imb and imb.get("straggler_rank") is not None:
         rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))
     return rows
+
+
+def measurement_warning(result: Dict[str, Any]) -> str:
+    """One line when a finished run measured nothing or too little to go by, else ''."""
+    steps, measured = result.get("steps"), result.get("measured_steps") or 0
+    windows = (result.get("estimate") or {}).get("windows") or 0
+    if steps is None or (measured and windows >= MIN_WINDOWS):
+        return ""
+    warm = result.get("warmup") or {}
+    ran, raise_ = f"the run ended after {steps} steps", "trainer.epochs"
+    per_epoch, n = result.get("steps_per_epoch"), result.get("epochs", 1)
+    if per_epoch:
+        ran += f" ({n} epoch{'s' if n != 1 else ''} of {per_epoch} steps)"
+        if steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
+            raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
+    if not measured:
+        return (f"nothing was measured: {ran}, inside its warmup ({warm.get('min_steps', '?')} steps and the "
+                f"loader's queue); raise {raise_} or lower trainer.warmup_steps")
+    return (f"only {windows} measured window{'s' if windows != 1 else ''} ({measured} steps after a "
+            f"{warm.get('steps', '?')}-step warmup), the figures are rough: {ran}; raise {raise_}")

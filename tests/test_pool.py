@@ -62,3 +62,27 @@ def test_crashed_trial_gets_fresh_ranks(make_cfg, tmp_path):
             for t in launched if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(set(pids)) <= 1 + fails_followed
     assert not job_processes(tmp_path)
+
+
+def test_kept_alive_rank_reports_each_jobs_own_peak_memory(make_cfg, tmp_path):
+    """A big job then a small one on the same ranks: the small one's peak is its own, not the
+    process's lifetime peak (ru_maxrss) nor the big job's."""
+    from orchestrator.app import run_job
+    from orchestrator.tune.pool import RankPool
+
+    def job(features: int):
+        # 4096 x features float32 inputs: 160 MB at 10,000 features, nothing at 10
+        return make_cfg("tracking.enabled=false", "trainer.max_steps=6", "trainer.save_model=false",
+                        f"data.args.features={features}", f"model.args.in_features={features}")
+
+    pool = RankPool(tmp_path / "pools")
+    try:
+        big = run_job(job(10_000), tmp_path / "big", echo=False, pool=pool)
+        small = run_job(job(10), tmp_path / "small", echo=False, pool=pool)
+        ranks = [json.loads((tmp_path / d / "ranks" / "rank0.json").read_text()) for d in ("big", "small")]
+    finally:
+        pool.close()
+    assert ranks[0]["pid"] == ranks[1]["pid"] and pool.starts == 1  # one kept-alive rank ran both
+    assert big["peak_mem_mb"] > small["peak_mem_mb"] + 120, (big["peak_mem_mb"], small["peak_mem_mb"])
+    assert small["peak_mem_mb"] > 50 and small["per_rank"][0]["mem_source"] == "rss"
+    assert not job_processes(tmp_path)

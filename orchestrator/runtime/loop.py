@@ -93,7 +93,10 @@ def steady_warmup_steps(cfg: Config) -> int:
     """Optimizer steps the first warmup takes: trainer.warmup_steps (+ profile_steps), and at least
     the loader's pre-filled queue + 1 micro-batches."""
     t = cfg.trainer
-    return max(t.warmup_steps + t.profile_steps, math.ceil((loader_queue(cfg) + 1) / t.accumulation_steps))
+    drain = math.ceil((loader_queue(cfg) + 1) / t.accumulation_steps)
+    if t.profile_steps:  # the queue is read again after the profiled steps (see train())
+        return t.warmup_steps + t.profile_steps + drain
+    return max(t.warmup_steps, drain)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -263,9 +266,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
 
     # profiled steps follow the warmup and are kept out of the measured windows, and so is their
     # teardown (trace export) and the loader queue that filled up meanwhile: the meter warms up again
-    meter = StepMeter(device, window_steps=t.window_steps, warmup_steps=t.warmup_steps + t.profile_steps,
-                      queue=loader_queue(cfg), memory_cap_mb=t.memory_cap_mb)
     profiler = Profiler(device, trace_path) if t.profile_steps and trace_path is not None else None
+    meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), memory_cap_mb=t.memory_cap_mb,
+                      warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiler is not None else 0))
     # tuning trials: measure until precise enough (every rank sees the same all-reduced figures)
     rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
     collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0)
@@ -401,6 +404,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     wall = time.perf_counter() - t_start
     summary = meter.summary()
     summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
+    summary["steps_per_epoch"] = per_epoch
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1, final_loss=last_loss, first_loss=first_loss, wall_s=wall,

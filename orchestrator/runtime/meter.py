@@ -421,6 +421,8 @@ class StepMeter:
                           f"{first['until_step']} steps, past the {self.warmup_steps} warmup steps")
         else:
             out["why"] = f"{self.warmup_steps} warmup steps (the loader's queue of {self.queue} micro-batches was read)"
+        if "after" in out:
+            out["why"] += f"; the queue was read again after the {out['after']}'s steps"
         rewarms = self.warmups[1:]
         if rewarms:
             out["rewarmed"] = [{k: w[k] for k in ("why", "from_step", "steps")} for w in rewarms]
