@@ -64,7 +64,9 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "measured_steps": min(r["measured_steps"] for r in measured),
         "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
     })
-    job["estimate"] = job_estimate(measured)
+    windows = job_windows(measured)
+    job["estimate"] = estimate_of(windows)  # the throughput's mean over windows, its interval
+    job["utilization_estimate"] = estimate_of(windows, "utilization")
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
     straggler = max(own, key=own.__getitem__)
@@ -78,13 +80,13 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     return job
 
 
-def job_estimate(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The job's throughput estimate (meter.estimate) over its measured windows: window i's job
-    throughput is the sum of every rank's window i (the ranks close windows at the same steps)."""
+def job_windows(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The job's measured windows: window i's throughput is the sum of every rank's window i (the
+    ranks close windows at the same steps), its utilization their mean."""
     per_rank = [[w for w in r.get("windows_detail") or [] if not w.get("warmup")] for r in ranks]
     n = min(len(ws) for ws in per_rank)
-    job = [{**ws0, "throughput": sum(ws[i]["throughput"] for ws in per_rank)} for i, ws0 in enumerate(per_rank[0][:n])]
-    return estimate_of(job)
+    return [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
+             "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
 
 
 def _spread(values: List[float]) -> float:

@@ -226,7 +226,7 @@ class TrainerConfig:
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
     memory_cap_mb: float = 0.0  # a rank process above this RSS fails the job (CPU "OOM"); 0: none
     profile_steps: int = 0  # torch.profiler over this many steps after warmup (not measured); 0: off
-    window_s: float = 0.0  # windows last at least this long (more steps than window_steps); 0: steps only
+    window_s: float = 0.0  # windows after the first last this long (whole steps); 0: window_steps steps each
     rel_precision: float = 0.0  # stop once throughput's relative standard error over windows <= this; 0: off
     min_measure_s: float = 0.0  # with rel_precision: measure at least this long
     max_measure_s: float = 0.0  # with rel_precision: stop after this much measured time (0: no cap)
@@ -320,8 +320,8 @@ class TuneConfig:
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3
     measure_steps: int = 20  # with rel_precision=0: measured steps per trial
-    window_steps: int = 5  # at least this many steps per window
-    window_s: float = 0.1  # windows last at least this long
+    window_steps: int = 5  # the first window's steps (the step time is not known yet)
+    window_s: float = 0.1  # later windows last this long (whole steps)
     rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this
     min_measure_s: float = 0.5  # ... and at least this long
     max_measure_s: float = 4.0  # ... or stop here

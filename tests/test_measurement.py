@@ -139,7 +139,7 @@ def test_estimate_and_stop_rule():
     from orchestrator.runtime.meter import StopRule, estimate
 
     e = estimate([100.0, 110.0, 90.0, 100.0])
-    assert e["throughput"] == pytest.approx(100.0) and e["windows"] == 4
+    assert e["mean"] == pytest.approx(100.0) and e["windows"] == 4
     assert e["rel_se"] == pytest.approx(8.165 / 2 / 100, rel=1e-3)
     lo, hi = e["interval"]
     assert lo < 100 < hi and hi - 100 == pytest.approx(100 - lo)

@@ -12,7 +12,8 @@ from orchestrator.tune.study import run_study
 
 from .conftest import job_processes
 
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
+SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.min_measure_s=0.2", "tune.max_measure_s=1",
+         "tune.pruner=none",
          "tune.baseline=false"]
 
 

@@ -15,7 +15,8 @@ from orchestrator.tune.study import counted, run_study, utilization_score
 
 from .conftest import ROOT
 
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none"]
+SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.min_measure_s=0.2", "tune.max_measure_s=1",
+         "tune.pruner=none"]
 
 
 def study_of(summary) -> optuna.Study:
@@ -63,8 +64,10 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["mode"] == "tune"
     exp = parent.info.experiment_id
-    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert len(children) == 5
+    nested = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    children = [c for c in nested if "trial" in c.data.tags]
+    confirms = [c for c in nested if "confirm_of" in c.data.tags]
+    assert len(children) == 5 and len(confirms) == len(nested) - 5 >= 2  # the re-measured candidates
     for child in children:
         assert child.data.tags["trial_state"] == "COMPLETE"
         assert {"data.batch_size", "data.num_workers", "trainer.accumulation_steps"} <= child.data.params.keys()

@@ -279,10 +279,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         if collective:
             figures = adapter.all_reduce_sum(figures)
             figures[1:] = [v / adapter.world_size for v in figures[1:]]
-        meter.resize(figures[1], t.window_s)
         meter.check_memory()
-        if win.warmup:
+        if win.warmup:  # its step time includes the first steps' start-up: sizes nothing
             return False
+        meter.resize(figures[1], t.window_s)
         events.write(type="window", step=win.first_step + win.steps, throughput=win.throughput,
                      utilization=win.utilization, data_wait_frac=win.share("data"), comm_frac=win.share("comm"),
                      step_time_s=win.wall_s / win.steps)

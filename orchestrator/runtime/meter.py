@@ -153,28 +153,47 @@ _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18,
         2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
 
 
-def estimate(throughputs: List[float], measured_s: float = 0.0) -> Dict[str, Any]:
-    """Throughput estimated from window throughputs: their mean, its relative standard error
-    (`rel_se`, the figure `StopRule` holds to trainer.rel_precision) and a 95% interval."""
-    n = len(throughputs)
+def estimate(values: List[float], measured_s: float = 0.0) -> Dict[str, Any]:
+    """A figure (throughput, utilization) estimated from its value per window: their `mean`, its
+    relative standard error (`rel_se`, what `StopRule` holds to trainer.rel_precision), a 95%
+    `interval`, the `windows` used and their `measured_s`."""
+    n = len(values)
     if n == 0:
-        return {"throughput": None, "rel_se": None, "interval": None, "windows": 0, "measured_s": measured_s}
-    mean = statistics.fmean(throughputs)
-    se = statistics.stdev(throughputs) / math.sqrt(n) if n > 1 else math.inf
-    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * se if n > 1 else math.inf
-    rel = se / mean if mean > 0 else math.inf
-    return {"throughput": mean, "rel_se": rel if math.isfinite(rel) else None,
-            "interval": [mean - half, mean + half] if math.isfinite(half) else None,
-            "windows": n, "measured_s": measured_s}
+        return _estimate(0, 0.0, 0.0, measured_s)
+    return _estimate(n, statistics.fmean(values), statistics.stdev(values) if n > 1 else 0.0, measured_s)
 
 
-def estimate_of(windows: List[Any]) -> Dict[str, Any]:
-    """`estimate` over full measured windows (Window objects or their dicts); partial ones only
-    when there is nothing else."""
+def _estimate(n: int, mean: float, sd: float, measured_s: float) -> Dict[str, Any]:
+    if n == 0:
+        return {"mean": None, "rel_se": None, "interval": None, "windows": 0, "measured_s": measured_s}
+    if n == 1 or mean <= 0:
+        return {"mean": mean, "rel_se": None, "interval": None, "windows": n, "measured_s": measured_s}
+    se = sd / math.sqrt(n)
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * se
+    return {"mean": mean, "rel_se": se / mean, "interval": [mean - half, mean + half], "windows": n,
+            "measured_s": measured_s}
+
+
+def estimate_of(windows: List[Any], key: str = "throughput") -> Dict[str, Any]:
+    """`estimate` of `key` over full measured windows (Window objects or their dicts); partial
+    ones only when there is nothing else."""
     get = (lambda w, k: w[k]) if windows and isinstance(windows[0], dict) else getattr
     full = [w for w in windows if not get(w, "warmup") and not get(w, "partial")]
     full = full or [w for w in windows if not get(w, "warmup")]
-    return estimate([get(w, "throughput") for w in full], sum(get(w, "wall_s") for w in full))
+    return estimate([get(w, key) for w in full], sum(get(w, "wall_s") for w in full))
+
+
+def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One `estimate` over the union of the windows behind several (re-measurements of one config)."""
+    parts = [e for e in estimates if e.get("windows") and e.get("mean") is not None]
+    n = sum(e["windows"] for e in parts)
+    if not n:
+        return _estimate(0, 0.0, 0.0, 0.0)
+    mean = sum(e["windows"] * e["mean"] for e in parts) / n
+    # each part's variance back from its standard error: sd^2 = (se * sqrt(n))^2
+    ss = sum((e["windows"] - 1) * ((e["rel_se"] or 0.0) * e["mean"]) ** 2 * e["windows"]
+             + e["windows"] * (e["mean"] - mean) ** 2 for e in parts)
+    return _estimate(n, mean, math.sqrt(ss / (n - 1)) if n > 1 else 0.0, sum(e["measured_s"] for e in parts))
 
 
 MIN_WINDOWS = 4  # fewer windows say little about their own spread
@@ -347,9 +366,10 @@ class StepMeter:
         return win
 
     def resize(self, step_time_s: float, window_s: float) -> None:
-        """Windows of at least `window_s` seconds at this step time (and window_steps steps)."""
+        """Windows of `window_s` seconds (whole steps, at least one) at this step time; until the
+        first resize, and with window_s=0, windows are window_steps steps."""
         if window_s > 0 and step_time_s > 0:
-            self._window_len = max(self.window_steps, math.ceil(window_s / step_time_s))
+            self._window_len = max(1, math.ceil(window_s / step_time_s))
 
     def check_memory(self) -> None:
         """Raise when this job's resident high-water passed the cap (CPU; checked per window)."""
