@@ -274,18 +274,21 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0)
 
     def on_window(win: Window) -> bool:
-        """A window closed: size the next ones, report it, feed the stop rule; True: stop now."""
+        """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
+        meter.check_memory()
+        if win.warmup:  # its step time includes the first steps' start-up: sizes nothing
+            return False
+        events.write(type="window", step=win.first_step + win.steps, throughput=win.throughput,
+                     utilization=win.utilization, data_wait_frac=win.share("data"), comm_frac=win.share("comm"),
+                     step_time_s=win.wall_s / win.steps)
+        if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
+            return False
+        # job figures: throughput summed over ranks, step time and wall time averaged
         figures = [win.throughput, win.wall_s / win.steps, win.wall_s]
         if collective:
             figures = adapter.all_reduce_sum(figures)
             figures[1:] = [v / adapter.world_size for v in figures[1:]]
-        meter.check_memory()
-        if win.warmup:  # its step time includes the first steps' start-up: sizes nothing
-            return False
         meter.resize(figures[1], t.window_s)
-        events.write(type="window", step=win.first_step + win.steps, throughput=win.throughput,
-                     utilization=win.utilization, data_wait_frac=win.share("data"), comm_frac=win.share("comm"),
-                     step_time_s=win.wall_s / win.steps)
         return rule is not None and rule.add(figures[0], figures[2]) is not None
 
     adapter.install_comm_hook(model, meter.comm_hook_fired)
