@@ -36,20 +36,17 @@ import argparse
 import itertools
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import optuna  # noqa: E402
-from bench_tune import (KNOBS, ROOT, WORKLOADS, Point, compose_cfg, fmt, objective_best, point_of,  # noqa: E402
-                        space_overrides, table, values_of)
+from bench_tune import (KNOBS, WORKLOADS, Point, Results, compose_cfg, fmt, objective_best, point_of,  # noqa: E402
+                        prepare, run_workloads, space_overrides, table, values_of)
 
 from orchestrator.app import JobFailed, run_job  # noqa: E402
 from orchestrator.runtime.loop import steady_warmup_steps  # noqa: E402
@@ -188,29 +185,14 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
 
-    os.chdir(ROOT)  # ranks import tasks.* from the repository root
-    warnings.filterwarnings("ignore")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_trials-"))
+    tmp = prepare("bench_trials-")
     start = time.monotonic()
     print(f"bench_trials: {'quick' if args.quick else 'full'}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, output {tmp}", flush=True)
-    results: Dict[str, Dict[str, Any]] = {}
-    try:
-        for name, spec in WORKLOADS.items():
-            if args.only is None or name in args.only:
-                results[name] = bench_workload(name, spec, args.quick, tmp)
-    finally:
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+    results = run_workloads(args.only, args.keep, tmp, lambda name, spec: bench_workload(name, spec, args.quick, tmp))
 
-    rows = [["figure", "workload", "measured", "target", "met"]]
-    verdicts: List[bool] = []
-
-    def row(figure: str, workload: str, measured: str, target: str, ok: Optional[bool]) -> None:
-        rows.append([figure, workload, measured, target, "-" if ok is None else ("yes" if ok else "NO")])
-        if ok is not None:
-            verdicts.append(ok)
+    results_table = Results()
+    row, rows, verdicts = results_table.row, results_table.rows, results_table.verdicts
 
     for name, r in results.items():
         grid, steady, trial, floor = r["grid"], r["steady"], r["trial"], r["floor"]

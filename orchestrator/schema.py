@@ -320,7 +320,7 @@ class TuneConfig:
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3
     measure_steps: int = 20  # with rel_precision=0: measured steps per trial
-    window_steps: int = 5  # the first window's steps (the step time is not known yet)
+    window_steps: int = 5  # the first window: at most this many steps (the step time is not known yet)
     window_s: float = 0.1  # later windows last this long (whole steps)
     rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this
     min_measure_s: float = 0.5  # ... and at least this long

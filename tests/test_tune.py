@@ -63,7 +63,8 @@ def test_tuned_workers_beat_the_default(workers_study):
         if tr.state == optuna.trial.TrialState.COMPLETE:
             assert a["stopped_by"] in ("precision", "max_measure_s") and a["windows"] >= 1
             assert a["stopped_by"] == "max_measure_s" or (a["windows"] >= 4 and a["rel_se"] <= 0.1)
-            assert a["throughput_lo"] <= a["throughput"] <= a["throughput_hi"]
+            if a["windows"] >= 2:  # an interval needs two windows (a cap can stop a slow trial after one)
+                assert a["throughput_lo"] <= a["throughput"] <= a["throughput_hi"]
             assert 0.1 <= a["measured_s"] < 0.6 + 1.0  # min_measure_s .. max_measure_s plus one window
     header = (run_dir / "trials.csv").read_text().splitlines()[0].split(",")
     assert {"throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s", "confirmed_throughput"} <= set(header)
@@ -85,8 +86,10 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
     for child in children:
         assert child.data.tags["trial_state"] == "COMPLETE"
         assert {"data.batch_size", "data.num_workers", "trainer.accumulation_steps"} <= child.data.params.keys()
+        metrics = child.data.metrics
         assert {"utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "wall_s", "throughput_estimate",
-                "throughput_lo", "throughput_hi", "measured_windows", "measured_s"} <= child.data.metrics.keys()
+                "measured_windows", "measured_s"} <= metrics.keys()
+        assert metrics["measured_windows"] < 2 or {"throughput_lo", "throughput_hi", "throughput_rel_se"} <= metrics.keys()
     best = [c for c in children if c.data.tags.get("best") == "true"]
     assert len(best) == 1 and best[0].data.params["data.num_workers"] == str(summary["best"]["values"]["data.num_workers"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}

@@ -273,27 +273,36 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
     collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0)
 
+    def job_figures(win: Window) -> list:
+        """[throughput summed over ranks, step time and wall time averaged]: the same on every rank."""
+        figures = [win.throughput, win.wall_s / win.steps, win.wall_s]
+        if collective:
+            figures = adapter.all_reduce_sum(figures)
+            figures[1:] = [v / adapter.world_size for v in figures[1:]]
+        return figures
+
     def on_window(win: Window) -> bool:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
         meter.check_memory()
-        if win.warmup:  # its step time includes the first steps' start-up: sizes nothing
+        if win.warmup:  # its step time includes the start-up: it may only shorten the first window
+            if t.window_s > 0:
+                meter.resize(job_figures(win)[1], t.window_s, at_most=t.window_steps)
             return False
         events.write(type="window", step=win.first_step + win.steps, throughput=win.throughput,
                      utilization=win.utilization, data_wait_frac=win.share("data"), comm_frac=win.share("comm"),
                      step_time_s=win.wall_s / win.steps)
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
             return False
-        # job figures: throughput summed over ranks, step time and wall time averaged
-        figures = [win.throughput, win.wall_s / win.steps, win.wall_s]
-        if collective:
-            figures = adapter.all_reduce_sum(figures)
-            figures[1:] = [v / adapter.world_size for v in figures[1:]]
+        figures = job_figures(win)
         meter.resize(figures[1], t.window_s)
         return rule is not None and rule.add(figures[0], figures[2]) is not None
 
     adapter.install_comm_hook(model, meter.comm_hook_fired)
     accum = t.accumulation_steps
     per_epoch = steps_per_epoch(loader, accum)
+    # a new epoch's iterator refills the queue: warm up again, unless the epoch is too short to
+    # get past it (less than twice the queue); then epoch restarts are part of the steady state
+    rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
     total = per_epoch * t.epochs if t.max_steps == 0 else min(per_epoch * t.epochs, t.max_steps)
     events.write(type="start", total_steps=total, steps_per_epoch=per_epoch, device=str(device),
                  utilization_source=meter.source)
@@ -390,7 +399,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     break
             if stop or step >= total:
                 meter.flush()  # before the iterator's shutdown below
-            else:
+            elif rewarm_epochs:
                 partial = meter.rewarm("epoch")  # the next epoch's iterator refills the loader's queue
                 stop = partial is not None and on_window(partial)
             if b == n_batches:
@@ -408,6 +417,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     summary = meter.summary()
     summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
     summary["steps_per_epoch"] = per_epoch
+    summary["warmup"]["epochs_rewarm"] = rewarm_epochs
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1, final_loss=last_loss, first_loss=first_loss, wall_s=wall,

@@ -365,11 +365,12 @@ class StepMeter:
         self._warming, self._micro = True, 0
         return win
 
-    def resize(self, step_time_s: float, window_s: float) -> None:
-        """Windows of `window_s` seconds (whole steps, at least one) at this step time; until the
-        first resize, and with window_s=0, windows are window_steps steps."""
+    def resize(self, step_time_s: float, window_s: float, at_most: int = 0) -> None:
+        """Windows of `window_s` seconds (whole steps, at least one, at most `at_most` if given) at
+        this step time; until the first resize, and with window_s=0, windows are window_steps steps."""
         if window_s > 0 and step_time_s > 0:
-            self._window_len = max(1, math.ceil(window_s / step_time_s))
+            steps = max(1, math.ceil(window_s / step_time_s))
+            self._window_len = min(steps, at_most) if at_most else steps
 
     def check_memory(self) -> None:
         """Raise when this job's resident high-water passed the cap (CPU; checked per window)."""
