@@ -323,8 +323,8 @@ class TuneConfig:
     window_steps: int = 5  # the first window: at most this many steps (the step time is not known yet)
     window_s: float = 0.1  # later windows last this long (whole steps)
     rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this
-    min_measure_s: float = 0.5  # ... and at least this long
-    max_measure_s: float = 4.0  # ... or stop here
+    min_measure_s: float = 0.3  # ... and at least this long
+    max_measure_s: float = 2.0  # ... or stop here
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     global_batch: Optional[int] = None  # batch x accumulation x world held at this value
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank

@@ -27,7 +27,7 @@ from .space import SearchSpace, apply
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
 CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
-CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's
+CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s")
 
 
@@ -371,14 +371,14 @@ def counted(trials: List[Any]) -> int:
 def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Config:
     """The job a trial launches: `cfg` with the sampled `values`, measured after a steady-state
     warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0). `longer`
-    stretches the windows and the minimum measured time (the confirmation runs)."""
+    stretches the windows and the minimum measured time, not the cap (the confirmation runs)."""
     t = cfg.tune
     fixed = {
         "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000,
         "trainer.timeout_s": t.trial_timeout_s, "trainer.save_model": False,
         "trainer.log_every": max(1, t.window_steps), "trainer.window_s": t.window_s * longer,
         "trainer.rel_precision": t.rel_precision, "trainer.min_measure_s": t.min_measure_s * longer,
-        "trainer.max_measure_s": t.max_measure_s * longer, "trainer.max_steps": 0,
+        "trainer.max_measure_s": max(t.max_measure_s, t.min_measure_s * longer), "trainer.max_steps": 0,
     }
     job = apply(cfg, {**fixed, **values})
     if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
