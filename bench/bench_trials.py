@@ -106,7 +106,7 @@ def reference_config(trial_cfg: Config, trial: Figures, factor: float) -> Config
     """The steady-state run of a trial's config: 3x its steady warmup, then >= factor x the
     trial's measured samples, windows of REFERENCE_WINDOW_S, no stop rule."""
     samples_per_step = trial_cfg.data.batch_size * trial_cfg.trainer.accumulation_steps * trial_cfg.world_size
-    trial_samples = max(trial["throughput"] * trial["measured_s"], samples_per_step * 20)
+    trial_samples = max(trial["throughput"] * trial["measured_s"], samples_per_step * 4)
     warm = 3 * steady_warmup_steps(trial_cfg)
     steps = warm + math.ceil(factor * trial_samples / samples_per_step)
     return apply(trial_cfg, {"trainer.rel_precision": 0.0, "trainer.warmup_steps": warm, "trainer.max_steps": steps,
