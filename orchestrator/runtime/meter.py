@@ -326,10 +326,6 @@ class StepMeter:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
         self._hook_token = self._token()
 
-    @property
-    def in_warmup(self) -> bool:
-        return self._warming
-
     def end_step(self, samples: int, micro: int = 1) -> Optional[Window]:
         """Close a step of `micro` micro-batches; returns the window it completed, if any (a
         warmup window when this step ended the warmup: `window.warmup`)."""

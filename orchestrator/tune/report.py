@@ -157,8 +157,10 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
     if best:
         b = best[0]
         values = b.user_attrs["values"]
+        judged = figures(b, conf)
         summary["best"] = {"number": b.number, "values": values, **{c: b.user_attrs.get(c) for c in COLUMNS},
-                           **figures(b, conf), "confirmed": str(b.number) in conf}
+                           **{k: judged.get(k) for k in CONFIRMED_COLUMNS if k in judged},
+                           "confirmed": str(b.number) in conf}
         if tuner.t.objective is Objective.both:
             summary["pareto_front"] = [{"number": tr.number, "values": tr.user_attrs["values"],
                                         "utilization": tr.user_attrs["utilization"],
