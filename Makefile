@@ -18,6 +18,7 @@ bench:
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_launch.py
 	$(PY) bench/bench_tune.py
+	$(PY) bench/bench_trials.py
 	$(PY) bench/bench_pool.py
 	$(PY) bench/bench_advice.py
 	$(PY) bench/bench_mfu.py

@@ -37,6 +37,7 @@ def study(backend: str, reuse: bool, trials: int, measure: int, tmp: Path) -> di
         cfg = to_config(compose("config", overrides=[
             "mode=tune", f"backend={backend}", "parallelism.nproc_per_node=2", "data.read_latency_ms=0.5",
             f"tune.n_trials={trials}", "tune.warmup_steps=5", f"tune.measure_steps={measure}",
+            "tune.rel_precision=0", "tune.confirm_top=0",  # a fixed measured part: the overhead is the figure
             f"tune.window_steps={max(1, measure // 5)}", "tune.pruner=none", "tune.baseline=false",
             f"tune.reuse_ranks={reuse}", f"tune.storage=sqlite:///{run_dir}/optuna.db",
             f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tune.space.num_workers.high=0",

@@ -9,7 +9,7 @@ sqlite:///<tmp>/optuna.db):
     (many tiny parameter tensors, almost no compute: the all-reduce dominates).
 
 Every job below is `run_job(trial_config(cfg, values))`: exactly the short job a trial launches
-(tune.warmup_steps + tune.measure_steps steps), with `values` built by the tuner's own
+(a steady-state warmup, then measured to tune.rel_precision), with `values` built by the tuner's own
 `SearchSpace.sample` (so workers=0 points get the same prefetch/persistent resets as trials).
 
 1. Tuning quality, per workload. The search space is categorical on every knob:
@@ -57,10 +57,9 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import optuna  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -259,6 +258,42 @@ def table(rows: List[List[str]]) -> str:
     return "\n".join(lines)
 
 
+class Results:
+    """The closing table: a row per figure, and whether each target was met."""
+
+    def __init__(self) -> None:
+        self.rows = [["figure", "workload", "measured", "target", "met"]]
+        self.verdicts: List[bool] = []
+
+    def row(self, figure: str, workload: str, measured: str, target: str, ok: Optional[bool]) -> None:
+        self.rows.append([figure, workload, measured, target, "-" if ok is None else ("yes" if ok else "NO")])
+        if ok is not None:
+            self.verdicts.append(ok)
+
+
+def prepare(prefix: str) -> Path:
+    """Quiet, in the repository root (ranks import tasks.* from it); returns a new temporary dir."""
+    os.chdir(ROOT)
+    warnings.filterwarnings("ignore")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def run_workloads(only: Optional[List[str]], keep: bool, tmp: Path,
+                  bench: Callable[[str, Dict[str, Any]], Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """`bench(name, spec)` for each workload (those in `only`, when given); `tmp` removed after
+    unless `keep`."""
+    results: Dict[str, Dict[str, Any]] = {}
+    try:
+        for name, spec in WORKLOADS.items():
+            if only is None or name in only:
+                results[name] = bench(name, spec)
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16-point grids (4 tuner trials each)")
@@ -267,30 +302,16 @@ def main() -> int:
     ap.add_argument("--only", choices=sorted(WORKLOADS), nargs="*", default=None, help="run only these workloads")
     args = ap.parse_args()
 
-    os.chdir(ROOT)  # ranks import tasks.* from the repository root
-    warnings.filterwarnings("ignore")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_tune-"))
+    tmp = prepare("bench_tune-")
     start = time.monotonic()
     print(f"bench_tune: {'quick' if args.quick else 'full'}, rounds {args.rounds}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}, output {tmp}", flush=True)
     runner = Runner(tmp)
-    results: Dict[str, Dict[str, Any]] = {}
-    try:
-        for name, spec in WORKLOADS.items():
-            if args.only is None or name in args.only:
-                results[name] = bench_workload(name, spec, args.quick, args.rounds, tmp, runner)
-    finally:
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+    results = run_workloads(args.only, args.keep, tmp,
+                            lambda name, spec: bench_workload(name, spec, args.quick, args.rounds, tmp, runner))
 
-    rows = [["figure", "workload", "measured", "target", "met"]]
-    verdicts: List[bool] = []
-
-    def row(figure: str, workload: str, measured: str, target: str, ok: Optional[bool]) -> None:
-        rows.append([figure, workload, measured, target, "-" if ok is None else ("yes" if ok else "NO")])
-        if ok is not None:
-            verdicts.append(ok)
+    results_table = Results()
+    row, rows, verdicts = results_table.row, results_table.rows, results_table.verdicts
 
     for name, r in results.items():
         g, t = r["arms"]["grid"], r["arms"].get("tuned")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import checkpoint, load_report
 from .launch import build_launch
-from .merge import load_rank_results, merge, summary_rows
+from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import WINDOW_KEYS, ranks_dir, write_job
 from .runtime.dist import check_devices
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
@@ -304,4 +304,7 @@ def print_summary(result: Dict[str, Any], run_dir: Path) -> None:
             console.print(f"  - {advice}", highlight=False)
     if result.get("straggler"):
         console.print(f"imbalance: {result['straggler']}", highlight=False)
+    warning = measurement_warning(result)
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
     console.print(f"load report: {run_dir / 'load_report.md'}", highlight=False)

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 from .diagnose import STRAGGLER_SPREAD
 from .rundir import ranks_dir
+from .runtime.meter import MIN_WINDOWS, estimate_of
 
 # Fields every rank reports and `result.json` repeats per rank.
 RANK_FIELDS = (
@@ -45,6 +46,11 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "first_loss": ranks[0].get("first_loss"),
         "per_rank": per_rank,
     }
+    if ranks[0].get("warmup"):
+        job["warmup"] = ranks[0]["warmup"]  # the same on every rank (same steps, same loader)
+    for key in ("stopped_by", "steps_per_epoch", "epochs"):
+        if ranks[0].get(key) is not None:
+            job[key] = ranks[0][key]
     if not measured:
         return job
     mean = lambda key: statistics.fmean(r[key] for r in measured)  # noqa: E731
@@ -64,6 +70,9 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
         **_device_figures(measured),
     })
+    windows = job_windows(measured)
+    job["estimate"] = estimate_of(windows)  # the throughput's mean over windows, its interval
+    job["utilization_estimate"] = estimate_of(windows, "utilization")
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
     slowest = max(own, key=own.__getitem__) if len(measured) > 1 else None
@@ -91,6 +100,15 @@ def _device_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["mfu_dtype"] = measured[0].get("mfu_dtype")
     out["flops_per_sample"] = measured[0].get("flops_per_sample")
     return out
+
+
+def job_windows(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The job's measured windows: window i's throughput is the sum of every rank's window i (the
+    ranks close windows at the same steps), its utilization their mean."""
+    per_rank = [[w for w in r.get("windows_detail") or [] if not w.get("warmup")] for r in ranks]
+    n = min(len(ws) for ws in per_rank)
+    return [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
+             "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
 
 
 def _spread(values: List[float]) -> float:
@@ -125,3 +143,23 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
     if imb and imb.get("straggler_rank") is not None:
         rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))
     return rows
+
+
+def measurement_warning(result: Dict[str, Any]) -> str:
+    """One line when a finished run measured nothing or too little to go by, else ''."""
+    steps, measured = result.get("steps"), result.get("measured_steps") or 0
+    windows = (result.get("estimate") or {}).get("windows") or 0
+    if steps is None or (measured and windows >= MIN_WINDOWS):
+        return ""
+    warm = result.get("warmup") or {}
+    ran, raise_ = f"the run ended after {steps} steps", "trainer.epochs"
+    per_epoch, n = result.get("steps_per_epoch"), result.get("epochs", 1)
+    if per_epoch:
+        ran += f" ({n} epoch{'s' if n != 1 else ''} of {per_epoch} steps)"
+        if steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
+            raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
+    if not measured:
+        return (f"nothing was measured: {ran}, inside its warmup ({warm.get('min_steps', '?')} steps and the "
+                f"loader's queue); raise {raise_} or lower trainer.warmup_steps")
+    return (f"only {windows} measured window{'s' if windows != 1 else ''} ({measured} steps after a "
+            f"{warm.get('steps', '?')}-step warmup), the figures are rough: {ran}; raise {raise_}")

@@ -231,6 +231,10 @@ class TrainerConfig:
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
     memory_cap_mb: float = 0.0  # a rank process above this RSS fails the job (CPU "OOM"); 0: none
     profile_steps: int = 0  # torch.profiler over this many steps after warmup (not measured); 0: off
+    window_s: float = 0.0  # windows after the first last this long (whole steps); 0: window_steps steps each
+    rel_precision: float = 0.0  # stop once throughput's relative standard error over windows <= this; 0: off
+    min_measure_s: float = 0.0  # with rel_precision: measure at least this long
+    max_measure_s: float = 0.0  # with rel_precision: stop after this much measured time (0: no cap)
     checkpoint_every: int = 0  # steps between checkpoints (rank 0, atomic); 0: off
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
     resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
@@ -254,6 +258,17 @@ class TrainerConfig:
         _require(self.memory_cap_mb >= 0, f"trainer.memory_cap_mb: must be >= 0 (0 = none), got {self.memory_cap_mb}")
         _require(self.peak_tflops >= 0,
                  f"trainer.peak_tflops: must be >= 0 (0 = the table or a CPU measurement), got {self.peak_tflops}")
+        _measure_rule("trainer", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
+
+
+def _measure_rule(where: str, window_s: float, rel_precision: float, min_s: float, max_s: float) -> None:
+    """The measurement's stop rule, shared by trainer.* and tune.*."""
+    _require(window_s >= 0, f"{where}.window_s: must be >= 0 seconds (0 = windows of window_steps), got {window_s}")
+    _require(0 <= rel_precision < 1, f"{where}.rel_precision: must be in [0, 1) (0 = off), got {rel_precision}")
+    _require(min_s >= 0, f"{where}.min_measure_s: must be >= 0 seconds, got {min_s}")
+    _require(max_s >= 0, f"{where}.max_measure_s: must be >= 0 seconds (0 = no cap), got {max_s}")
+    _require(max_s == 0 or max_s >= min_s,
+             f"{where}.max_measure_s: must be 0 (no cap) or >= {where}.min_measure_s ({min_s:g}), got {max_s:g}")
 
 
 class Objective(str, Enum):
@@ -313,8 +328,13 @@ class TuneConfig:
     objective: Objective = Objective.utilization
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3
-    measure_steps: int = 20
-    window_steps: int = 5
+    measure_steps: int = 20  # with rel_precision=0: measured steps per trial
+    window_steps: int = 5  # the first window: at most this many steps (the step time is not known yet)
+    window_s: float = 0.1  # later windows last this long (whole steps)
+    rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this
+    min_measure_s: float = 0.3  # ... and at least this long
+    max_measure_s: float = 2.0  # ... or stop here
+    confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     global_batch: Optional[int] = None  # batch x accumulation x world held at this value
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5
@@ -335,6 +355,10 @@ class TuneConfig:
         _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")
         _require(self.window_steps >= 1, f"tune.window_steps: must be >= 1, got {self.window_steps}")
+        _measure_rule("tune", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
+        _require(self.rel_precision == 0 or self.max_measure_s > 0,
+                 f"tune.max_measure_s: must be > 0 with tune.rel_precision > 0 (a trial needs a cap), got {self.max_measure_s}")
+        _require(self.confirm_top >= 0, f"tune.confirm_top: must be >= 0 (0 = off), got {self.confirm_top}")
         _require(self.global_batch is None or self.global_batch >= 1,
                  f"tune.global_batch: must be null or >= 1, got {self.global_batch}")
         _require(self.max_workers is None or self.max_workers >= 0,

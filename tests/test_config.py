@@ -93,6 +93,10 @@ def test_names_later_issues_rely_on():
     (["+tune.space.x={kee: data.batch_size}"], "tune.space.x.kee: Key 'kee' not in 'ParamSpec'"),
     (["tune.throughput_floor=0"], "tune.throughput_floor: must be in (0, 1]"),
     (["trainer.memory_cap_mb=-1"], "trainer.memory_cap_mb: must be >= 0"),
+    (["tune.rel_precision=1.5"], "tune.rel_precision: must be in [0, 1)"),
+    (["tune.confirm_top=-1"], "tune.confirm_top: must be >= 0"),
+    (["tune.min_measure_s=3", "tune.max_measure_s=1"], "tune.max_measure_s: must be 0 (no cap) or >= tune.min_measure_s"),
+    (["trainer.window_s=-1"], "trainer.window_s: must be >= 0 seconds"),
     (["backend=ddp", "backend.fp16_compression=true"], "backend.fp16_compression: applies to backend=horovod only"),
 ])
 def test_bad_input_is_one_clear_line(overrides, expected):

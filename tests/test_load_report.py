@@ -57,7 +57,8 @@ def test_transformer_is_compute_bound_and_profiled(make_cfg, tmp_path):
     result = run_job(cfg, tmp_path, echo=False)
     rep = report_of(tmp_path)
     assert rep["diagnosis"]["verdict"] == "compute-bound", rep["job"]
-    assert result["measured_steps"] == 20 - 2 - 2  # warmup and profiled steps are not measured
+    # warmup and profiled steps are not measured, nor the step that follows the profiler's teardown
+    assert result["measured_steps"] == 20 - 2 - 2 - 1 and result["warmup"]["after"] == "profiler"
     ops = rep["profile"]["top_ops"]
     assert len(ops) == 15 and any(op["name"].startswith("aten::") and op["input_shapes"] not in ("", "[]") for op in ops)
     times = [op["self_cpu_ms"] for op in ops]

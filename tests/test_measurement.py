@@ -104,3 +104,105 @@ def test_ddp_hook_splits_backward_into_compute_and_comm():
     s = m.summary()
     assert s["phase_s"]["compute"] == pytest.approx(0.02, abs=0.01)
     assert s["phase_s"]["comm"] == pytest.approx(0.03, abs=0.01)
+
+
+def _steps(m, n, sleep_s=0.0):
+    for _ in range(n):
+        if sleep_s:
+            time.sleep(sleep_s)
+        m.mark(DATA)
+        m.mark(COMPUTE)
+        m.mark(OPTIMIZER)
+        m.end_step(samples=4)
+
+
+def test_warmup_reads_the_loader_queue_and_rewarms_after_a_restart():
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, queue=3)
+    m.start()
+    _steps(m, 4)  # 1 warmup step asked for, but 3 pre-filled micro-batches + 1 must be read first
+    assert len(m.warmup_windows) == 1 and m.warmup_windows[0].steps == 4 and not m.windows
+    _steps(m, 3)  # one window of 2, one step into the next
+    partial = m.rewarm("epoch")  # a new iterator: its queue is full again
+    assert partial is not None and partial.partial and partial.steps == 1
+    _steps(m, 4)
+    assert len(m.warmup_windows) == 2 and m.warmup_windows[1].steps == 4
+    _steps(m, 2)
+    m.close()
+    s = m.summary()
+    assert [w.steps for w in m.windows] == [2, 1, 2]
+    assert s["estimate"]["windows"] == 2  # the partial window is left out of the estimate
+    w = s["warmup"]
+    assert w["steps"] == 4 and w["queue_micro_batches"] == 3 and "queue" in w["why"]
+    assert w["rewarmed"] == [{"why": "epoch", "from_step": 7, "steps": 4}]
+
+
+def test_estimate_and_stop_rule():
+    from orchestrator.runtime.meter import StopRule, estimate
+
+    e = estimate([100.0, 110.0, 90.0, 100.0])
+    assert e["mean"] == pytest.approx(100.0) and e["windows"] == 4
+    assert e["rel_se"] == pytest.approx(8.165 / 2 / 100, rel=1e-3)
+    lo, hi = e["interval"]
+    assert lo < 100 < hi and hi - 100 == pytest.approx(100 - lo)
+    rule = StopRule(rel_precision=0.05, min_s=1.0, max_s=10.0)
+    assert [rule.add(t, 0.3) for t in (100, 101, 99, 100)] == [None, None, None, "precision"]  # 4 windows, 1.2 s
+    noisy = StopRule(rel_precision=0.01, min_s=0.0, max_s=1.0)
+    assert [noisy.add(t, 0.3) for t in (50, 150, 60, 140)][-1] == "max_measure_s"
+
+
+def test_loop_warmup_is_steady_and_epochs_rewarm():
+    # 2 workers x prefetch 4 = 8 queued micro-batches; accumulation 2: ceil(9 / 2) = 5 warmup steps
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=320", "data.batch_size=16",
+                                         "data.num_workers=2", "data.prefetch_factor=4", "trainer.accumulation_steps=2",
+                                         "trainer.epochs=3", "trainer.window_steps=2"]))
+    from orchestrator.runtime.loop import steady_warmup_steps
+
+    assert steady_warmup_steps(cfg) == 5
+    a = Adapter(cfg)
+    a.setup()
+    res = train(cfg, a)
+    w = res.meter["warmup"]
+    assert w["steps"] == 5 and w["min_steps"] == 1 and "queue" in w["why"]
+    measured = [x for x in res.windows if not x["warmup"]]
+    assert measured[0]["first_step"] == 5
+    # 10 steps an epoch: each new epoch's iterator is read for 5 steps before measuring again
+    assert [(r["why"], r["from_step"], r["steps"]) for r in w["rewarmed"]] == [("epoch", 10, 5), ("epoch", 20, 5)]
+    assert all(not (10 <= x["first_step"] < 15 or 20 <= x["first_step"] < 25) for x in measured)
+
+
+def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
+    from orchestrator.runtime import loop
+
+    slow = 0.4
+    real_stop = loop.Profiler.stop
+
+    def slow_stop(self):
+        if self.running:
+            time.sleep(slow)  # a long trace export
+        real_stop(self)
+
+    monkeypatch.setattr(loop.Profiler, "stop", slow_stop)
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.max_steps=20", "trainer.warmup_steps=2",
+                                         "trainer.profile_steps=3", "trainer.window_steps=3"]))
+    a = Adapter(cfg)
+    a.setup()
+    res = train(cfg, a, trace_path=tmp_path / "trace.json")
+    measured = [x for x in res.windows if not x["warmup"]]
+    assert measured and all(x["wall_s"] < slow for x in measured), [x["wall_s"] for x in measured]
+    assert res.meter["warmup"]["after"] == "profiler" and res.meter["warmup"]["steps"] == 6  # 2 + 3 profiled + 1 after the teardown
+    assert res.meter["profile"]["top_ops"]
+
+
+def test_summary_warns_when_nothing_was_measured(make_cfg, tmp_path):
+    from orchestrator.app import run_job
+    from orchestrator.merge import measurement_warning
+
+    # the command: one epoch of 4096 / 64 = 64 steps ends inside the 100-step warmup
+    result = run_job(make_cfg("data.batch_size=64", "trainer.max_steps=600", "trainer.warmup_steps=100",
+                              "tracking.enabled=false"), tmp_path, echo=False)
+    assert result["status"] == "FINISHED" and not result.get("measured_steps")
+    warning = measurement_warning(result)
+    assert warning.startswith("nothing was measured") and "trainer.epochs" in warning and "64 steps" in warning
+    enough = {**result, "measured_steps": 40, "estimate": {"windows": 8}}
+    assert measurement_warning(enough) == ""
+    assert "trainer.epochs" in measurement_warning({**result, "measured_steps": 4, "estimate": {"windows": 2}})

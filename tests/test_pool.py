@@ -12,7 +12,9 @@ from orchestrator.tune.study import run_study
 
 from .conftest import job_processes
 
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
+# trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
+SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
+         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
          "tune.baseline=false"]
 
 
@@ -61,4 +63,28 @@ def test_crashed_trial_gets_fresh_ranks(make_cfg, tmp_path):
     pids = [json.loads((tmp_path / "trials" / f"{t.number:04d}" / "ranks" / "rank0.json").read_text())["pid"]
             for t in launched if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(set(pids)) <= 1 + fails_followed
+    assert not job_processes(tmp_path)
+
+
+def test_kept_alive_rank_reports_each_jobs_own_peak_memory(make_cfg, tmp_path):
+    """A big job then a small one on the same ranks: the small one's peak is its own, not the
+    process's lifetime peak (ru_maxrss) nor the big job's."""
+    from orchestrator.app import run_job
+    from orchestrator.tune.pool import RankPool
+
+    def job(features: int):
+        # 4096 x features float32 inputs: 160 MB at 10,000 features, nothing at 10
+        return make_cfg("tracking.enabled=false", "trainer.max_steps=6", "trainer.save_model=false",
+                        f"data.args.features={features}", f"model.args.in_features={features}")
+
+    pool = RankPool(tmp_path / "pools")
+    try:
+        big = run_job(job(10_000), tmp_path / "big", echo=False, pool=pool)
+        small = run_job(job(10), tmp_path / "small", echo=False, pool=pool)
+        ranks = [json.loads((tmp_path / d / "ranks" / "rank0.json").read_text()) for d in ("big", "small")]
+    finally:
+        pool.close()
+    assert ranks[0]["pid"] == ranks[1]["pid"] and pool.starts == 1  # one kept-alive rank ran both
+    assert big["peak_mem_mb"] > small["peak_mem_mb"] + 120, (big["peak_mem_mb"], small["peak_mem_mb"])
+    assert small["peak_mem_mb"] > 50 and small["per_rank"][0]["mem_source"] == "rss"
     assert not job_processes(tmp_path)

@@ -17,7 +17,9 @@ from orchestrator.tune.study import counted, run_study, utilization_score
 
 from .conftest import ROOT
 
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none"]
+# trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
+SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
+         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none"]
 
 
 def study_of(summary) -> optuna.Study:
@@ -33,7 +35,7 @@ def workers_study(tmp_path_factory, mlflow_uri):
     run_dir = tmp_path_factory.mktemp("tune-workers")
     cfg = to_config(compose_dict(TINY + [
         f"tracking.uri={mlflow_uri}", "tracking.experiment=tune-tests", "experiment=input_bound",
-        "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5",
+        "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5", "tune.confirm_top=2",
         f"tune.storage=sqlite:///{run_dir}/optuna.db",
         "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
         "tune.space.accumulation_steps.high=1", "tune.max_workers=4",
@@ -59,6 +61,20 @@ def test_tuned_workers_beat_the_default(workers_study):
     assert {"trials.csv", "summary.json", "optimization_history.png", "parallel_coordinate.png"} <= {
         p.name for p in run_dir.iterdir()}
     assert 0 < summary["trial_overhead"]["median"] < 1
+    # trials measured to a precision, with their estimate and interval recorded
+    for tr in study_of(summary).trials:
+        a = tr.user_attrs
+        if tr.state == optuna.trial.TrialState.COMPLETE:
+            assert a["stopped_by"] in ("precision", "max_measure_s") and a["windows"] >= 1
+            assert a["stopped_by"] == "max_measure_s" or (a["windows"] >= 4 and a["rel_se"] <= 0.1)
+            if a["windows"] >= 2:  # an interval needs two windows (a cap can stop a slow trial after one)
+                assert a["throughput_lo"] <= a["throughput"] <= a["throughput_hi"]
+            assert 0.1 <= a["measured_s"] < 0.6 + 1.0  # min_measure_s .. max_measure_s plus one window
+    header = (run_dir / "trials.csv").read_text().splitlines()[0].split(",")
+    assert {"throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s", "confirmed_throughput"} <= set(header)
+    # the pick was re-measured, and is made from those figures
+    assert summary["best"]["confirmed"] and str(best["number"]) in summary["confirmed"]
+    assert best["throughput"] == summary["confirmed"][str(best["number"])]["throughput"]
 
 
 def test_every_trial_is_a_nested_mlflow_run(workers_study):
@@ -67,17 +83,24 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["mode"] == "tune"
     exp = parent.info.experiment_id
-    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert len(children) == 5
+    nested = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    children = [c for c in nested if "trial" in c.data.tags]
+    confirms = [c for c in nested if "confirm_of" in c.data.tags]
+    assert len(children) == 5 and len(confirms) == len(nested) - 5 >= 2  # the re-measured candidates
     for child in children:
         assert child.data.tags["trial_state"] == "COMPLETE"
         assert {"data.batch_size", "data.num_workers", "trainer.accumulation_steps"} <= child.data.params.keys()
-        assert {"utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "wall_s"} <= child.data.metrics.keys()
+        metrics = child.data.metrics
+        assert {"utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "wall_s", "throughput_estimate",
+                "measured_windows", "measured_s"} <= metrics.keys()
+        assert metrics["measured_windows"] < 2 or {"throughput_lo", "throughput_hi", "throughput_rel_se"} <= metrics.keys()
     best = [c for c in children if c.data.tags.get("best") == "true"]
     assert len(best) == 1 and best[0].data.params["data.num_workers"] == str(summary["best"]["values"]["data.num_workers"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"best.yaml", "trials.csv", "summary.json", "optimization_history.png"} <= artifacts
     assert "best_utilization" in parent.data.metrics
+    confirmed = summary["confirmed"][str(summary["best"]["number"])]
+    assert parent.data.metrics["best_throughput"] == pytest.approx(confirmed["throughput"])
 
 
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
@@ -244,3 +267,39 @@ def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     client = MlflowClient(mlflow_uri)
     runs = [client.get_run(r["mlflow_run_id"]) for r in rows]
     assert len({r.data.tags["sweep_id"] for r in runs}) == 1
+
+
+def test_the_pick_comes_from_the_confirmed_figures():
+    from orchestrator.schema import TuneConfig
+    from orchestrator.tune.report import best_trials, confirm_candidates, ranked, separation
+
+    study = optuna.create_study(direction="maximize")
+
+    def add(number_values, util, thr, lo, hi):
+        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+            "values": number_values, "utilization": util, "throughput": thr, "throughput_lo": lo,
+            "throughput_hi": hi, "utilization_lo": util - 0.02, "utilization_hi": util + 0.02}))
+
+    add({"w": 0}, 0.50, 100.0, 90, 110)
+    add({"w": 2}, 0.90, 300.0, 250, 350)  # a lucky short measurement
+    add({"w": 4}, 0.85, 290.0, 270, 310)
+    add({"w": 8}, 0.80, 280.0, 260, 300)
+    t = TuneConfig(confirm_top=2)
+    assert [tr.number for tr in confirm_candidates(study, t)] == [1, 2]  # the fastest is among them
+    assert best_trials(study, t)[0].number == 1
+    # re-measured side by side, trial 1 was luck: the pick follows the confirmed figures
+    study.set_user_attr("confirmed", {
+        "1": {"utilization": 0.70, "utilization_lo": 0.66, "utilization_hi": 0.74, "throughput": 240.0,
+              "throughput_lo": 230.0, "throughput_hi": 250.0},
+        "2": {"utilization": 0.84, "utilization_lo": 0.82, "utilization_hi": 0.86, "throughput": 288.0,
+              "throughput_lo": 280.0, "throughput_hi": 296.0}})
+    assert best_trials(study, t)[0].number == 2
+    assert [tr.number for tr in ranked(study, t)][:2] == [2, 1]  # confirmed ones first
+    sep = separation(study, t)
+    assert sep["winner"] == 2 and sep["runner_up"] == 1 and sep["figure"] == "throughput"  # 1 is below the floor
+    assert sep["separated"] is True and sep["confirmed"]
+    study.set_user_attr("confirmed", {**study.user_attrs["confirmed"], "1": {
+        "utilization": 0.83, "utilization_lo": 0.80, "utilization_hi": 0.85, "throughput": 286.0,
+        "throughput_lo": 276.0, "throughput_hi": 296.0}})
+    sep = separation(study, t)
+    assert sep["figure"] == "utilization" and sep["separated"] is False  # within the noise of each other

@@ -95,6 +95,10 @@ class Adapter:
     def all_gather_object(self, obj: Any) -> list:
         return [obj]
 
+    def all_reduce_sum(self, values: list) -> list:
+        """Element-wise sum of a few floats over the ranks (the same result on every rank)."""
+        return list(values)
+
     def shutdown(self) -> None:
         pass
 
@@ -169,6 +173,14 @@ class DDPAdapter(Adapter):
         dist.all_gather_object(out, obj)
         return out
 
+    def all_reduce_sum(self, values: list) -> list:
+        import torch.distributed as dist
+
+        # NCCL reduces device tensors only; a handful of floats costs the same either way
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        return t.tolist()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -224,6 +236,9 @@ class HorovodAdapter(Adapter):
 
     def all_gather_object(self, obj: Any) -> list:
         return self.hvd.allgather_object(obj)
+
+    def all_reduce_sum(self, values: list) -> list:
+        return self.hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=self.hvd.Sum).tolist()
 
     def shutdown(self) -> None:
         try:

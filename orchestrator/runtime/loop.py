@@ -22,7 +22,7 @@ from ..schema import AmpDtype, Config, Loss, OptimizerName, import_target
 from .. import checkpoint
 from .dist import Adapter
 from .flops import StepCounter, mfu_figures
-from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter
+from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window
 
 
 class LatencyDataset(Dataset):
@@ -80,6 +80,23 @@ def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
         generator=torch.Generator().manual_seed(cfg.trainer.seed),
         **kwargs,
     )
+
+
+def loader_queue(cfg: Config) -> int:
+    """Micro-batches the DataLoader's workers pre-fill when its iterator starts (num_workers x
+    prefetch_factor, torch's default factor 2): a warmup reads them before anything is measured."""
+    d = cfg.data
+    return d.num_workers * (d.prefetch_factor or 2) if d.num_workers > 0 else 0
+
+
+def steady_warmup_steps(cfg: Config) -> int:
+    """Optimizer steps the first warmup takes: trainer.warmup_steps (+ profile_steps), and at least
+    the loader's pre-filled queue + 1 micro-batches."""
+    t = cfg.trainer
+    drain = math.ceil((loader_queue(cfg) + 1) / t.accumulation_steps)
+    if t.profile_steps:  # the queue is read again after the profiled steps (see train())
+        return t.warmup_steps + t.profile_steps + drain
+    return max(t.warmup_steps, drain)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -192,12 +209,15 @@ class Profiler:
         self.running = self.done = False
         self.top_ops: list = []
 
-    def at_step(self, step: int, start: int, n: int) -> None:
+    def at_step(self, step: int, start: int, n: int) -> bool:
+        """Start or stop at the top of `step`; True when it just stopped (its teardown ran)."""
         if step == start and not self.running and not self.done:
             self.prof.start()
             self.running = True
         elif step == start + n and self.running:
             self.stop()
+            return True
+        return False
 
     def stop(self) -> None:
         if not self.running:
@@ -256,17 +276,50 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     generator = loader.generator  # shuffles the single-process order; saved per epoch
     writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and adapter.rank == 0
 
-    # profiled steps follow the warmup and are kept out of the measured windows
-    meter = StepMeter(device, window_steps=t.window_steps, warmup_steps=t.warmup_steps + t.profile_steps)
+    # profiled steps follow the warmup and are kept out of the measured windows, and so is their
+    # teardown (trace export) and the loader queue that filled up meanwhile: the meter warms up again
     profiler = Profiler(device, trace_path) if t.profile_steps and trace_path is not None else None
+    meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), memory_cap_mb=t.memory_cap_mb,
+                      warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiler is not None else 0))
+    # tuning trials: measure until precise enough (every rank sees the same all-reduced figures)
+    rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
+    collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0)
+
+    def job_figures(win: Window) -> list:
+        """[throughput summed over ranks, step time and wall time averaged]: the same on every rank."""
+        figures = [win.throughput, win.wall_s / win.steps, win.wall_s]
+        if collective:
+            figures = adapter.all_reduce_sum(figures)
+            figures[1:] = [v / adapter.world_size for v in figures[1:]]
+        return figures
+
+    def on_window(win: Window) -> bool:
+        """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
+        meter.check_memory()
+        if win.warmup:  # its step time includes the start-up: it may only shorten the first window
+            if t.window_s > 0:
+                meter.resize(job_figures(win)[1], t.window_s, at_most=t.window_steps)
+            return False
+        events.write(type="window", step=win.first_step + win.steps, throughput=win.throughput,
+                     utilization=win.utilization, data_wait_frac=win.share("data"), comm_frac=win.share("comm"),
+                     step_time_s=win.wall_s / win.steps)
+        if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
+            return False
+        figures = job_figures(win)
+        meter.resize(figures[1], t.window_s)
+        return rule is not None and rule.add(figures[0], figures[2]) is not None
+
     adapter.install_comm_hook(model, meter.comm_hook_fired)
     accum = t.accumulation_steps
     per_epoch = steps_per_epoch(loader, accum)
+    # a new epoch's iterator refills the queue: warm up again, unless the epoch is too short to
+    # get past it (less than twice the queue); then epoch restarts are part of the steady state
+    rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
     total = per_epoch * t.epochs if t.max_steps == 0 else min(per_epoch * t.epochs, t.max_steps)
     events.write(type="start", total_steps=total, steps_per_epoch=per_epoch, device=str(device),
                  utilization_source=meter.source)
 
-    step, epoch, first_loss, last_loss = 0, 0, math.nan, math.nan
+    step, epoch, first_loss, last_loss, stop = 0, 0, math.nan, math.nan, False
     start_epoch, skip = 0, 0
     if ck is not None:
         meta = ck["meta"]
@@ -313,8 +366,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     next(it)
                 b = skip
             while b < n_batches and step < total:
-                if profiler is not None:
-                    profiler.at_step(step, t.warmup_steps, t.profile_steps)
+                if profiler is not None and profiler.at_step(step, t.warmup_steps, t.profile_steps):
+                    meter.rewarm("profiler")
                 if counter is not None and step == counted_step:
                     counter.__enter__()
                 micro = min(accum, n_batches - b)  # the epoch's last step takes the remainder
@@ -352,7 +405,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
                 mark(OPTIMIZER)
                 step += 1
-                window = meter.end_step(samples)
+                window = meter.end_step(samples, micro)
                 if logged:
                     last_loss = float(step_loss)
                     if not math.isfinite(last_loss):
@@ -360,18 +413,23 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     if math.isnan(first_loss):
                         first_loss = last_loss
                     events.write(type="log", step=step, epoch=epoch, loss=last_loss)
-                if window is not None and not meter.in_warmup:
-                    events.write(type="window", step=step, throughput=window.throughput,
-                                 utilization=window.utilization, data_wait_frac=window.share("data"),
-                                 comm_frac=window.share("comm"), step_time_s=window.wall_s / window.steps)
+                if window is not None:
+                    stop = on_window(window)
                 if writes_checkpoints and step % t.checkpoint_every == 0:
                     save_checkpoint(epoch, b, epoch_generator)
                     logged = True
                 if logged or window is not None:
                     mark(OTHER)  # the bookkeeping above is nobody's data wait
+                if stop:
+                    break
+            if stop or step >= total:
+                meter.flush()  # before the iterator's shutdown below
+            elif rewarm_epochs:
+                partial = meter.rewarm("epoch")  # the next epoch's iterator refills the loader's queue
+                stop = partial is not None and on_window(partial)
             if b == n_batches:
                 next(it, None)  # finish the epoch's iterator as a plain `for` loop would (sampler RNG)
-            if step >= total:
+            if stop or step >= total:
                 break
         meter.flush()
         if writes_checkpoints and step % t.checkpoint_every != 0 and step > (ck["meta"]["step"] if ck else 0):
@@ -386,6 +444,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     wall = time.perf_counter() - t_start
     summary = meter.summary()
     summary.update(mfu_figures(flops, summary.get("throughput"), device, amp, amp_dtype, t.peak_tflops))
+    summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
+    summary["warmup"]["epochs_rewarm"] = rewarm_epochs
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1,

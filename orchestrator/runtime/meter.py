@@ -17,11 +17,19 @@ Phases of a step (they tile the step's wall time, so the shares add up to 1):
 utilization: on CUDA, the mean NVML `utilization.gpu` of this rank's device over the window
 (source `nvml`, sampled by a background thread); elsewhere the busy fraction
 (compute + optimizer) / wall (source `cpu-busy`).
+
+Warmup ends in steady state: after `warmup_steps` steps and once the DataLoader's pre-filled queue
+(`queue` micro-batches: num_workers x prefetch_factor, filled while the model was built) has been
+read since the iterator (re)started; `rewarm()` starts a new warmup (a new epoch's iterator, the
+profiler's teardown). Windows last `window_steps` steps, more when `resize()` asks for a duration.
+`estimate()` turns window throughputs into a mean with its standard error and interval;
+`StopRule` ends a measurement once that estimate is precise enough (tuning trials).
 """
 
 from __future__ import annotations
 
-import resource
+import math
+import os
 import statistics
 import threading
 import time
@@ -100,8 +108,13 @@ class NvmlSampler:
                 pass
 
     def mean(self, t0: float, t1: float, samples: Optional[List[tuple[float, float]]] = None) -> Optional[float]:
-        """Mean of the samples in [t0, t1] as a fraction (utilization.gpu, or `samples`)."""
+        """Mean over [t0, t1] as a fraction, of utilization.gpu (or `samples`, the SM activity);
+        windows come in order, so older samples are dropped (the list stays one window long, and a
+        kept-alive rank's next job starts with its own sampler)."""
         samples = self.samples if samples is None else samples
+        keep = next((i for i, (t, _) in enumerate(samples) if t >= t0), len(samples))
+        if keep > 1:
+            del samples[:keep - 1]  # one before t0 stays: the nearest sample of a short window
         vals = [u for t, u in samples if t0 <= t <= t1]
         if not vals:  # window shorter than the sampling period: nearest sample
             near = [u for t, u in samples if t <= t1]
@@ -117,6 +130,138 @@ class NvmlSampler:
             pass
 
 
+class MemorySampler:
+    """Per-job high-water of this rank's resident memory on CPU, loader workers included: the
+    rank's RSS plus each child process's unique memory (USS: what a forked worker adds; its RSS
+    would count again the pages it shares with the rank). The rank is sampled at `hz` in a daemon
+    thread from the job's start, so a kept-alive rank reports each job's own peak (ru_maxrss is
+    the process's lifetime peak); the workers, whose USS costs ~2 ms each to read, every
+    `children_every`-th sample."""
+
+    def __init__(self, hz: float = 10.0, children_every: int = 10) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._psutil = psutil
+        self._period, self._children_every = 1.0 / hz, children_every
+        self._children_mb = 0.0
+        self._n = 0
+        self.peak_mb = 0.0
+        self.sample()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> float:
+        """Sample now; returns the current figure (MB) and raises the high-water."""
+        psutil = self._psutil
+        if self._n % self._children_every == 0:
+            total = 0
+            try:
+                children = self._proc.children(recursive=True)
+            except psutil.Error:
+                children = []
+            for c in children:
+                try:
+                    total += c.memory_full_info().uss
+                except psutil.Error:
+                    pass
+            self._children_mb = total / 2**20
+        self._n += 1
+        mb = self._proc.memory_info().rss / 2**20 + self._children_mb
+        self.peak_mb = max(self.peak_mb, mb)
+        return mb
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.sample()
+            except Exception:  # a vanished worker, /proc trouble: the next sample will do
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
+# two-sided 95% Student t quantiles by degrees of freedom (1.96 past the table)
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
+        2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
+
+
+def estimate(values: List[float], measured_s: float = 0.0) -> Dict[str, Any]:
+    """A figure (throughput, utilization) estimated from its value per window: their `mean`, its
+    relative standard error (`rel_se`, what `StopRule` holds to trainer.rel_precision), a 95%
+    `interval`, the `windows` used and their `measured_s`."""
+    n = len(values)
+    if n == 0:
+        return _estimate(0, 0.0, 0.0, measured_s)
+    return _estimate(n, statistics.fmean(values), statistics.stdev(values) if n > 1 else 0.0, measured_s)
+
+
+def _estimate(n: int, mean: float, sd: float, measured_s: float) -> Dict[str, Any]:
+    if n == 0:
+        return {"mean": None, "rel_se": None, "interval": None, "windows": 0, "measured_s": measured_s}
+    if n == 1 or mean <= 0:
+        return {"mean": mean, "rel_se": None, "interval": None, "windows": n, "measured_s": measured_s}
+    se = sd / math.sqrt(n)
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * se
+    return {"mean": mean, "rel_se": se / mean, "interval": [mean - half, mean + half], "windows": n,
+            "measured_s": measured_s}
+
+
+def estimate_of(windows: List[Any], key: str = "throughput") -> Dict[str, Any]:
+    """`estimate` of `key` over full measured windows (Window objects or their dicts); partial
+    ones only when there is nothing else."""
+    get = (lambda w, k: w[k]) if windows and isinstance(windows[0], dict) else getattr
+    full = [w for w in windows if not get(w, "warmup") and not get(w, "partial")]
+    full = full or [w for w in windows if not get(w, "warmup")]
+    return estimate([get(w, key) for w in full], sum(get(w, "wall_s") for w in full))
+
+
+def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One `estimate` over the union of the windows behind several (re-measurements of one config)."""
+    parts = [e for e in estimates if e.get("windows") and e.get("mean") is not None]
+    n = sum(e["windows"] for e in parts)
+    if not n:
+        return _estimate(0, 0.0, 0.0, 0.0)
+    mean = sum(e["windows"] * e["mean"] for e in parts) / n
+    # each part's variance back from its standard error: sd^2 = (se * sqrt(n))^2
+    ss = sum((e["windows"] - 1) * ((e["rel_se"] or 0.0) * e["mean"]) ** 2 * e["windows"]
+             + e["windows"] * (e["mean"] - mean) ** 2 for e in parts)
+    return _estimate(n, mean, math.sqrt(ss / (n - 1)) if n > 1 else 0.0, sum(e["measured_s"] for e in parts))
+
+
+MIN_WINDOWS = 4  # fewer windows say little about their own spread
+
+
+@dataclass
+class StopRule:
+    """When a measurement may end (trainer.rel_precision > 0, tuning trials): at least
+    MIN_WINDOWS windows and `min_s` measured seconds, and the throughput's relative standard
+    error over windows within `rel_precision`; or `max_s` measured seconds (0: no cap). It is fed
+    the job-level figures of each window (all-reduced, so every rank decides the same)."""
+
+    rel_precision: float
+    min_s: float = 0.0
+    max_s: float = 0.0
+    throughputs: List[float] = field(default_factory=list)
+    measured_s: float = 0.0
+    reason: Optional[str] = None
+
+    def add(self, throughput: float, wall_s: float) -> Optional[str]:
+        """Record one window; returns why to stop now ('precision', 'max_measure_s') or None."""
+        self.throughputs.append(throughput)
+        self.measured_s += wall_s
+        if self.max_s and self.measured_s >= self.max_s:
+            self.reason = "max_measure_s"
+        elif len(self.throughputs) >= MIN_WINDOWS and self.measured_s >= self.min_s:
+            rel = estimate(self.throughputs)["rel_se"]
+            if rel is not None and rel <= self.rel_precision:
+                self.reason = "precision"
+        return self.reason
+
+
 @dataclass
 class Window:
     index: int
@@ -129,6 +274,8 @@ class Window:
     t_start: float  # perf_counter, for timelines
     t_end: float
     sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
+    warmup: bool = False
+    partial: bool = False  # cut short (the run's end, a new epoch): left out of the estimate
 
     @property
     def throughput(self) -> float:
@@ -143,6 +290,7 @@ class Window:
             "index": self.index, "first_step": self.first_step, "steps": self.steps, "samples": self.samples,
             "wall_s": self.wall_s, "throughput": self.throughput, "utilization": self.utilization,
             "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end, "sm_active": self.sm_active,
+            "warmup": self.warmup, "partial": self.partial,
         }
 
 
@@ -150,8 +298,10 @@ class Window:
 class StepMeter:
     device: torch.device
     window_steps: int = 10
-    warmup_steps: int = 5
+    warmup_steps: int = 5  # at least this many steps of warmup
+    queue: int = 0  # micro-batches the loader pre-fills (num_workers x prefetch_factor), read before measuring
     nvml: bool = True
+    memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
     windows: List[Window] = field(default_factory=list)
     warmup_windows: List[Window] = field(default_factory=list)
 
@@ -174,6 +324,16 @@ class StepMeter:
         self._wall0 = 0.0
         self._hook_token: Any = None
         self._events: List[Any] = []
+        self._warming = True
+        self._micro = 0  # micro-batches read since the iterator (re)started
+        self._window_len = self.window_steps
+        self._warm_why = "start"
+        self.warmups: List[Dict[str, Any]] = []  # one per warmup: where it ended and why
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
+            self.memory: Optional[MemorySampler] = None
+        else:
+            self.memory = MemorySampler()
 
     # -- hot path: a few hundred nanoseconds a mark ------------------------------------------
     def _token(self) -> Any:
@@ -203,22 +363,56 @@ class StepMeter:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
         self._hook_token = self._token()
 
-    @property
-    def in_warmup(self) -> bool:
-        return self._step <= self.warmup_steps
-
-    def end_step(self, samples: int) -> Optional[Window]:
-        """Close a step; returns the window it completed, if any."""
+    def end_step(self, samples: int, micro: int = 1) -> Optional[Window]:
+        """Close a step of `micro` micro-batches; returns the window it completed, if any (a
+        warmup window when this step ended the warmup: `window.warmup`)."""
         self._samples += samples
         self._step += 1
-        if self._step == self.warmup_steps or (
-            self._step > self.warmup_steps and (self._step - self.warmup_steps) % self.window_steps == 0
-        ):
-            return self._close_window(warmup=self._step <= self.warmup_steps)
+        if self._warming:
+            self._micro += micro
+            if self._step >= self.warmup_steps and self._micro > self.queue:
+                return self._end_warmup()
+            return None
+        if self._step - self._window_first >= self._window_len:
+            return self._close_window(warmup=False)
         return None
 
+    def _end_warmup(self) -> Window:
+        win = self._close_window(warmup=True)
+        start = win.first_step if self.warmups else 0
+        # what held the warmup this long: the loader's queue when it outlasted warmup_steps
+        binding = "queue" if self.warmups or self._step > max(self.warmup_steps, 1) else "warmup_steps"
+        self.warmups.append({"why": self._warm_why, "from_step": start, "until_step": self._step,
+                             "steps": self._step - start, "micro_batches": self._micro, "ended_by": binding})
+        self._warming = False
+        return win
+
+    def rewarm(self, why: str) -> Optional[Window]:
+        """The loader's queue is refilled (a new epoch's iterator) or the steps just run were not
+        steady (the profiler): measure again only after a new warmup. A partial measured window
+        is closed first (it was steady); returns it."""
+        win = None
+        if not self._warming and self._step > self._window_first:
+            win = self._close_window(warmup=False, partial=True)
+        self._warm_why = why if not self._warming else f"{self._warm_why}+{why}"
+        self._warming, self._micro = True, 0
+        return win
+
+    def resize(self, step_time_s: float, window_s: float, at_most: int = 0) -> None:
+        """Windows of `window_s` seconds (whole steps, at least one, at most `at_most` if given) at
+        this step time; until the first resize, and with window_s=0, windows are window_steps steps."""
+        if window_s > 0 and step_time_s > 0:
+            steps = max(1, math.ceil(window_s / step_time_s))
+            self._window_len = min(steps, at_most) if at_most else steps
+
+    def check_memory(self) -> None:
+        """Raise when this job's resident high-water passed the cap (CPU; checked per window)."""
+        if self.memory is not None and self.memory_cap_mb and self.memory.peak_mb > self.memory_cap_mb:
+            raise MemoryError(f"out of memory: this rank's resident memory reached {self.memory.peak_mb:.0f} MB "
+                              f"(loader workers included) > trainer.memory_cap_mb={self.memory_cap_mb:g}")
+
     # -- window resolution (off the hot path) -------------------------------------------------
-    def _close_window(self, warmup: bool) -> Window:
+    def _close_window(self, warmup: bool, partial: bool = False) -> Window:
         wall1 = time.perf_counter()
         marks = self._marks
         phases = dict.fromkeys(PHASES, 0.0)
@@ -245,6 +439,7 @@ class StepMeter:
         win = Window(
             index=len(self.windows), first_step=self._window_first, steps=steps, samples=self._samples,
             wall_s=wall, phases_s=phases, utilization=util, t_start=self._wall0, t_end=wall1, sm_active=sm,
+            warmup=warmup, partial=partial,
         )
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
@@ -257,18 +452,45 @@ class StepMeter:
 
     def flush(self) -> None:
         """Close a partial last window (steps after the last full one)."""
-        if self._step > self._window_first and self._step > self.warmup_steps:
-            self._close_window(warmup=False)
+        if self._step > self._window_first and not self._warming:
+            self._close_window(warmup=False, partial=True)
 
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()
+        if self.memory is not None:
+            self.memory.sample()
+            self.memory.close()
 
     # -- summary --------------------------------------------------------------------------------
+    def warmup_summary(self) -> Dict[str, Any]:
+        """How long warmup took and why (result.json's `warmup`)."""
+        first = self.warmups[0] if self.warmups else None
+        out: Dict[str, Any] = {"min_steps": self.warmup_steps, "queue_micro_batches": self.queue,
+                               "steps": first["until_step"] if first else self._step, "finished": first is not None}
+        if first is not None and first["why"] != "start":  # e.g. start+profiler: read again after profiling
+            out["after"] = first["why"].split("+", 1)[1]
+        if first is None:
+            out["why"] = (f"the run ended after {self._step} steps, still in warmup (needs >= {self.warmup_steps} "
+                          f"steps and > {self.queue} micro-batches)")
+        elif first["ended_by"] == "queue":
+            out["why"] = (f"the loader's pre-filled queue ({self.queue} micro-batches) was read after "
+                          f"{first['until_step']} steps, past the {self.warmup_steps} warmup steps")
+        else:
+            out["why"] = f"{self.warmup_steps} warmup steps (the loader's queue of {self.queue} micro-batches was read)"
+        if "after" in out:
+            out["why"] += f"; the queue was read again after the {out['after']}'s steps"
+        rewarms = self.warmups[1:]
+        if rewarms:
+            out["rewarmed"] = [{k: w[k] for k in ("why", "from_step", "steps")} for w in rewarms]
+            out["rewarm_steps"] = sum(w["steps"] for w in rewarms)
+        return out
+
     def summary(self) -> Dict[str, Any]:
+        base = {"warmup": self.warmup_summary(), **memory_stats(self.device, self.memory)}
         wins = self.windows or self.warmup_windows  # a run shorter than its warmup: say so
         if not wins:
-            return {"measured_steps": 0, "utilization_source": self.source}
+            return {"measured_steps": 0, "utilization_source": self.source, **base}
         steps = sum(w.steps for w in wins)
         # The breakdown comes from one real window, the one of median step time: its phases tile
         # its wall time, so shares add up to 1 and per-step phases to the step time (medians
@@ -302,12 +524,14 @@ class StepMeter:
             "nvml_util_source": "nvml utilization.gpu" if self.source == "nvml" else "absent: no NVML device",
             "sm_active": statistics.median(sm) if sm else None,
             "sm_active_source": self.sampler.sm_source if self.sampler is not None else "absent: no NVML device",
-            **memory_stats(self.device),
+            "estimate": estimate_of(self.windows),
+            **base,
         }
 
 
-def memory_stats(device: torch.device) -> Dict[str, Any]:
-    """Peak memory: the CUDA allocator on GPU; the process's peak RSS on CPU."""
+def memory_stats(device: torch.device, sampler: Optional[MemorySampler] = None) -> Dict[str, Any]:
+    """This job's peak memory: the CUDA allocator's (its peak was reset when the job started) on
+    GPU; on CPU the sampled resident high-water of the rank and its loader workers."""
     if device.type == "cuda":
         return {
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
@@ -318,6 +542,7 @@ def memory_stats(device: torch.device) -> Dict[str, Any]:
         }
     import psutil
 
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"peak_mem_mb": peak_kb / 1024.0, "reserved_mem_mb": psutil.Process().memory_info().rss / 2**20,
+    rss = psutil.Process(os.getpid()).memory_info().rss / 2**20
+    peak = max(sampler.peak_mb, rss) if sampler is not None else rss
+    return {"peak_mem_mb": peak, "reserved_mem_mb": rss,
             "device_mem_mb": psutil.virtual_memory().total / 2**20, "mem_source": "rss"}

@@ -14,7 +14,10 @@ import yaml
 from ..commands import orchestrator_command
 from ..schema import Objective, TuneConfig
 
-COLUMNS = ("utilization", "throughput", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "measured_s")
+COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
+           "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s")
+CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
+                     "runs")
 
 
 def completed(study: Any) -> List[Any]:
@@ -24,20 +27,74 @@ def completed(study: Any) -> List[Any]:
             if t.state == optuna.trial.TrialState.COMPLETE and "utilization" in t.user_attrs]
 
 
-def best_trials(study: Any, t: TuneConfig) -> List[Any]:
-    """Best first. utilization: highest utilization among trials within throughput_floor of the
-    study's best throughput; throughput / mfu: the highest; both: the Pareto front."""
+def confirmed(study: Any) -> Dict[str, Dict[str, Any]]:
+    """Trial number (str) -> the figures its confirmation runs measured (Tuner._confirm)."""
+    return study.user_attrs.get("confirmed") or {}
+
+
+def figures(trial: Any, confirmed_: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """What a trial is judged by: its confirmed figures when it was re-measured, else its own."""
+    return confirmed_.get(str(trial.number)) or trial.user_attrs
+
+
+def ranked(study: Any, t: TuneConfig) -> List[Any]:
+    """Completed trials best first by the objective's rule on their figures; the confirmed ones
+    (when there are) come first and decide. utilization: the highest utilization among trials
+    within throughput_floor of the best throughput, then the rest by throughput; throughput: by
+    throughput."""
     done = completed(study)
     if not done:
         return []
+    conf = confirmed(study)
+    fig = {tr.number: figures(tr, conf) for tr in done}
+    pool = [tr for tr in done if str(tr.number) in conf] or done
+    top = max(fig[tr.number]["throughput"] for tr in pool)
+
+    def key(tr: Any) -> tuple:
+        f, outside = fig[tr.number], tr not in pool
+        if t.objective in (Objective.throughput, Objective.mfu):  # mfu moves with samples/s for one model
+            return (outside, -f["throughput"])
+        within = f["throughput"] >= t.throughput_floor * top
+        return (outside, not within, -(f["utilization"] if within else f["throughput"]))
+
+    return sorted(done, key=key)
+
+
+def best_trials(study: Any, t: TuneConfig) -> List[Any]:
+    """Best first: the Pareto front for objective both, else the top of `ranked`."""
     if t.objective is Objective.both:
-        return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"])
-    if t.objective in (Objective.throughput, Objective.mfu):
-        key = t.objective.value
-        return sorted(done, key=lambda tr: -(tr.user_attrs.get(key) or 0.0))[:1]
+        return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
+    return ranked(study, t)[:1]
+
+
+def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
+    """The tune.confirm_top best trials by their own figures, and the fastest (the utilization
+    objective's floor is measured from it)."""
+    done = completed(study)
+    if not done or t.objective is Objective.both or t.confirm_top == 0:
+        return []
     top = max(tr.user_attrs["throughput"] for tr in done)
-    eligible = [tr for tr in done if tr.user_attrs["throughput"] >= t.throughput_floor * top]
-    return sorted(eligible, key=lambda tr: -tr.user_attrs["utilization"])[:1]
+    by_score = sorted(done, key=lambda tr: -final_score(tr, t, top))[:t.confirm_top]
+    fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
+    return by_score + ([fastest] if fastest not in by_score and t.objective is Objective.utilization else [])
+
+
+def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
+    """Is the winner ahead of the runner-up by more than the noise? Their 95% intervals of the
+    deciding figure (utilization, or throughput for that objective or when the runner-up is
+    below the floor) must not overlap."""
+    order = ranked(study, t)
+    if len(order) < 2 or t.objective is Objective.both:
+        return {}
+    conf = confirmed(study)
+    a, b = figures(order[0], conf), figures(order[1], conf)
+    name = "throughput" if t.objective in (Objective.throughput, Objective.mfu) else "utilization"
+    if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
+        name = "throughput"
+    lo_a, hi_b = a.get(f"{name}_lo"), b.get(f"{name}_hi")
+    return {"winner": order[0].number, "runner_up": order[1].number, "figure": name,
+            "separated": None if lo_a is None or hi_b is None else lo_a > hi_b,
+            "confirmed": str(order[0].number) in conf and str(order[1].number) in conf}
 
 
 def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
@@ -72,12 +129,15 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
     csv_path = out_dir / "trials.csv"
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["number", "state", *keys, *COLUMNS, "score", "error"])
+        conf = confirmed(study)
+        w.writerow(["number", "state", *keys, *COLUMNS, *[f"confirmed_{c}" for c in CONFIRMED_COLUMNS], "score", "error"])
         for tr in trials:
             vals = tr.user_attrs.get("values", {})
             score = tr.values[0] if tr.values else ""
+            c = conf.get(str(tr.number), {})
             w.writerow([tr.number, tr.state.name, *[vals.get(k, "") for k in keys],
-                        *[tr.user_attrs.get(c, "") for c in COLUMNS], score, tr.user_attrs.get("error", "")])
+                        *[tr.user_attrs.get(c, "") for c in COLUMNS], *[c.get(k, "") for k in CONFIRMED_COLUMNS],
+                        score, tr.user_attrs.get("error", "")])
     artifacts.append(str(csv_path))
 
     from .study import counted
@@ -91,10 +151,17 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
     if baseline is not None:
         summary["baseline"] = {"number": baseline.number, "values": baseline.user_attrs["values"],
                                **{c: baseline.user_attrs.get(c) for c in COLUMNS}}
+    conf = confirmed(study)
+    if conf:
+        summary["confirmed"] = conf
+        summary["separation"] = separation(study, tuner.t)
     if best:
         b = best[0]
         values = b.user_attrs["values"]
-        summary["best"] = {"number": b.number, "values": values, **{c: b.user_attrs.get(c) for c in COLUMNS}}
+        judged = figures(b, conf)
+        summary["best"] = {"number": b.number, "values": values, **{c: b.user_attrs.get(c) for c in COLUMNS},
+                           **{k: judged.get(k) for k in CONFIRMED_COLUMNS if k in judged},
+                           "confirmed": str(b.number) in conf}
         if tuner.t.objective is Objective.both:
             summary["pareto_front"] = [{"number": tr.number, "values": tr.user_attrs["values"],
                                         "utilization": tr.user_attrs["utilization"],
@@ -168,22 +235,34 @@ def _print_table(study: Any, best: List[Any], tuner: Any, summary: Dict[str, Any
     from rich.console import Console
     from rich.table import Table
 
+    t = tuner.t
     best_numbers = {b.number for b in best}
-    done = completed(study)
-    top = max(tr.user_attrs["throughput"] for tr in done) if done else 0.0
-    score = {tr.number: final_score(tr, tuner.t, top) for tr in done}
-    done.sort(key=lambda tr: (tr.number not in best_numbers, -score[tr.number]))
+    conf = confirmed(study)
+    if t.objective is Objective.both:
+        done = sorted(completed(study), key=lambda tr: (tr.number not in best_numbers, -tr.user_attrs["utilization"]))
+    else:
+        done = ranked(study, t)
     table = Table(title=f"study {tuner.name}: {summary['states']}")
-    for col in ("rank", "trial", "knobs", "utilization", "throughput", "data wait", "comm", "score", ""):
+    for col in ("rank", "trial", "knobs", "utilization", "throughput (95% interval)", "data wait", "comm", ""):
         table.add_column(col)
+
+    def interval(f: Dict[str, Any], name: str, unit: float, fmt: str) -> str:
+        lo, hi = f.get(f"{name}_lo"), f.get(f"{name}_hi")
+        return f" ({fmt.format(unit * lo)}-{fmt.format(unit * hi)})" if lo is not None and hi is not None else ""
+
     for i, tr in enumerate(done, 1):
-        a = tr.user_attrs
+        a, f = tr.user_attrs, figures(tr, conf)
         knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in a["values"].items() if v is not None)
-        table.add_row(str(i), str(tr.number), knobs, f"{100 * a['utilization']:.1f}%", f"{a['throughput']:.1f}",
-                      f"{100 * a.get('data_wait_frac', 0):.1f}%", f"{100 * a.get('comm_frac', 0):.1f}%",
-                      f"{score[tr.number]:.3f}", ("best" if tr.number in best_numbers else "")
-                      + (" baseline" if a.get("baseline") else ""))
+        notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
+                                 ("baseline", a.get("baseline"))) if on]
+        table.add_row(str(i), str(tr.number), knobs, f"{100 * f['utilization']:.1f}%",
+                      f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"),
+                      f"{100 * a.get('data_wait_frac', 0):.1f}%", f"{100 * a.get('comm_frac', 0):.1f}%", " ".join(notes))
     Console(width=140).print(table)
+    sep = summary.get("separation") or {}
+    if sep.get("separated") is False:
+        print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
+              f"(their {sep['figure']} intervals overlap): either is as good")
     if summary.get("best"):
         print(f"[tune] best: trial {summary['best']['number']}: {summary['rerun_overrides']}")
         print(f"[tune] rerun it: {summary['rerun']}")

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 import psutil
 
 from ..app import JobFailed, JobStopped, run_job
+from ..runtime.loop import steady_warmup_steps
 from ..schema import Config, ConfigError, Objective, PrunerName
 from ..stores import redact, resolve_uri, sqlite_path, store_lock
 from ..tracking import Tracker
@@ -28,6 +29,8 @@ from .pool import RankPool
 from .space import SearchSpace, apply
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
+CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
+CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu")
 
 
@@ -180,6 +183,7 @@ class Tuner:
                     self._say(f"[tune] {MAX_DUPLICATES} proposals in a row were already measured: the space looks covered")
                     break
                 self._check_failure_rate(study)
+            self._confirm(study, parent)
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
@@ -225,20 +229,17 @@ class Tuner:
             self._record(rec, t0)
             return
         pruned = {"flag": False}
-
-        last_window = max(1, self.t.measure_steps // self.t.window_steps) - 1
         best_thr = self._best_throughput(study)
 
         def monitor(window: int, job: Dict[str, float]) -> bool:
-            """Report each window's score (the objective's, not raw utilization) to the pruner;
-            never prune on the last window, when the measurement is already paid for."""
+            """Report each measured window's score (the objective's, not raw utilization) to the pruner."""
             if self.multi or self.t.objective is Objective.both:
                 return False
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
             value = (job["throughput"] if self.t.objective in (Objective.throughput, Objective.mfu) else
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
             trial.report(value, window)
-            if window < last_window and trial.should_prune():
+            if trial.should_prune():
                 pruned["flag"] = True
             return pruned["flag"]
 
@@ -246,12 +247,13 @@ class Tuner:
         try:
             result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
                              pool=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
-            rec.metrics = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
+            rec.metrics = trial_metrics(result)
+            rec.measured_s = rec.metrics.get("measured_s", 0.0)
             if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
                 raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
-            rec.measured_s = _measured_seconds(result, cfg)
             rec.mlflow_run_id = result.get("mlflow_run_id")
-            for k, v in {**rec.metrics, "measured_s": rec.measured_s, "mlflow_run_id": rec.mlflow_run_id,
+            self._log_estimate(rec.mlflow_run_id, rec.metrics)
+            for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
                          "duration_s": time.monotonic() - t0}.items():
                 trial.set_user_attr(k, v)
             study.tell(trial, self._score(study, rec))
@@ -273,6 +275,49 @@ class Tuner:
             trial_state_tags["trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
         self._record(rec, t0)
+
+    def _confirm(self, study: Any, parent: Optional[str]) -> None:
+        """Re-measure the best candidates (report.confirm_candidates) in CONFIRM_ROUNDS interleaved
+        rounds with CONFIRM_LONGER x longer windows and minimum time, and store their combined
+        figures in the study (`confirmed`): the pick is made from those, not from the single short
+        measurement that made a trial look best (its luck included)."""
+        from ..runtime.meter import combine
+        from .report import confirm_candidates, confirmed
+
+        top = confirm_candidates(study, self.t)
+        numbers = sorted(tr.number for tr in top)
+        if len(top) < 2 or sorted(map(int, confirmed(study))) == numbers:
+            return  # nothing to choose between, or already confirmed (a resumed, finished study)
+        self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds, "
+                  f"windows x{CONFIRM_LONGER:g}")
+        runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
+        tags = {"mlflow.parentRunId": parent, "study_name": self.name} if parent else {}
+        for r in range(CONFIRM_ROUNDS):
+            for tr in top[r % len(top):] + top[:r % len(top)]:
+                cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
+                try:
+                    runs[tr.number].append(run_job(
+                        cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, pool=self.pool,
+                        extra_tags={**tags, "confirm_of": str(tr.number)} if tags else None, plots=False,
+                        run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
+                except JobFailed as exc:
+                    self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
+        out: Dict[str, Dict[str, Any]] = {}
+        for number, results in runs.items():
+            if not results:
+                continue
+            m: Dict[str, Any] = {"runs": len(results)}
+            for name, key in (("throughput", "estimate"), ("utilization", "utilization_estimate")):
+                est = combine([res[key] for res in results if res.get(key)])
+                m[name] = est["mean"]
+                m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
+                if name == "throughput":
+                    m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
+            if m["throughput"] is not None and m["utilization"] is not None:
+                out[str(number)] = m
+                self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
+                          f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
+        study.set_user_attr("confirmed", out)
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
@@ -327,16 +372,27 @@ class Tuner:
 
             self.tracker.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def _log_estimate(self, run_id: Optional[str], m: Dict[str, float]) -> None:
+        """The trial's estimate as MLflow metrics of its run."""
+        names = {"throughput": "throughput_estimate", "throughput_lo": "throughput_lo", "throughput_hi": "throughput_hi",
+                 "rel_se": "throughput_rel_se", "windows": "measured_windows", "measured_s": "measured_s"}
+        if run_id and self.tracker.client is not None:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self.tracker.client.log_batch(run_id, metrics=[Metric(names[k], m[k], now, 0) for k in names if k in m])
+
     def _record(self, rec: TrialRecord, t0: float) -> None:
         rec.duration_s = rec.duration_s or time.monotonic() - t0
         m = rec.metrics
         knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in rec.values.items() if v is not None)
-        figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s"
+        pm = f" +-{100 * m['rel_se']:.0f}%" if "rel_se" in m else ""
+        figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
         self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {knobs:45s} {figures}  ({rec.duration_s:.1f}s)")
 
     def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
-        from .report import best_trials, write_outputs
+        from .report import best_trials, confirmed, figures, write_outputs
 
         best = best_trials(study, self.t)
         summary = write_outputs(self, study, best)
@@ -345,8 +401,9 @@ class Tuner:
         for path in summary["artifacts"]:
             self.tracker.log_artifact(Path(path))
         if best:
-            b = best[0]
-            self.tracker.log_metrics([(f"best_{k}", b.user_attrs[k], 0) for k in METRICS if k in b.user_attrs])
+            fig = {**best[0].user_attrs, **figures(best[0], confirmed(study))}  # the confirmed figures when re-measured
+            self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi")
+                                      if isinstance(fig.get(k), (int, float))])
         self.tracker.end(status)
         summary["status"] = status
         summary["mlflow_run_id"] = parent
@@ -372,15 +429,22 @@ def counted(trials: List[Any]) -> int:
     return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs) for t in trials)
 
 
-def trial_config(cfg: Config, values: Dict[str, Any]) -> Config:
-    """The job a trial launches: `cfg` with the sampled `values`, cut to warmup + measured steps."""
+def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Config:
+    """The job a trial launches: `cfg` with the sampled `values`, measured after a steady-state
+    warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0). `longer`
+    stretches the windows and the minimum measured time, not the cap (the confirmation runs)."""
     t = cfg.tune
     fixed = {
-        "trainer.max_steps": t.warmup_steps + t.measure_steps, "trainer.warmup_steps": t.warmup_steps,
-        "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000, "trainer.timeout_s": t.trial_timeout_s,
-        "trainer.save_model": False, "trainer.log_every": max(1, t.window_steps),
+        "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000,
+        "trainer.timeout_s": t.trial_timeout_s, "trainer.save_model": False,
+        "trainer.log_every": max(1, t.window_steps), "trainer.window_s": t.window_s * longer,
+        "trainer.rel_precision": t.rel_precision, "trainer.min_measure_s": t.min_measure_s * longer,
+        "trainer.max_measure_s": max(t.max_measure_s, t.min_measure_s * longer), "trainer.max_steps": 0,
     }
-    return apply(cfg, {**fixed, **values})
+    job = apply(cfg, {**fixed, **values})
+    if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
+        job = apply(job, {"trainer.max_steps": steady_warmup_steps(job) + t.measure_steps})
+    return job
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
@@ -397,12 +461,25 @@ def _is_oom(err: str) -> bool:
     return any(s in err for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory", "memory_cap_mb"))
 
 
-def _measured_seconds(result: Dict[str, Any], cfg: Config) -> float:
-    """Wall time inside the measured windows of rank 0 (the rest of the trial is overhead)."""
-    ranks = result.get("per_rank") or []
-    if not ranks or not result.get("step_time_s"):
-        return 0.0
-    return float(result["step_time_s"]) * float(result.get("measured_steps") or 0)
+def trial_metrics(result: Dict[str, Any]) -> Dict[str, float]:
+    """A measured job's figures for the study: METRICS, with `throughput` its estimate (the mean
+    over the measured windows, report.merge), the 95% intervals of the throughput's and the
+    utilization's means, the throughput's relative standard error, windows and measured seconds
+    (the rest of a trial's wall time is overhead)."""
+    out = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
+    for name, key in (("throughput", "estimate"), ("utilization", "utilization_estimate")):
+        est = result.get(key) or {}
+        if est.get("mean") is None:
+            continue
+        if name == "throughput":  # utilization stays the median over windows (robust to a stall elsewhere)
+            out[name] = float(est["mean"])
+        if est.get("interval"):
+            out[f"{name}_lo"], out[f"{name}_hi"] = map(float, est["interval"])
+        if name == "throughput":
+            out["windows"], out["measured_s"] = float(est["windows"]), float(est["measured_s"])
+            if est.get("rel_se") is not None:
+                out["rel_se"] = float(est["rel_se"])
+    return out
 
 
 def run_study(cfg: Config, run_dir: Path, echo: bool = True, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
