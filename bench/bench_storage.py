@@ -31,7 +31,8 @@ from bench_tune import ROOT, table
 sys.path.insert(0, str(ROOT))  # tests/pg.py: the throwaway server the tests use too
 from tests.pg import PostgresServer  # noqa: E402
 
-from orchestrator.tune.study import counted, study_lock  # noqa: E402
+from orchestrator.tune.rules import counted  # noqa: E402
+from orchestrator.tune.study import study_lock  # noqa: E402
 
 TRIALS = 12
 

@@ -83,7 +83,7 @@ class Jobs:
     def run(self, cfg: Config) -> Optional[Dict[str, Any]]:
         self.n += 1
         try:
-            return run_job(cfg, self.dir / "jobs" / f"{self.n:04d}", echo=False, pool=self.pool, plots=False)
+            return run_job(cfg, self.dir / "jobs" / f"{self.n:04d}", echo=False, ranks=self.pool, plots=False)
         except JobFailed as exc:
             print(f"    FAILED: {str(exc).splitlines()[0]}", flush=True)
             return None

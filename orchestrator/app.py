@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import socket
 import sys
@@ -22,7 +21,7 @@ from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import WINDOW_KEYS, ranks_dir, write_job
 from .runtime.dist import check_devices
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
-from .supervise import Event, Outcome, supervise
+from .supervise import Event, FreshRanks, Outcome, Ranks
 from .tracking import Tracker
 
 
@@ -95,10 +94,6 @@ class LiveLog:
                 print(f"[tracking] could not log metrics: {exc}")
 
 
-SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
-                   "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
-                   "nvml_util", "sm_active", "flops_per_sample")
-
 
 def _progress() -> Any:
     if not sys.stdout.isatty():
@@ -109,22 +104,17 @@ def _progress() -> Any:
 
 
 def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
-            monitor: Optional[Monitor] = None, run_name: Optional[str] = None, pool: Any = None,
+            monitor: Optional[Monitor] = None, run_name: Optional[str] = None, ranks: Optional[Ranks] = None,
             tracker: Optional[Tracker] = None, plots: bool = True) -> Dict[str, Any]:
     """Launch the job described by `cfg`, supervise it, merge and record its measured load.
 
-    Returns the result (also in `run_dir/result.json`). Raises ConfigError before launching
-    anything on bad input, JobFailed if the job failed (the MLflow run ends FAILED), and
+    The tuner passes what a trial needs on top: a `monitor` of its windows (the pruner), kept-alive
+    `ranks` (tune/pool.py; default: fresh ones for this job), a `tracker` already checked, and
+    `plots=False`. Returns the result (also in `run_dir/result.json`). Raises ConfigError before
+    launching anything on bad input, JobFailed if the job failed (the MLflow run ends FAILED), and
     KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
     """
-    run_dir = Path(run_dir).resolve()
-    resumed = resume_point(cfg) if cfg.trainer.resume else None
-    if resumed is not None:  # continue in the original run dir, with the original MLflow run
-        run_dir, meta = resumed
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
-        print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
-        _archive_attempt(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, run_dir, resumed = prepare_run_dir(cfg, Path(run_dir).resolve())
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
@@ -144,8 +134,8 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
-    if resumed is not None and resumed[1].get("mlflow_run_id"):
-        run_id = tracker.reopen(resumed[1]["mlflow_run_id"], {"resumed_from_step": resumed[1]["step"]})
+    if resumed is not None and resumed.get("mlflow_run_id"):
+        run_id = tracker.reopen(resumed["mlflow_run_id"], {"resumed_from_step": resumed["step"]})
     else:
         run_id = tracker.start(name, flatten(cfg), tags)
     write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
@@ -162,10 +152,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         try:
             watch_kwargs = dict(timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
                                 memory_cap_mb=cfg.trainer.memory_cap_mb)
-            if pool is not None:  # kept-alive ranks (tune.reuse_ranks): orchestrator/tune/pool.py
-                outcome = pool.run(cfg, run_dir, **watch_kwargs)
-            else:
-                outcome = supervise(launch, run_dir, echo=echo, **watch_kwargs)
+            outcome = (ranks or FreshRanks(launch, echo)).run(cfg, run_dir, **watch_kwargs)
         finally:
             if progress is not None:
                 progress.stop()
@@ -191,8 +178,24 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         raise
     finally:
         result["status"] = status
-        _finish(tracker, result, run_dir, [cfg_path, *report_files], status)
+        out = run_dir / "result.json"
+        out.write_text(json.dumps(result, indent=2, default=str))
+        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), status)
     return result
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path) -> tuple:
+    """(cfg, run dir, checkpoint metadata or None). A resume continues in the run dir it names
+    (its earlier attempt archived, cfg.trainer.resume resolved to it); otherwise `run_dir`."""
+    resumed = resume_point(cfg) if cfg.trainer.resume else None
+    if resumed is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return cfg, run_dir, None
+    run_dir, meta = resumed
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
+    print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
+    _archive_attempt(run_dir)
+    return cfg, run_dir, meta
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
@@ -258,34 +261,6 @@ def _archive_attempt(run_dir: Path) -> None:
     for name in ("config.yaml", "result.json", "load_report.json", "load_report.md"):
         if (run_dir / name).exists():
             shutil.copy2(run_dir / name, dest / name)
-
-
-def _finish(tracker: Tracker, result: Dict[str, Any], run_dir: Path, files: List[Path], status: str) -> None:
-    """Write result.json and close the MLflow run, whatever happened."""
-    out = run_dir / "result.json"
-    out.write_text(json.dumps(result, indent=2, default=str))
-    try:
-        tracker.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
-                            for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float)) and not math.isnan(result[k]))
-        tags = {"status": status}
-        if result.get("utilization_source"):
-            tags["utilization_source"] = result["utilization_source"]
-        if result.get("per_rank"):
-            tags["device"] = result["per_rank"][0].get("device")
-            tags["bottleneck"] = result.get("bottleneck", "-")
-        if result.get("diagnosis"):
-            tags["diagnosis"] = result["diagnosis"]["verdict"]
-        tracker.set_tags(tags)
-        for path in [*files, out]:
-            tracker.log_artifact(path)
-        for trace in sorted(ranks_dir(run_dir).glob("trace_rank*.json")):
-            tracker.log_artifact(trace, "traces")
-        for err in sorted(ranks_dir(run_dir).glob("rank*.err")):
-            tracker.log_artifact(err, "errors")
-    except Exception as exc:
-        print(f"[tracking] could not record the result: {exc}")
-    finally:
-        tracker.end(status)
 
 
 def print_summary(result: Dict[str, Any], run_dir: Path) -> None:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol
 
 import psutil
 
@@ -223,3 +223,21 @@ def supervise(launch: Launch, run_dir: Path, *, timeout_s: float = 0.0,
                     fail_grace_s=fail_grace_s)
     launched.kill(grace_s=2.0)  # stragglers (e.g. DataLoader workers of a killed rank)
     return outcome
+
+
+class Ranks(Protocol):
+    """How a job's ranks are obtained: started for it (FreshRanks) or kept alive across the
+    trials of a study (tune/pool.py's RankPool). Either runs the job in a run dir whose
+    config.yaml and job.json are written, and says how it ended."""
+
+    def run(self, cfg: Any, run_dir: Path, **watch_kwargs: Any) -> Outcome: ...
+
+
+class FreshRanks:
+    """Ranks started by `launch` for one job and ended with it."""
+
+    def __init__(self, launch: Launch, echo: bool = True) -> None:
+        self.launch, self.echo = launch, echo
+
+    def run(self, cfg: Any, run_dir: Path, **watch_kwargs: Any) -> Outcome:
+        return supervise(self.launch, run_dir, echo=self.echo, **watch_kwargs)

@@ -6,6 +6,7 @@ run left RUNNING.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import urllib.error
@@ -16,6 +17,11 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from .schema import ConfigError, TrackingConfig
 from .stores import redact, resolve_uri, sqlite_path, store_lock
+
+# A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
+SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
+                   "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
+                   "nvml_util", "sm_active", "flops_per_sample")
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -176,6 +182,34 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         if self.run_id and path.exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def record(self, result: Dict[str, Any], files: List[Path], ranks_dir: Path, status: str) -> None:
+        """A finished job's record: summary metrics, tags, the files and the ranks' traces and
+        tracebacks as artifacts; then the run ends with `status`. Tracking trouble is printed,
+        never raised: the job's outcome matters more."""
+        try:
+            self.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
+                             for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float))
+                             and not math.isnan(result[k]))
+            tags = {"status": status}
+            if result.get("utilization_source"):
+                tags["utilization_source"] = result["utilization_source"]
+            if result.get("per_rank"):
+                tags["device"] = result["per_rank"][0].get("device")
+                tags["bottleneck"] = result.get("bottleneck", "-")
+            if result.get("diagnosis"):
+                tags["diagnosis"] = result["diagnosis"]["verdict"]
+            self.set_tags(tags)
+            for path in files:
+                self.log_artifact(path)
+            for trace in sorted(ranks_dir.glob("trace_rank*.json")):
+                self.log_artifact(trace, "traces")
+            for err in sorted(ranks_dir.glob("rank*.err")):
+                self.log_artifact(err, "errors")
+        except Exception as exc:
+            print(f"[tracking] could not record the result: {exc}")
+        finally:
+            self.end(status)
 
     def end(self, status: str) -> None:
         """FINISHED | FAILED | KILLED. Never raises: the run's outcome matters more."""

@@ -79,8 +79,8 @@ def test_kept_alive_rank_reports_each_jobs_own_peak_memory(make_cfg, tmp_path):
 
     pool = RankPool(tmp_path / "pools")
     try:
-        big = run_job(job(10_000), tmp_path / "big", echo=False, pool=pool)
-        small = run_job(job(10), tmp_path / "small", echo=False, pool=pool)
+        big = run_job(job(10_000), tmp_path / "big", echo=False, ranks=pool)
+        small = run_job(job(10), tmp_path / "small", echo=False, ranks=pool)
         ranks = [json.loads((tmp_path / d / "ranks" / "rank0.json").read_text()) for d in ("big", "small")]
     finally:
         pool.close()

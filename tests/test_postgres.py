@@ -12,7 +12,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrator.schema import ConfigError
-from orchestrator.tune.study import counted, run_study
+from orchestrator.tune.rules import counted
+from orchestrator.tune.study import run_study
 
 from .conftest import ROOT, job_processes, mlflow_ui
 from .pg import PASSWORD, PostgresServer, pg_bin

@@ -82,3 +82,44 @@ def test_measured_handoff_is_a_real_cost():
     from orchestrator.costs import measure_handoff
 
     assert 0 < measure_handoff(32 * 4000, 32, batches=10) < 1.0  # a worker costs something, and not seconds
+
+
+def test_the_package_imports_without_circles():
+    """Every import inside orchestrator/ (module level and deferred ones inside functions alike)
+    forms a graph without cycles: each layer can be read, and changed, before the ones above it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "orchestrator"
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                edges |= {t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in modules}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+        graph[name] = edges - {name}
+
+    def cycle_from(start, node, seen):
+        for nxt in graph[node]:
+            if nxt == start:
+                return [node, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                rest = cycle_from(start, nxt, seen)
+                if rest:
+                    return [node, *rest]
+        return None
+
+    cycles = [c for m in graph if (c := cycle_from(m, m, {m}))]
+    assert not cycles, " -> ".join(cycles[0])

@@ -18,7 +18,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from orchestrator import checkpoint
-from orchestrator.tune.study import counted
+from orchestrator.tune.rules import counted
 
 from .conftest import ROOT, job_processes, run_cli
 

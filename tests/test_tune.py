@@ -13,7 +13,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrator.schema import ConfigError
-from orchestrator.tune.study import counted, run_study, utilization_score
+from orchestrator.tune.rules import counted, utilization_score
+from orchestrator.tune.study import run_study
 
 from .conftest import ROOT
 
@@ -271,7 +272,7 @@ def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
 
 def test_the_pick_comes_from_the_confirmed_figures():
     from orchestrator.schema import TuneConfig
-    from orchestrator.tune.report import best_trials, confirm_candidates, ranked, separation
+    from orchestrator.tune.rules import best_trials, confirm_candidates, ranked, separation
 
     study = optuna.create_study(direction="maximize")
 

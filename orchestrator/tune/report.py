@@ -13,98 +13,12 @@ import yaml
 
 from ..commands import orchestrator_command
 from ..schema import Objective, TuneConfig
+from .rules import completed, confirmed, counted, figures, ranked, separation
 
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
            "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s")
 CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
                      "runs")
-
-
-def completed(study: Any) -> List[Any]:
-    import optuna
-
-    return [t for t in study.get_trials(deepcopy=False)
-            if t.state == optuna.trial.TrialState.COMPLETE and "utilization" in t.user_attrs]
-
-
-def confirmed(study: Any) -> Dict[str, Dict[str, Any]]:
-    """Trial number (str) -> the figures its confirmation runs measured (Tuner._confirm)."""
-    return study.user_attrs.get("confirmed") or {}
-
-
-def figures(trial: Any, confirmed_: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """What a trial is judged by: its confirmed figures when it was re-measured, else its own."""
-    return confirmed_.get(str(trial.number)) or trial.user_attrs
-
-
-def ranked(study: Any, t: TuneConfig) -> List[Any]:
-    """Completed trials best first by the objective's rule on their figures; the confirmed ones
-    (when there are) come first and decide. utilization: the highest utilization among trials
-    within throughput_floor of the best throughput, then the rest by throughput; throughput: by
-    throughput."""
-    done = completed(study)
-    if not done:
-        return []
-    conf = confirmed(study)
-    fig = {tr.number: figures(tr, conf) for tr in done}
-    pool = [tr for tr in done if str(tr.number) in conf] or done
-    top = max(fig[tr.number]["throughput"] for tr in pool)
-
-    def key(tr: Any) -> tuple:
-        f, outside = fig[tr.number], tr not in pool
-        if t.objective in (Objective.throughput, Objective.mfu):  # mfu moves with samples/s for one model
-            return (outside, -f["throughput"])
-        within = f["throughput"] >= t.throughput_floor * top
-        return (outside, not within, -(f["utilization"] if within else f["throughput"]))
-
-    return sorted(done, key=key)
-
-
-def best_trials(study: Any, t: TuneConfig) -> List[Any]:
-    """Best first: the Pareto front for objective both, else the top of `ranked`."""
-    if t.objective is Objective.both:
-        return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
-    return ranked(study, t)[:1]
-
-
-def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
-    """The tune.confirm_top best trials by their own figures, and the fastest (the utilization
-    objective's floor is measured from it)."""
-    done = completed(study)
-    if not done or t.objective is Objective.both or t.confirm_top == 0:
-        return []
-    top = max(tr.user_attrs["throughput"] for tr in done)
-    by_score = sorted(done, key=lambda tr: -final_score(tr, t, top))[:t.confirm_top]
-    fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
-    return by_score + ([fastest] if fastest not in by_score and t.objective is Objective.utilization else [])
-
-
-def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
-    """Is the winner ahead of the runner-up by more than the noise? Their 95% intervals of the
-    deciding figure (utilization, or throughput for that objective or when the runner-up is
-    below the floor) must not overlap."""
-    order = ranked(study, t)
-    if len(order) < 2 or t.objective is Objective.both:
-        return {}
-    conf = confirmed(study)
-    a, b = figures(order[0], conf), figures(order[1], conf)
-    name = "throughput" if t.objective in (Objective.throughput, Objective.mfu) else "utilization"
-    if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
-        name = "throughput"
-    lo_a, hi_b = a.get(f"{name}_lo"), b.get(f"{name}_hi")
-    return {"winner": order[0].number, "runner_up": order[1].number, "figure": name,
-            "separated": None if lo_a is None or hi_b is None else lo_a > hi_b,
-            "confirmed": str(order[0].number) in conf and str(order[1].number) in conf}
-
-
-def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
-    """The trial's score against the whole study (the stored value used the best seen so far)."""
-    from .study import utilization_score
-
-    a = trial.user_attrs
-    if t.objective in (Objective.throughput, Objective.mfu):
-        return a.get(t.objective.value) or 0.0
-    return utilization_score(a["utilization"], a["throughput"], top_throughput, t.throughput_floor)
 
 
 def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
@@ -118,8 +32,10 @@ def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
-    out_dir: Path = tuner.run_dir
+def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, name: str, storage: str,
+                  overrides: List[str], echo: bool) -> Dict[str, Any]:
+    """The study's files in `out_dir` (its `name`, `storage`, and the CLI `overrides` for the
+    rerun line); with `echo`, the ranked table. Returns the summary (also summary.json)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     artifacts: List[str] = []
     trials = study.get_trials(deepcopy=False)
@@ -140,9 +56,7 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
                         score, tr.user_attrs.get("error", "")])
     artifacts.append(str(csv_path))
 
-    from .study import counted
-
-    summary: Dict[str, Any] = {"study_name": tuner.name, "storage": tuner.storage, "objective": tuner.t.objective.value,
+    summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
                                "pareto_front": []}
     for tr in trials:
@@ -154,7 +68,7 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
     conf = confirmed(study)
     if conf:
         summary["confirmed"] = conf
-        summary["separation"] = separation(study, tuner.t)
+        summary["separation"] = separation(study, t)
     if best:
         b = best[0]
         values = b.user_attrs["values"]
@@ -162,17 +76,17 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
         summary["best"] = {"number": b.number, "values": values, **{c: b.user_attrs.get(c) for c in COLUMNS},
                            **{k: judged.get(k) for k in CONFIRMED_COLUMNS if k in judged},
                            "confirmed": str(b.number) in conf}
-        if tuner.t.objective is Objective.both:
+        if t.objective is Objective.both:
             summary["pareto_front"] = [{"number": tr.number, "values": tr.user_attrs["values"],
                                         "utilization": tr.user_attrs["utilization"],
                                         "throughput": tr.user_attrs["throughput"]} for tr in best]
         tuned = out_dir / "tuned"
         tuned.mkdir(exist_ok=True)
         best_yaml = tuned / "best.yaml"
-        rerun = orchestrator_command(["--config-dir", str(tuned.parent), *tuner.overrides, "+tuned=best"])
+        rerun = orchestrator_command(["--config-dir", str(tuned.parent), *overrides, "+tuned=best"])
         best_yaml.write_text(
             "# @package _global_\n"
-            f"# Best trial {b.number} of study '{tuner.name}' (objective {tuner.t.objective.value}).\n"
+            f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
             f"# Rerun: {rerun}\n"
             + yaml.safe_dump(_nested(values), sort_keys=True)
         )
@@ -181,12 +95,12 @@ def write_outputs(tuner: Any, study: Any, best: List[Any]) -> Dict[str, Any]:
         summary["rerun"] = rerun
         summary["rerun_overrides"] = overrides
     summary["trial_overhead"] = _overhead(trials)
-    artifacts += _plots(study, out_dir, tuner.t)
+    artifacts += _plots(study, out_dir, t)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     artifacts.append(str(out_dir / "summary.json"))
     summary["artifacts"] = artifacts
-    if tuner.echo:
-        _print_table(study, best, tuner, summary)
+    if echo:
+        _print_table(study, best, t, name, summary)
     return summary
 
 
@@ -231,18 +145,17 @@ def _plots(study: Any, out_dir: Path, t: TuneConfig) -> List[str]:
     return made
 
 
-def _print_table(study: Any, best: List[Any], tuner: Any, summary: Dict[str, Any]) -> None:
+def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary: Dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = tuner.t
     best_numbers = {b.number for b in best}
     conf = confirmed(study)
     if t.objective is Objective.both:
         done = sorted(completed(study), key=lambda tr: (tr.number not in best_numbers, -tr.user_attrs["utilization"]))
     else:
         done = ranked(study, t)
-    table = Table(title=f"study {tuner.name}: {summary['states']}")
+    table = Table(title=f"study {name}: {summary['states']}")
     for col in ("rank", "trial", "knobs", "utilization", "throughput (95% interval)", "data wait", "comm", ""):
         table.add_column(col)
 

@@ -26,6 +26,8 @@ from ..schema import Config, ConfigError, Objective, PrunerName
 from ..stores import redact, resolve_uri, sqlite_path, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
+from .report import write_outputs
+from .rules import best_trials, confirm_candidates, confirmed, counted, figures, utilization_score
 from .space import SearchSpace, apply
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
@@ -246,7 +248,7 @@ class Tuner:
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
         try:
             result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
-                             pool=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
+                             ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
             rec.metrics = trial_metrics(result)
             rec.measured_s = rec.metrics.get("measured_s", 0.0)
             if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
@@ -282,7 +284,6 @@ class Tuner:
         figures in the study (`confirmed`): the pick is made from those, not from the single short
         measurement that made a trial look best (its luck included)."""
         from ..runtime.meter import combine
-        from .report import confirm_candidates, confirmed
 
         top = confirm_candidates(study, self.t)
         numbers = sorted(tr.number for tr in top)
@@ -297,7 +298,7 @@ class Tuner:
                 cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
                 try:
                     runs[tr.number].append(run_job(
-                        cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, pool=self.pool,
+                        cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
                         extra_tags={**tags, "confirm_of": str(tr.number)} if tags else None, plots=False,
                         run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
                 except JobFailed as exc:
@@ -392,10 +393,10 @@ class Tuner:
         self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {knobs:45s} {figures}  ({rec.duration_s:.1f}s)")
 
     def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
-        from .report import best_trials, confirmed, figures, write_outputs
 
         best = best_trials(study, self.t)
-        summary = write_outputs(self, study, best)
+        summary = write_outputs(study, best, t=self.t, out_dir=self.run_dir, name=self.name, storage=self.storage,
+                                overrides=self.overrides, echo=self.echo)
         if best:
             self._tag(best[0].user_attrs.get("mlflow_run_id"), {"best": "true"})
         for path in summary["artifacts"]:
@@ -423,12 +424,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def counted(trials: List[Any]) -> int:
-    """Trials that count toward tune.n_trials: all but those an interrupt cut short and the
-    re-proposals of an already measured config (never launched)."""
-    return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs) for t in trials)
-
-
 def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Config:
     """The job a trial launches: `cfg` with the sampled `values`, measured after a steady-state
     warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0). `longer`
@@ -445,16 +440,6 @@ def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Co
     if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
         job = apply(job, {"trainer.max_steps": steady_warmup_steps(job) + t.measure_steps})
     return job
-
-
-def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
-    """The default objective's score: 1 + utilization for a trial within `floor` of the best
-    throughput seen (so among those, utilization decides), throughput / best below it (so it
-    ranks under every trial that keeps up, ordered by how much data rate it loses)."""
-    best = max(best_thr, thr)
-    if best <= 0:
-        return 0.0
-    return 1.0 + util if thr >= floor * best else thr / best
 
 
 def _is_oom(err: str) -> bool:

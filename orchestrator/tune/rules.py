@@ -1,0 +1,110 @@
+"""The tuner's rules, in one place: what counts toward tune.n_trials, the objective's score,
+which trials are compared and how the best is picked (on confirmed figures when there are).
+study.py (the loop) and report.py (the files and the table) both follow them."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from ..schema import Objective, TuneConfig
+
+
+def counted(trials: List[Any]) -> int:
+    """Trials that count toward tune.n_trials: all but those an interrupt cut short and the
+    re-proposals of an already measured config (never launched)."""
+    return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs) for t in trials)
+
+
+def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
+    """The default objective's score: 1 + utilization for a trial within `floor` of the best
+    throughput seen (so among those, utilization decides), throughput / best below it (so it
+    ranks under every trial that keeps up, ordered by how much data rate it loses)."""
+    best = max(best_thr, thr)
+    if best <= 0:
+        return 0.0
+    return 1.0 + util if thr >= floor * best else thr / best
+
+
+def completed(study: Any) -> List[Any]:
+    import optuna
+
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "utilization" in t.user_attrs]
+
+
+def confirmed(study: Any) -> Dict[str, Dict[str, Any]]:
+    """Trial number (str) -> the figures its confirmation runs measured (Tuner._confirm)."""
+    return study.user_attrs.get("confirmed") or {}
+
+
+def figures(trial: Any, confirmed_: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """What a trial is judged by: its confirmed figures when it was re-measured, else its own."""
+    return confirmed_.get(str(trial.number)) or trial.user_attrs
+
+
+def ranked(study: Any, t: TuneConfig) -> List[Any]:
+    """Completed trials best first by the objective's rule on their figures; the confirmed ones
+    (when there are) come first and decide. utilization: the highest utilization among trials
+    within throughput_floor of the best throughput, then the rest by throughput; throughput: by
+    throughput."""
+    done = completed(study)
+    if not done:
+        return []
+    conf = confirmed(study)
+    fig = {tr.number: figures(tr, conf) for tr in done}
+    pool = [tr for tr in done if str(tr.number) in conf] or done
+    top = max(fig[tr.number]["throughput"] for tr in pool)
+
+    def key(tr: Any) -> tuple:
+        f, outside = fig[tr.number], tr not in pool
+        if t.objective in (Objective.throughput, Objective.mfu):  # mfu moves with samples/s for one model
+            return (outside, -f["throughput"])
+        within = f["throughput"] >= t.throughput_floor * top
+        return (outside, not within, -(f["utilization"] if within else f["throughput"]))
+
+    return sorted(done, key=key)
+
+
+def best_trials(study: Any, t: TuneConfig) -> List[Any]:
+    """Best first: the Pareto front for objective both, else the top of `ranked`."""
+    if t.objective is Objective.both:
+        return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
+    return ranked(study, t)[:1]
+
+
+def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
+    """The tune.confirm_top best trials by their own figures, and the fastest (the utilization
+    objective's floor is measured from it)."""
+    done = completed(study)
+    if not done or t.objective is Objective.both or t.confirm_top == 0:
+        return []
+    top = max(tr.user_attrs["throughput"] for tr in done)
+    by_score = sorted(done, key=lambda tr: -final_score(tr, t, top))[:t.confirm_top]
+    fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
+    return by_score + ([fastest] if fastest not in by_score and t.objective is Objective.utilization else [])
+
+
+def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
+    """Is the winner ahead of the runner-up by more than the noise? Their 95% intervals of the
+    deciding figure (utilization, or throughput for that objective or when the runner-up is
+    below the floor) must not overlap."""
+    order = ranked(study, t)
+    if len(order) < 2 or t.objective is Objective.both:
+        return {}
+    conf = confirmed(study)
+    a, b = figures(order[0], conf), figures(order[1], conf)
+    name = "throughput" if t.objective in (Objective.throughput, Objective.mfu) else "utilization"
+    if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
+        name = "throughput"
+    lo_a, hi_b = a.get(f"{name}_lo"), b.get(f"{name}_hi")
+    return {"winner": order[0].number, "runner_up": order[1].number, "figure": name,
+            "separated": None if lo_a is None or hi_b is None else lo_a > hi_b,
+            "confirmed": str(order[0].number) in conf and str(order[1].number) in conf}
+
+
+def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
+    """The trial's score against the whole study (the stored value used the best seen so far)."""
+    a = trial.user_attrs
+    if t.objective in (Objective.throughput, Objective.mfu):
+        return a.get(t.objective.value) or 0.0
+    return utilization_score(a["utilization"], a["throughput"], top_throughput, t.throughput_floor)
