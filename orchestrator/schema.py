@@ -290,6 +290,12 @@ class PrunerName(str, Enum):
     none = "none"
 
 
+class SamplerName(str, Enum):
+    guided = "guided"  # TPE, plus the neighbour each completed trial's diagnosis points to (interleaved)
+    tpe = "tpe"
+    random = "random"
+
+
 @dataclass
 class ParamSpec:
     """One dimension of the search: the config `key` it sets and its range or choices."""
@@ -339,6 +345,7 @@ class TuneConfig:
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5
     pruner: PrunerName = PrunerName.median
+    sampler: SamplerName = SamplerName.guided
     seed: int = 0
     baseline: bool = True  # trial 0 runs the config as given, for comparison
     reuse_ranks: bool = True  # keep the ranks alive across trials (new ones when backend/world size change)

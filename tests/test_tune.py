@@ -304,3 +304,25 @@ def test_the_pick_comes_from_the_confirmed_figures():
         "throughput_lo": 276.0, "throughput_hi": 296.0}})
     sep = separation(study, t)
     assert sep["figure"] == "utilization" and sep["separated"] is False  # within the noise of each other
+
+
+def test_guided_search_follows_the_diagnosis(make_cfg, tmp_path):
+    """The baseline (no workers, 3 ms reads per sample) is input-bound with batches far dearer to
+    build than a worker hand-off: its diagnosis proposes workers, and that proposal runs next."""
+    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
+                   "tune.n_trials=2", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
+                   "tune.space.accumulation_steps.high=1", "tune.max_workers=4")
+    summary = run_study(cfg, tmp_path, echo=False)
+    first, second = study_of(summary).trials[:2]
+    assert first.user_attrs["proposed_by"] == "baseline" and first.user_attrs["verdict"] == "input-bound"
+    assert second.user_attrs["proposed_by"] == "diagnosis"
+    assert second.user_attrs["reason"].startswith("trial 0 is input-bound: building a batch takes")
+    assert second.user_attrs["values"]["data.num_workers"] > 0
+    rows = (tmp_path / "trials.csv").read_text().splitlines()
+    assert rows[0].startswith("number,state,proposed_by") and ",diagnosis," in rows[2]
+    tpe = run_study(make_cfg(f"tune.storage=sqlite:///{tmp_path}/tpe.db", "tune.sampler=tpe", "experiment=input_bound",
+                             "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=2",
+                             "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
+                             "tune.space.accumulation_steps.high=1", "tune.max_workers=4"), tmp_path / "tpe", echo=False)
+    assert all(t.user_attrs["proposed_by"] != "diagnosis" for t in study_of(tpe).trials)

@@ -46,14 +46,16 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         conf = confirmed(study)
-        w.writerow(["number", "state", *keys, *COLUMNS, *[f"confirmed_{c}" for c in CONFIRMED_COLUMNS], "score", "error"])
+        w.writerow(["number", "state", "proposed_by", *keys, *COLUMNS, *[f"confirmed_{c}" for c in CONFIRMED_COLUMNS],
+                    "score", "verdict", "reason", "error"])
         for tr in trials:
-            vals = tr.user_attrs.get("values", {})
+            a = tr.user_attrs
+            vals = a.get("values", {})
             score = tr.values[0] if tr.values else ""
-            c = conf.get(str(tr.number), {})
-            w.writerow([tr.number, tr.state.name, *[vals.get(k, "") for k in keys],
-                        *[tr.user_attrs.get(c, "") for c in COLUMNS], *[c.get(k, "") for k in CONFIRMED_COLUMNS],
-                        score, tr.user_attrs.get("error", "")])
+            row = conf.get(str(tr.number), {})
+            w.writerow([tr.number, tr.state.name, a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
+                        *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
+                        score, a.get("verdict", ""), a.get("reason", ""), a.get("error", "")])
     artifacts.append(str(csv_path))
 
     summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
@@ -156,7 +158,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     else:
         done = ranked(study, t)
     table = Table(title=f"study {name}: {summary['states']}")
-    for col in ("rank", "trial", "knobs", "utilization", "throughput (95% interval)", "data wait", "comm", ""):
+    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)", "verdict", ""):
         table.add_column(col)
 
     def interval(f: Dict[str, Any], name: str, unit: float, fmt: str) -> str:
@@ -168,9 +170,9 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in a["values"].items() if v is not None)
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline"))) if on]
-        table.add_row(str(i), str(tr.number), knobs, f"{100 * f['utilization']:.1f}%",
-                      f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"),
-                      f"{100 * a.get('data_wait_frac', 0):.1f}%", f"{100 * a.get('comm_frac', 0):.1f}%", " ".join(notes))
+        table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
+                      f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), a.get("verdict", "-"),
+                      " ".join(notes))
     Console(width=140).print(table)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:

@@ -10,9 +10,11 @@ from ..schema import Objective, TuneConfig
 
 
 def counted(trials: List[Any]) -> int:
-    """Trials that count toward tune.n_trials: all but those an interrupt cut short and the
-    re-proposals of an already measured config (never launched)."""
-    return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs) for t in trials)
+    """Trials that count toward tune.n_trials: all but those an interrupt cut short, the
+    re-proposals of an already measured config (never launched) and the ones still waiting in the
+    queue (a diagnosis proposal counts once a tuner takes it)."""
+    return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs or t.state.name == "WAITING")
+               for t in trials)
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:

@@ -22,7 +22,7 @@ import psutil
 
 from ..app import JobFailed, JobStopped, run_job
 from ..runtime.loop import steady_warmup_steps
-from ..schema import Config, ConfigError, Objective, PrunerName
+from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, sqlite_path, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
@@ -61,6 +61,7 @@ class TrialRecord:
     measured_s: float = 0.0
     mlflow_run_id: Optional[str] = None
     error: str = ""
+    proposed_by: str = "sampler"
 
 
 class Tuner:
@@ -102,8 +103,11 @@ class Tuner:
         except Exception as exc:  # unreachable host, wrong password, ...: before any trial
             raise ConfigError(f"tune.storage: cannot use {redact(self.storage)}: {_first_line(exc)}") from None
         # each tuner process samples its own stream; the first one is reproducible from tune.seed
-        study.sampler = optuna.samplers.TPESampler(seed=self.t.seed + worker, multivariate=True,
-                                                   n_startup_trials=min(5, max(2, self.t.n_trials // 4)))
+        if self.t.sampler is SamplerName.random:
+            study.sampler = optuna.samplers.RandomSampler(seed=self.t.seed + worker)
+        else:
+            study.sampler = optuna.samplers.TPESampler(seed=self.t.seed + worker, multivariate=True,
+                                                       n_startup_trials=min(5, max(2, self.t.n_trials // 4)))
         return study
 
     def _create_or_load(self, pruner: Any, attempts: int = 3) -> Any:
@@ -215,6 +219,9 @@ class Tuner:
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
         trial.set_user_attr("owner", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("values", values)
+        if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
+            trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
+        rec.proposed_by = trial.user_attrs["proposed_by"]
         twin = self._measured_twin(study, values)
         if twin is not None:  # the sampler proposed a config already measured: no second launch
             rec.state, rec.error = "PRUNED", f"duplicate of trial {twin}"
@@ -258,8 +265,12 @@ class Tuner:
             for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
                          "duration_s": time.monotonic() - t0}.items():
                 trial.set_user_attr(k, v)
+            if result.get("diagnosis"):
+                trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
             study.tell(trial, self._score(study, rec))
             rec.state = "COMPLETE"
+            if result.get("diagnosis"):
+                self._propose(study, trial, values, result["diagnosis"])
         except JobStopped as exc:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
@@ -272,7 +283,8 @@ class Tuner:
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             study.tell(trial, state=TrialState.FAIL)
         rec.duration_s = time.monotonic() - t0
-        trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}"}
+        trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
+                            "proposed_by": rec.proposed_by, "verdict": trial.user_attrs.get("verdict", "-")}
         if rec.error:
             trial_state_tags["trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
@@ -319,6 +331,32 @@ class Tuner:
                 self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
                           f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
         study.set_user_attr("confirmed", out)
+
+    def _propose(self, study: Any, trial: Any, values: Dict[str, Any], diagnosis: Dict[str, Any]) -> None:
+        """tune.sampler=guided: enqueue the neighbour this trial's diagnosis points to, its first
+        move that stays in the space and has not been tried. Proposals come only from the
+        sampler's (and the baseline's) trials, so they interleave with the sampler's own and the
+        search still explores."""
+        if self.t.sampler is not SamplerName.guided or trial.user_attrs.get("proposed_by") == "diagnosis":
+            return
+        by_key = {d.key: d for d in self.space.dims}
+        here = {d.name: values[d.key] for d in self.space.dims if d.key in values}
+        with study_lock(self.storage, self.name):  # the budget: a queued proposal must be run by someone
+            trials = study.get_trials(deepcopy=False)
+            waiting = sum(tr.state == self.optuna.trial.TrialState.WAITING for tr in trials)
+            if counted(trials) + waiting >= self.t.n_trials:
+                return
+            seen = [tr.params or tr.system_attrs.get("fixed_params") or {} for tr in trials]
+            for move in diagnosis.get("moves", []):
+                changes = {by_key[k].name: v for k, v in move["set"].items() if k in by_key}
+                point = {**here, **changes}
+                if not changes or point == here or point in seen or not all(self._contains(n, v) for n, v in point.items()):
+                    continue
+                reason = f"trial {trial.number} is {diagnosis['verdict']}: {move['why']}"
+                study.enqueue_trial(point, user_attrs={"proposed_by": "diagnosis", "reason": reason[:480]})
+                self._say(f"[tune] trial {trial.number} is {diagnosis['verdict']}: proposes "
+                          + " ".join(f"{k}={v}" for k, v in changes.items()))
+                return
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
@@ -390,7 +428,8 @@ class Tuner:
         pm = f" +-{100 * m['rel_se']:.0f}%" if "rel_se" in m else ""
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
-        self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {knobs:45s} {figures}  ({rec.duration_s:.1f}s)")
+        self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {rec.proposed_by:9s} {knobs:45s} {figures}  "
+                  f"({rec.duration_s:.1f}s)")
 
     def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
 
