@@ -156,13 +156,13 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         finally:
             if progress is not None:
                 progress.stop()
-        ranks = load_rank_results(run_dir)
-        result.update(merge(ranks))
+        rank_results = load_rank_results(run_dir)
+        result.update(merge(rank_results))
         result["wall_s"] = time.monotonic() - t0
-        status, why = classify(outcome, len(ranks), expected, cfg.trainer.timeout_s)
+        status, why = classify(outcome, len(rank_results), expected, cfg.trainer.timeout_s)
         result["status"] = status  # before the load report, which records it
         if result.get("measured_steps"):
-            report, report_files = load_report.write(result, cfg, ranks, run_dir, plots=plots)
+            report, report_files = load_report.write(result, cfg, rank_results, run_dir, plots=plots)
             result["diagnosis"] = report["diagnosis"]
             result["bottleneck"] = report["diagnosis"]["verdict"]
             result["straggler"] = report["straggler"]

@@ -128,11 +128,11 @@ class Tuner:
         raise AssertionError("unreachable")
 
     def _storage(self) -> Any:
-        """A SQLite URL as it is; a server database with pre-ping, so that connections a database
-        restart closed are replaced instead of failing the next call."""
+        """A SQLite URL as it is; a server database with pre-ping (connections a restart closed are
+        replaced) and calls retried while it comes back (RetryingStorage)."""
         if sqlite_path(self.storage) is not None:
             return self.storage
-        return self.optuna.storages.RDBStorage(self.storage, engine_kwargs={"pool_pre_ping": True})
+        return retrying_storage(self.storage)
 
     def _reclaim_orphans(self, study: Any) -> None:
         """Trials left RUNNING by a tuner process of this host that no longer exists (killed, or
@@ -448,6 +448,36 @@ class Tuner:
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
+
+
+STORAGE_RETRY_S = 30.0  # how long a tuner waits for a server database to come back before it stops
+
+
+def retrying_storage(url: str) -> Any:
+    """An Optuna RDBStorage whose calls are retried on connection errors for STORAGE_RETRY_S: a
+    database restarted in the middle of a study (seconds) is waited for, not a reason to die."""
+    import optuna
+    import sqlalchemy.exc
+
+    class RetryingStorage(optuna.storages.RDBStorage):
+        def __getattribute__(self, name: str) -> Any:
+            attr = super().__getattribute__(name)
+            if name.startswith("_") or not callable(attr):
+                return attr
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                deadline = time.monotonic() + STORAGE_RETRY_S
+                while True:
+                    try:
+                        return attr(*args, **kwargs)
+                    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError):
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.5)
+
+            return call
+
+    return RetryingStorage(url, engine_kwargs={"pool_pre_ping": True})
 
 
 def _is_storage_error(exc: BaseException) -> bool:
