@@ -187,7 +187,7 @@ def meter_noops():
     def mark(self, phase):
         return None
 
-    def end_step(self, samples):
+    def end_step(self, samples, micro=1):
         return None
 
     def comm_hook_fired(self):
