@@ -136,9 +136,10 @@ class MemorySampler:
     would count again the pages it shares with the rank). The rank is sampled at `hz` in a daemon
     thread from the job's start, so a kept-alive rank reports each job's own peak (ru_maxrss is
     the process's lifetime peak); the workers, whose USS costs ~2 ms each to read, every
-    `children_every`-th sample."""
+    `children_every`-th sample. 2 Hz, not more: at 10 Hz the thread's psutil calls contend with
+    the training loop for the GIL and cost ~9% of a 0.35 ms step (bench/bench_overhead.py)."""
 
-    def __init__(self, hz: float = 10.0, children_every: int = 10) -> None:
+    def __init__(self, hz: float = 2.0, children_every: int = 4) -> None:
         import psutil
 
         self._proc = psutil.Process()
