@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import WINDOW_KEYS, ranks_dir, write_job
+from .rundir import WINDOW_KEYS, Event, ranks_dir, write_job
 from .runtime.dist import check_devices
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
-from .supervise import Event, FreshRanks, Outcome, Ranks
+from .supervise import FreshRanks, Outcome, Ranks
 from .tracking import Tracker
 
 

@@ -9,17 +9,11 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from .diagnose import STRAGGLER_SPREAD
-from .rundir import ranks_dir
+from .rundir import RankResult, ranks_dir
 from .runtime.meter import MIN_WINDOWS, estimate_of
 
 # Fields every rank reports and `result.json` repeats per rank.
-RANK_FIELDS = (
-    "rank", "host", "device", "param_digest", "steps", "first_loss", "final_loss", "utilization", "utilization_source",
-    "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac", "optimizer_frac",
-    "other_frac", "phase_s", "peak_mem_mb", "reserved_mem_mb", "mem_source", "measured_steps", "warmup_excluded",
-    "utilization_spread", "throughput_spread", "mfu", "mfu_source", "mfu_dtype", "flops_per_sample", "peak_flops", "nvml_util",
-    "nvml_util_source", "sm_active", "sm_active_source",
-)
+RANK_FIELDS = tuple(RankResult.__annotations__)
 
 def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
     out = []

@@ -16,13 +16,93 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, TypedDict, Union
 
 RANKS_DIR = "ranks"
 JOB_FILE = "job.json"
-# event types of rank<R>.jsonl, and the per-window fields the parent turns into metrics
+
+
+# -- the records of rank<R>.jsonl (one JSON object a line, `type` first) -------------------------
+class StartEvent(TypedDict):
+    type: str  # "start"
+    total_steps: int
+    steps_per_epoch: int
+    device: str
+    utilization_source: str
+
+
+class ResumeEvent(TypedDict):
+    type: str  # "resume"
+    step: int
+    epoch: int
+
+
+class LogEvent(TypedDict):
+    type: str  # "log"
+    step: int
+    epoch: int
+    loss: float
+
+
+class WindowEvent(TypedDict):
+    type: str  # "window": a measured window closed
+    step: int
+    throughput: float
+    utilization: float
+    data_wait_frac: float
+    comm_frac: float
+    step_time_s: float
+
+
+class CheckpointEvent(TypedDict):
+    type: str  # "checkpoint"
+    step: int
+
+
+Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent]
 EVENT_TYPES = ("start", "resume", "log", "window", "checkpoint")
-WINDOW_KEYS = ("throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s")
+# the per-window figures the parent turns into MLflow metrics
+WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
+
+
+class RankResult(TypedDict, total=False):
+    """What every rank reports in rank<R>.json (rank.run_one) and result.json repeats per rank
+    (merge.RANK_FIELDS); ranks add their warmup, estimate and window details beside these."""
+
+    rank: int
+    host: str
+    device: str
+    param_digest: str
+    steps: int
+    first_loss: float
+    final_loss: float
+    utilization: float
+    utilization_source: str
+    throughput: float
+    step_time_s: float
+    data_wait_frac: float
+    h2d_frac: float
+    compute_frac: float
+    comm_frac: float
+    optimizer_frac: float
+    other_frac: float
+    phase_s: Dict[str, float]
+    peak_mem_mb: float
+    reserved_mem_mb: float
+    mem_source: str
+    measured_steps: int
+    warmup_excluded: bool
+    utilization_spread: List[float]
+    throughput_spread: List[float]
+    mfu: Optional[float]
+    mfu_source: str
+    mfu_dtype: str
+    flops_per_sample: Optional[float]
+    peak_flops: Optional[float]
+    nvml_util: Optional[float]
+    nvml_util_source: str
+    sm_active: Optional[float]
+    sm_active_source: str
 
 _RANK_FILE = re.compile(r"^rank(\d+)$")
 

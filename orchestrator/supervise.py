@@ -19,9 +19,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol
 import psutil
 
 from .launch import Launch
-from .rundir import rank_of, ranks_dir
+from .rundir import Event, rank_of, ranks_dir
 
-Event = Dict[str, object]
 
 
 @dataclass

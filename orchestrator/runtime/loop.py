@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..schema import AmpDtype, Config, Loss, OptimizerName, import_target
 from .. import checkpoint
+from ..rundir import CheckpointEvent, Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
 from .dist import Adapter
 from .flops import StepCounter, mfu_figures
 from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window
@@ -143,7 +144,7 @@ class EventLog:
     def __init__(self, path: Optional[Path]) -> None:
         self._f = open(path, "a", buffering=1) if path else None
 
-    def write(self, **event: Any) -> None:
+    def write(self, event: Event) -> None:
         if self._f:
             self._f.write(json.dumps(event) + "\n")
 
@@ -300,9 +301,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             if t.window_s > 0:
                 meter.resize(job_figures(win)[1], t.window_s, at_most=t.window_steps)
             return False
-        events.write(type="window", step=win.first_step + win.steps, throughput=win.throughput,
-                     utilization=win.utilization, data_wait_frac=win.share("data"), comm_frac=win.share("comm"),
-                     step_time_s=win.wall_s / win.steps)
+        events.write(WindowEvent(type="window", step=win.first_step + win.steps, throughput=win.throughput,
+                                 utilization=win.utilization, data_wait_frac=win.share("data"),
+                                 comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
             return False
         figures = job_figures(win)
@@ -316,8 +317,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     # get past it (less than twice the queue); then epoch restarts are part of the steady state
     rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
     total = per_epoch * t.epochs if t.max_steps == 0 else min(per_epoch * t.epochs, t.max_steps)
-    events.write(type="start", total_steps=total, steps_per_epoch=per_epoch, device=str(device),
-                 utilization_source=meter.source)
+    events.write(StartEvent(type="start", total_steps=total, steps_per_epoch=per_epoch, device=str(device),
+                            utilization_source=meter.source))
 
     step, epoch, first_loss, last_loss, stop = 0, 0, math.nan, math.nan, False
     start_epoch, skip = 0, 0
@@ -325,7 +326,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         meta = ck["meta"]
         step, start_epoch, skip = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         checkpoint.set_rng_state(ck["rng"])
-        events.write(type="resume", step=step, epoch=start_epoch)
+        events.write(ResumeEvent(type="resume", step=step, epoch=start_epoch))
     # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
     counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
     counted_step = step
@@ -345,7 +346,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
         }, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
             "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id})
-        events.write(type="checkpoint", step=step)
+        events.write(CheckpointEvent(type="checkpoint", step=step))
 
     t_start = time.perf_counter()
     model.train()
@@ -412,7 +413,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         raise FloatingPointError(f"loss is {last_loss} at step {step}; lower trainer.lr or turn off trainer.amp")
                     if math.isnan(first_loss):
                         first_loss = last_loss
-                    events.write(type="log", step=step, epoch=epoch, loss=last_loss)
+                    events.write(LogEvent(type="log", step=step, epoch=epoch, loss=last_loss))
                 if window is not None:
                     stop = on_window(window)
                 if writes_checkpoints and step % t.checkpoint_every == 0:
