@@ -4,7 +4,7 @@ defined here and nowhere else.
 
     <run dir>/config.yaml          the resolved config the ranks load (written by the parent)
     <run dir>/job.json             the job spec: what a rank needs besides the config (MLflow run id)
-    <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (EVENT_TYPES)
+    <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (Event)
     <run dir>/ranks/rank<R>.json   rank R's result (rank 0 also writes every other rank's)
     <run dir>/ranks/rank<R>.err    rank R's traceback, when it failed
     <pool dir>/jobs/<seq>.json     a kept-alive pool's next job: {"run_dir", **job spec}
@@ -60,7 +60,6 @@ class CheckpointEvent(TypedDict):
 
 
 Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent]
-EVENT_TYPES = ("start", "resume", "log", "window", "checkpoint")
 # the per-window figures the parent turns into MLflow metrics
 WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
 

@@ -40,10 +40,6 @@ class StudyFailed(RuntimeError):
     """The failure rate passed tune.max_failure_rate; what was recorded is kept."""
 
 
-def storage_url(url: str) -> str:
-    return resolve_uri(url)  # relative sqlite paths are relative to the working directory
-
-
 def study_lock(storage: str, study_name: str):
     """Serializes 'count trials, then ask' between tuner processes sharing a study, so together
     they run exactly n_trials: a lock file beside a SQLite DB, an advisory lock on PostgreSQL
@@ -73,7 +69,7 @@ class Tuner:
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
         self.space = SearchSpace(cfg)  # raises ConfigError before any trial
-        self.storage = storage_url(self.t.storage)
+        self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
                                          f"{datetime.now():%Y%m%d-%H%M%S}"
         self.multi = self.t.objective is Objective.both
