@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))  # tests/pg.py: the throwaway server the tests use
 from tests.pg import PostgresServer  # noqa: E402
 
 from orchestrator.tune.rules import counted  # noqa: E402
-from orchestrator.tune.study import study_lock  # noqa: E402
+from orchestrator.tune.storage import study_lock  # noqa: E402
 
 TRIALS = 12
 

@@ -326,3 +326,29 @@ def test_guided_search_follows_the_diagnosis(make_cfg, tmp_path):
                              "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
                              "tune.space.accumulation_steps.high=1", "tune.max_workers=4"), tmp_path / "tpe", echo=False)
     assert all(t.user_attrs["proposed_by"] != "diagnosis" for t in study_of(tpe).trials)
+
+
+def test_a_trial_carries_its_owner_from_birth_and_orphans_are_known(tmp_path):
+    """The owner is written with the trial (a fresh one) or as it leaves the queue (an enqueued
+    one), so a tuner that dies between ask() and its first write leaves no trial that looks alive."""
+    from datetime import timedelta
+
+    from orchestrator.tune.storage import ORPHAN_AFTER_S, orphaned, owner, study_storage
+
+    study = optuna.create_study(storage=study_storage(f"sqlite:///{tmp_path}/s.db"))
+    study.enqueue_trial({"x": 1.0})
+    queued, fresh = study.ask(), study.ask()
+    stored = {t.number: t.user_attrs.get("owner") for t in optuna.load_study(
+        study_name=study.study_name, storage=f"sqlite:///{tmp_path}/s.db").trials}
+    assert stored == {queued.number: owner(), fresh.number: owner()}
+
+    trial = study.trials[fresh.number]
+    assert not orphaned(trial)  # this process is alive
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    trial.user_attrs["owner"] = f"{owner().rpartition(':')[0]}:{dead.stdout.strip()}"
+    assert orphaned(trial)
+    trial.user_attrs["owner"] = f"another-host:{dead.stdout.strip()}"
+    assert not orphaned(trial)  # cannot be checked from here
+    del trial.user_attrs["owner"]
+    assert not orphaned(trial)  # just created, its owner not written yet
+    assert orphaned(trial, now=trial.datetime_start + timedelta(seconds=ORPHAN_AFTER_S + 1))

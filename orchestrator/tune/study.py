@@ -10,25 +10,22 @@ from winning when it costs samples per second.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import psutil
-
 from ..app import JobFailed, JobStopped, run_job
 from ..runtime.loop import steady_warmup_steps
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
-from ..stores import redact, resolve_uri, sqlite_path, store_lock
+from ..stores import redact, resolve_uri, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from .report import write_outputs
 from .rules import best_trials, confirm_candidates, confirmed, counted, figures, utilization_score
 from .space import SearchSpace, apply
+from .storage import is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
 CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
@@ -38,13 +35,6 @@ METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem
 
 class StudyFailed(RuntimeError):
     """The failure rate passed tune.max_failure_rate; what was recorded is kept."""
-
-
-def study_lock(storage: str, study_name: str):
-    """Serializes 'count trials, then ask' between tuner processes sharing a study, so together
-    they run exactly n_trials: a lock file beside a SQLite DB, an advisory lock on PostgreSQL
-    (processes on any machine). Other server databases: each process may overshoot by one."""
-    return store_lock(storage, f"study.{study_name}")
 
 
 @dataclass
@@ -112,7 +102,7 @@ class Tuner:
         for attempt in range(attempts):
             try:
                 return self.optuna.create_study(
-                    study_name=self.name, storage=self._storage(), load_if_exists=True, pruner=pruner,
+                    study_name=self.name, storage=study_storage(self.storage), load_if_exists=True, pruner=pruner,
                     directions=["maximize", "maximize"] if self.multi else ["maximize"],
                 )
             except ValueError as exc:  # e.g. resuming a single-objective study as multi-objective
@@ -123,22 +113,12 @@ class Tuner:
                 time.sleep(0.5 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def _storage(self) -> Any:
-        """A SQLite URL as it is; a server database with pre-ping (connections a restart closed are
-        replaced) and calls retried while it comes back (RetryingStorage)."""
-        if sqlite_path(self.storage) is not None:
-            return self.storage
-        return retrying_storage(self.storage)
-
     def _reclaim_orphans(self, study: Any) -> None:
-        """Trials left RUNNING by a tuner process of this host that no longer exists (killed, or
-        its database went away mid-trial) are recorded as interrupted: they neither count toward
-        tune.n_trials nor hold a slot. (Processes on other hosts cannot be checked from here.)"""
-        host = socket.gethostname()
+        """Trials left RUNNING by a tuner process that died (killed, or its database went away
+        mid-trial; see `storage.orphaned`) are recorded as interrupted: they neither count toward
+        tune.n_trials nor hold a slot. Called under the study lock, before each count."""
         for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,)):
-            owner = str(tr.user_attrs.get("owner", ""))
-            pid = owner.rpartition(":")[2]
-            if owner.startswith(host + ":") and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            if orphaned(tr):
                 study._storage.set_trial_user_attr(tr._trial_id, "interrupted", True)
                 study._storage.set_trial_state_values(tr._trial_id, self.optuna.trial.TrialState.FAIL)
 
@@ -172,6 +152,7 @@ class Tuner:
             duplicates_in_a_row = 0
             while True:
                 with study_lock(self.storage, self.name):
+                    self._reclaim_orphans(study)
                     if counted(study.get_trials(deepcopy=False)) >= self.t.n_trials:
                         break
                     trial = study.ask()
@@ -191,7 +172,7 @@ class Tuner:
             status = "KILLED"
             raise
         except Exception as exc:
-            if not _is_storage_error(exc):
+            if not is_storage_error(exc):
                 raise
             raise StudyFailed(f"the study's database failed ({_first_line(exc)}); completed trials are kept: "
                               f"rerun with tune.study_name={self.name} to finish the count") from None
@@ -201,7 +182,7 @@ class Tuner:
             try:
                 summary = self._finish(study, parent, status)
             except Exception as exc:
-                if status == "FINISHED" or not _is_storage_error(exc):
+                if status == "FINISHED" or not is_storage_error(exc):
                     raise
                 print(f"[tune] could not write the study's outputs: {_first_line(exc)}")
                 self.tracker.end(status)
@@ -213,7 +194,6 @@ class Tuner:
         values = self.space.sample(trial)
         rec = TrialRecord(trial.number, "RUNNING", values)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
-        trial.set_user_attr("owner", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("values", values)
         if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
             trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
@@ -444,44 +424,6 @@ class Tuner:
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
-
-
-STORAGE_RETRY_S = 30.0  # how long a tuner waits for a server database to come back before it stops
-
-
-def retrying_storage(url: str) -> Any:
-    """An Optuna RDBStorage whose calls are retried on connection errors for STORAGE_RETRY_S: a
-    database restarted in the middle of a study (seconds) is waited for, not a reason to die."""
-    import optuna
-    import sqlalchemy.exc
-
-    class RetryingStorage(optuna.storages.RDBStorage):
-        def __getattribute__(self, name: str) -> Any:
-            attr = super().__getattribute__(name)
-            if name.startswith("_") or not callable(attr):
-                return attr
-
-            def call(*args: Any, **kwargs: Any) -> Any:
-                deadline = time.monotonic() + STORAGE_RETRY_S
-                while True:
-                    try:
-                        return attr(*args, **kwargs)
-                    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError):
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.5)
-
-            return call
-
-    return RetryingStorage(url, engine_kwargs={"pool_pre_ping": True})
-
-
-def _is_storage_error(exc: BaseException) -> bool:
-    """A failure of the study's database (connection lost, server restarted), not of a trial."""
-    import sqlalchemy.exc
-    from optuna.exceptions import StorageInternalError
-
-    return isinstance(exc, (StorageInternalError, sqlalchemy.exc.SQLAlchemyError))
 
 
 def _first_line(exc: BaseException) -> str:
