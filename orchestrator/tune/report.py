@@ -70,7 +70,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     conf = confirmed(study)
     if conf:
         summary["confirmed"] = conf
-        summary["separation"] = separation(study, t)
+    summary["separation"] = separation(study, t)
     if best:
         b = best[0]
         values = b.user_attrs["values"]

@@ -76,14 +76,28 @@ def best_trials(study: Any, t: TuneConfig) -> List[Any]:
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     """The tune.confirm_top best trials by their own figures, and the fastest (the utilization
-    objective's floor is measured from it)."""
+    objective's floor is measured from it), less those the noise cannot make win: a runner-up
+    whose intervals lie below the leader's on both throughput and utilization, and the fastest
+    when the leader is within the floor of it for certain. A lone leader needs no confirmation."""
     done = completed(study)
     if not done or t.objective is Objective.both or t.confirm_top == 0:
         return []
     top = max(tr.user_attrs["throughput"] for tr in done)
     by_score = sorted(done, key=lambda tr: -final_score(tr, t, top))[:t.confirm_top]
+    leader = by_score[0].user_attrs
+    contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader)]
     fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
-    return by_score + ([fastest] if fastest not in by_score and t.objective is Objective.utilization else [])
+    if fastest in contenders or t.objective is not Objective.utilization:
+        return contenders
+    floor_certain = leader.get("throughput_lo", 0.0) >= t.throughput_floor * fastest.user_attrs.get(
+        "throughput_hi", float("inf"))
+    return contenders + ([] if floor_certain else [fastest])
+
+
+def _may_beat(a: Dict[str, Any], leader: Dict[str, Any]) -> bool:
+    """Do `a`'s 95% intervals reach the leader's on throughput or utilization (figures without
+    an interval always may)?"""
+    return any(a.get(f"{n}_hi", float("inf")) >= leader.get(f"{n}_lo", 0.0) for n in ("throughput", "utilization"))
 
 
 def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:

@@ -275,6 +275,9 @@ class Tuner:
 
         top = confirm_candidates(study, self.t)
         numbers = sorted(tr.number for tr in top)
+        if len(top) == 1:
+            self._say(f"[tune] trial {numbers[0]} needs no confirmation: the other candidates' throughput and "
+                      "utilization intervals lie below its own")
         if len(top) < 2 or sorted(map(int, confirmed(study))) == numbers:
             return  # nothing to choose between, or already confirmed (a resumed, finished study)
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds, "
