@@ -107,7 +107,8 @@ def compose_cfg(overrides: Sequence[str]) -> Config:
 
 
 def space_overrides(space: Dict[str, List[int]]) -> List[str]:
-    out = []
+    """The three knobs with these choices; the default space's other knobs removed."""
+    out = ["~tune.space.prefetch_factor", "~tune.space.pin_memory"]
     for name, choices in space.items():
         out += [f"tune.space.{name}.type=categorical", f"tune.space.{name}.choices=[{','.join(map(str, choices))}]"]
     return out
@@ -123,7 +124,7 @@ def fmt(p: Point) -> str:
 
 def values_of(space: SearchSpace, p: Point) -> Dict[str, Any]:
     """The exact values the tuner would launch for this point (its own sample(), fixed params)."""
-    return space.sample(optuna.trial.FixedTrial(dict(zip(KNOBS, p))))
+    return space.sample(optuna.trial.FixedTrial(space.params_of({KEYS[k]: v for k, v in zip(KNOBS, p)})))
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -280,12 +281,13 @@ def prepare(prefix: str) -> Path:
 
 
 def run_workloads(only: Optional[List[str]], keep: bool, tmp: Path,
-                  bench: Callable[[str, Dict[str, Any]], Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """`bench(name, spec)` for each workload (those in `only`, when given); `tmp` removed after
-    unless `keep`."""
+                  bench: Callable[[str, Dict[str, Any]], Dict[str, Any]],
+                  workloads: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Dict[str, Any]]:
+    """`bench(name, spec)` for each workload (of `workloads`, default WORKLOADS; those in `only`,
+    when given); `tmp` removed after unless `keep`."""
     results: Dict[str, Dict[str, Any]] = {}
     try:
-        for name, spec in WORKLOADS.items():
+        for name, spec in (workloads or WORKLOADS).items():
             if only is None or name in only:
                 results[name] = bench(name, spec)
     finally:

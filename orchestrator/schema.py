@@ -293,7 +293,9 @@ class PrunerName(str, Enum):
 class SamplerName(str, Enum):
     guided = "guided"  # TPE, plus the neighbour each completed trial's diagnosis points to (interleaved)
     tpe = "tpe"
+    gp = "gp"  # Gaussian process (Optuna's GPSampler)
     random = "random"
+    grid = "grid"  # every point of a countable space that fits in tune.n_trials
 
 
 @dataclass
@@ -351,6 +353,7 @@ class TuneConfig:
     reuse_ranks: bool = True  # keep the ranks alive across trials (new ones when backend/world size change)
     trial_plots: bool = False  # timeline/breakdown PNGs for every trial (~0.4 s each); the report files always
     trial_timeout_s: float = 600.0
+    patience: int = 10  # end the study after this many trials in a row that beat the best by less than its noise; 0: off
     # name -> ParamSpec fields; free-form so `+tune.space.x={key: ..., ...}` works from the CLI
     # (OmegaConf cannot add a typed dict entry through an override). Typed in __post_init__.
     space: Dict[str, Any] = field(default_factory=dict)
@@ -372,6 +375,7 @@ class TuneConfig:
                  f"tune.max_workers: must be null or >= 0, got {self.max_workers}")
         _require(0 <= self.max_failure_rate <= 1, f"tune.max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
         _require(self.trial_timeout_s > 0, f"tune.trial_timeout_s: must be > 0, got {self.trial_timeout_s}")
+        _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
         for name, p in self.space.items():
             where = f"tune.space.{name}"
             if p.type is ParamType.categorical:

@@ -244,8 +244,13 @@ def test_global_batch_holds_the_model_math(make_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["~tune.space.batch_size", "~tune.space.num_workers", "~tune.space.accumulation_steps"], "tune.space: empty"),
-    (["tune.space.batch_size.low=512"], "tune.space.batch_size: low (512) > high (256)"),
+    (["~tune.space.batch_size", "~tune.space.num_workers", "~tune.space.accumulation_steps", "~tune.space.prefetch_factor",
+      "~tune.space.pin_memory"], "tune.space: empty"),
+    (["tune.sampler=grid"], "tune.sampler: grid has "),
+    (["tune.sampler=grid", "+tune.space.lr={key: trainer.lr, type: float, low: 0.001, high: 0.1}"],
+     "tune.sampler: grid needs countable dimensions; tune.space.lr is a float range"),
+    (["tune.patience=-1"], "tune.patience: must be >= 0 (0 = off), got -1"),
+    (["tune.space.batch_size.low=1024"], "tune.space.batch_size: low (1024) > high (512)"),
     (["tune.space.batch_size.low=0"], "tune.space.batch_size.low: powers of two start at 1"),
     (["tune.space.batch_size.type=int", "tune.space.batch_size.low=0"],
      "tune.space.batch_size: 0 is not valid: data.batch_size: must be an integer >= 1"),
@@ -364,3 +369,83 @@ def test_a_trial_carries_its_owner_from_birth_and_orphans_are_known(tmp_path):
     del trial.user_attrs["owner"]
     assert not orphaned(trial)  # just created, its owner not written yet
     assert orphaned(trial, now=trial.datetime_start + timedelta(seconds=ORPHAN_AFTER_S + 1))
+
+
+def test_the_space_samples_ordinals_and_knobs_that_need_workers_only_with_workers(make_cfg):
+    """pow2 as an exponent and numeric choices by rank (the sampler sees their order); prefetch
+    only when the trial has workers; pin_memory left out without a GPU; the grid counts configs."""
+    from orchestrator.tune.space import SearchSpace
+
+    space = SearchSpace(make_cfg("mode=tune", "tune.max_workers=3",
+                                 "tune.space.accumulation_steps.type=categorical",
+                                 "tune.space.accumulation_steps.choices=[4,1,2]"))
+    assert "pin_memory" in space.left_out and all(d.name != "pin_memory" for d in space.dims)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        trial = study.ask()
+        values = space.sample(trial)
+        dists = trial.distributions
+        assert isinstance(dists["batch_size_log2"], optuna.distributions.IntDistribution)
+        assert (dists["batch_size_log2"].low, dists["batch_size_log2"].high) == (3, 9)  # 8 .. 512
+        assert values["data.batch_size"] == 2 ** trial.params["batch_size_log2"]
+        assert values["trainer.accumulation_steps"] == [1, 2, 4][trial.params["accumulation_steps_rank"]]
+        has_workers = values["data.num_workers"] > 0
+        assert ("prefetch_factor" in trial.params) == has_workers
+        assert (values["data.prefetch_factor"] is None) == (not has_workers)
+        assert space.params_of(values) == trial.params  # a point enqueued back is the same trial
+        seen.add(has_workers)
+        study.tell(trial, 0.0)
+    assert seen == {True, False}
+    gp = optuna.create_study(sampler=optuna.samplers.GPSampler(seed=0, n_startup_trials=2))  # tune.sampler=gp
+    for i in range(4):
+        trial = gp.ask()
+        values = space.sample(trial)
+        gp.tell(trial, float(values["data.batch_size"]))
+    assert all(t.state.name == "COMPLETE" for t in gp.trials)
+    # 7 batch sizes x 3 accumulations x (1 point without workers + 3 worker counts x 8 prefetch depths)
+    assert space.grid_size() == 7 * 3 * (1 + 3 * 8)
+    no_workers = SearchSpace(make_cfg("mode=tune", "tune.space.num_workers.high=0"))
+    assert "prefetch_factor" in no_workers.left_out and no_workers.grid_size() == 7 * 8
+
+
+def test_patience_counts_trials_that_do_not_beat_the_best_by_more_than_its_noise():
+    from orchestrator.schema import TuneConfig
+    from orchestrator.tune.rules import stale_streak
+
+    study = optuna.create_study(direction="maximize")
+
+    def add(util, thr, noise=0.02, state=optuna.trial.TrialState.COMPLETE):
+        attrs = {"utilization": util, "throughput": thr, "utilization_lo": util - noise, "utilization_hi": util + noise,
+                 "throughput_lo": thr * 0.95, "throughput_hi": thr * 1.05}
+        study.add_trial(optuna.trial.create_trial(state=state, value=1 + util if state.name == "COMPLETE" else None,
+                                                  user_attrs=attrs if state.name == "COMPLETE" else {}))
+
+    t = TuneConfig()
+    add(0.50, 100.0)
+    assert stale_streak(study, t) == (0, 0)
+    add(0.51, 100.0)  # within the best's noise: no improvement, but the bar moves up to it
+    add(0.40, 100.0)
+    add(0.0, 0.0, state=optuna.trial.TrialState.PRUNED)
+    assert stale_streak(study, t) == (3, 1)
+    add(0.60, 100.0)  # beyond the noise
+    assert stale_streak(study, t) == (0, 4)
+    add(0.30, 140.0)  # much faster: trial 4 is now below the floor of it, a real improvement
+    assert stale_streak(study, t) == (0, 5)
+
+
+def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp_path, capsys):
+    small = [*SHORT, f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.num_workers.high=0",
+             "tune.space.batch_size.high=16", "tune.space.accumulation_steps.high=1", "tune.baseline=false"]
+    grid = run_study(make_cfg(*small, "tune.sampler=grid", "tune.n_trials=3"), tmp_path / "grid", echo=False)
+    points = sorted((t.user_attrs["values"]["data.batch_size"], t.user_attrs["values"]["trainer.accumulation_steps"])
+                    for t in study_of(grid).trials if "duplicate_of" not in t.user_attrs)
+    assert points == [(8, 1), (16, 1)] and grid["n_trials"] == 2 and grid["stopped"]["by"] == "covered"
+    # a knob that does not change speed: nothing beats the first trial by more than its noise for long
+    flat = run_study(make_cfg(*small, "~tune.space.batch_size", "~tune.space.accumulation_steps",
+                              "+tune.space.seed={key: trainer.seed, type: int, low: 1, high: 50}",
+                              "tune.n_trials=12", "tune.patience=2", "tune.sampler=random"), tmp_path / "flat")
+    out = capsys.readouterr().out
+    assert flat["stopped"]["by"] == "patience" and flat["stopped"]["streak"] == 2 and flat["n_trials"] < 12
+    assert "[tune] stopped early: 2 trials in a row did not beat trial" in out
+    assert json.loads((tmp_path / "flat" / "summary.json").read_text())["stopped"]["by"] == "patience"

@@ -7,7 +7,7 @@ import csv
 import json
 import shlex
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -33,9 +33,10 @@ def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, name: str, storage: str,
-                  overrides: List[str], echo: bool) -> Dict[str, Any]:
+                  overrides: List[str], echo: bool, stopped: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The study's files in `out_dir` (its `name`, `storage`, and the CLI `overrides` for the
-    rerun line); with `echo`, the ranked table. Returns the summary (also summary.json)."""
+    rerun line; `stopped`: why it ended before tune.n_trials); with `echo`, the ranked table.
+    Returns the summary (also summary.json)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     artifacts: List[str] = []
     trials = study.get_trials(deepcopy=False)
@@ -60,7 +61,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
 
     summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
-                               "pareto_front": []}
+                               "pareto_front": [], "stopped": stopped}
     for tr in trials:
         summary["states"][tr.state.name] = summary["states"].get(tr.state.name, 0) + 1
     baseline = next((tr for tr in completed(study) if tr.user_attrs.get("baseline")), None)
@@ -178,6 +179,8 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     if sep.get("separated") is False:
         print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
               f"(their {sep['figure']} intervals overlap): either is as good")
+    if summary.get("stopped"):
+        print(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary.get("best"):
         print(f"[tune] best: trial {summary['best']['number']}: {summary['rerun_overrides']}")
         print(f"[tune] rerun it: {summary['rerun']}")

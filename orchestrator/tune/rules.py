@@ -4,7 +4,7 @@ study.py (the loop) and report.py (the files and the table) both follow them."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..schema import Objective, TuneConfig
 
@@ -124,3 +124,41 @@ def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
     if t.objective in (Objective.throughput, Objective.mfu):
         return a.get(t.objective.value) or 0.0
     return utilization_score(a["utilization"], a["throughput"], top_throughput, t.throughput_floor)
+
+
+def improves(new: Dict[str, Any], best: Dict[str, Any], t: TuneConfig) -> bool:
+    """Does `new` beat `best` by more than the best's measured noise (past the top of its 95%
+    interval; a figure without an interval is its own top)? utilization: the best falls below the
+    floor of the new throughput, or the new one keeps up and its utilization is higher;
+    throughput and mfu: a higher throughput (mfu moves with it for one model)."""
+    def hi(f: Dict[str, Any], name: str) -> float:
+        return f.get(f"{name}_hi") if f.get(f"{name}_hi") is not None else f[name]
+
+    if t.objective is Objective.utilization:
+        if hi(best, "throughput") < t.throughput_floor * new["throughput"]:
+            return True
+        return new["throughput"] >= t.throughput_floor * best["throughput"] and new["utilization"] > hi(best, "utilization")
+    return new["throughput"] > hi(best, "throughput")
+
+
+def stale_streak(study: Any, t: TuneConfig) -> Tuple[int, Optional[int]]:
+    """tune.patience: how many counted trials in a row, up to the newest finished one, did not
+    improve on the best before them by more than its noise (a pruned or failed trial does not
+    improve), and the number of that best trial. From the study's records, so every tuner process
+    of a shared study sees the same streak."""
+    import optuna
+
+    done = [tr for tr in study.get_trials(deepcopy=False) if tr.state.is_finished()
+            and not (tr.user_attrs.get("interrupted") or "duplicate_of" in tr.user_attrs)]
+    streak, best = 0, None
+    for tr in sorted(done, key=lambda tr: tr.number):
+        a = tr.user_attrs
+        measured = tr.state == optuna.trial.TrialState.COMPLETE and "utilization" in a
+        if measured and (best is None or improves(a, best.user_attrs, t)):
+            streak, best = 0, tr
+        else:
+            streak += 1
+            top = max(a.get("throughput", 0.0), best.user_attrs["throughput"]) if best is not None else 0.0
+            if measured and final_score(tr, t, top) > final_score(best, t, top):
+                best = tr  # ahead within the noise: the bar moves to it, the streak goes on
+    return streak, None if best is None else best.number

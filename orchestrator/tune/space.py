@@ -18,6 +18,7 @@ from ..schema import Config, ConfigError, ParamSpec, ParamType, to_config
 ACCUM_KEY = "trainer.accumulation_steps"
 BATCH_KEY = "data.batch_size"
 WORKERS_KEY = "data.num_workers"
+PREFETCH_KEY = "data.prefetch_factor"
 FREE_FORM = ("model.args", "data.args")  # kwargs of the model / dataset targets
 
 
@@ -36,8 +37,17 @@ def apply(cfg: Config, values: Dict[str, Any]) -> Config:
     return to_config(node)
 
 
+NEEDS_WORKERS = (PREFETCH_KEY, "data.persistent_workers")  # sampled only when num_workers > 0
+NEEDS_CUDA = ("data.pin_memory",)  # left out of the space on a machine without a CUDA device
+
+
 @dataclass
 class Dimension:
+    """One searched knob. Ordered values are sampled as ordinals so the sampler sees their order:
+    a pow2 range as an integer exponent (Optuna parameter `<name>_log2`), numeric choices as an
+    integer rank into the sorted choices (`<name>_rank`), int and float ranges as themselves;
+    only non-numeric choices (e.g. booleans) are categorical."""
+
     name: str
     key: str
     type: ParamType
@@ -46,14 +56,51 @@ class Dimension:
     log: bool
     choices: Optional[List[Any]]
 
-    def sample(self, trial: Any) -> Any:
-        if self.type is ParamType.categorical:
-            return trial.suggest_categorical(self.name, list(self.choices or []))
+    @property
+    def ordinal(self) -> bool:
+        """Choices sampled by rank: pow2, and categorical choices that are all numbers."""
+        return self.choices is not None and (self.type is ParamType.pow2 or all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) for c in self.choices))
+
+    @property
+    def param(self) -> str:
+        """The Optuna parameter's name (ordinals carry a suffix: a study made before they were
+        sampled as ordinals resumes without a clash of distributions)."""
         if self.type is ParamType.pow2:
-            return trial.suggest_categorical(self.name, list(self.choices or []))
+            return f"{self.name}_log2"
+        return f"{self.name}_rank" if self.ordinal else self.name
+
+    def sample(self, trial: Any) -> Any:
+        if self.type is ParamType.pow2:
+            lo, hi = (int(math.log2(c)) for c in self.extremes())
+            return 2 ** trial.suggest_int(self.param, lo, hi)
+        if self.ordinal:
+            return self.choices[trial.suggest_int(self.param, 0, len(self.choices) - 1)]  # type: ignore[index]
+        if self.choices is not None:
+            return trial.suggest_categorical(self.param, list(self.choices))
         if self.type is ParamType.float:
-            return trial.suggest_float(self.name, float(self.low), float(self.high), log=self.log)  # type: ignore[arg-type]
-        return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)  # type: ignore[arg-type]
+            return trial.suggest_float(self.param, float(self.low), float(self.high), log=self.log)  # type: ignore[arg-type]
+        return trial.suggest_int(self.param, int(self.low), int(self.high), log=self.log)  # type: ignore[arg-type]
+
+    def to_param(self, value: Any) -> Any:
+        """A config value as this dimension's Optuna parameter value (to enqueue a point)."""
+        if self.type is ParamType.pow2:
+            return int(math.log2(value))
+        return self.choices.index(value) if self.ordinal else value  # type: ignore[union-attr]
+
+    def values(self) -> List[Any]:
+        """Every value of a countable dimension; raises for a float range (tune.sampler=grid)."""
+        if self.choices is not None:
+            return list(self.choices)
+        if self.type is ParamType.float:
+            raise ConfigError(f"tune.sampler: grid needs countable dimensions; tune.space.{self.name} is a float "
+                              "range (give it choices, or use tpe, gp, random or guided)")
+        return list(range(int(self.low), int(self.high) + 1))  # type: ignore[arg-type]
+
+    def contains(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        return self.low <= value <= self.high  # type: ignore[operator]
 
     def describe(self) -> str:
         """The range as a user wrote it: `[0, 4]` for integers, the list for choices."""
@@ -63,7 +110,7 @@ class Dimension:
 
     def extremes(self) -> List[Any]:
         if self.choices is not None:
-            return list(self.choices)
+            return [min(self.choices), max(self.choices)] if self.ordinal else list(self.choices)
         cast = float if self.type is ParamType.float else int
         return [cast(self.low), cast(self.high)]
 
@@ -74,13 +121,24 @@ class SearchSpace:
     def __init__(self, cfg: Config, cpu_count: Optional[int] = None) -> None:
         self.base = cfg
         t = cfg.tune
-        if not t.space:
-            raise ConfigError("tune.space: empty; add at least one parameter (see conf/tune/default.yaml)")
         self.global_batch = t.global_batch
         self.world = cfg.world_size
         dims: List[Dimension] = []
+        self.left_out: Dict[str, str] = {}  # dimension -> why it is not searched here
         for name, spec in t.space.items():
+            if spec.key in NEEDS_CUDA and not self._on_cuda(cfg):
+                self.left_out[name] = "no CUDA device (it only matters for host-to-GPU copies)"
+                continue
             dims.append(self._dimension(name, spec, cfg, cpu_count))
+        workers = next((d for d in dims if d.key == WORKERS_KEY), None)
+        if (max(workers.extremes()) if workers else cfg.data.num_workers) == 0:
+            for d in [d for d in dims if d.key in NEEDS_WORKERS]:
+                dims.remove(d)
+                self.left_out[d.name] = "data.num_workers is 0 in every trial"
+        if not dims:
+            raise ConfigError("tune.space: empty; add at least one parameter (see conf/tune/default.yaml)"
+                              + "".join(f"; {n} is left out: {why}" for n, why in self.left_out.items()))
+        self._base_workers = cfg.data.num_workers
         if self.global_batch:
             dims = [d for d in dims if d.key != ACCUM_KEY]  # derived from the batch
             batch = next((d for d in dims if d.key == BATCH_KEY), None)
@@ -95,7 +153,14 @@ class SearchSpace:
                 )
             batch.choices = ok
         self.dims = dims
+        self.keys = {d.key for d in dims}
         self._check_keys()
+
+    @staticmethod
+    def _on_cuda(cfg: Config) -> bool:
+        import torch
+
+        return cfg.backend.device.value != "cpu" and torch.cuda.is_available()
 
     @staticmethod
     def _dimension(name: str, spec: ParamSpec, cfg: Config, cpu_count: Optional[int]) -> Dimension:
@@ -104,6 +169,8 @@ class SearchSpace:
         if high is None and spec.key == WORKERS_KEY:
             high = cfg.tune.max_workers if cfg.tune.max_workers is not None else default_max_workers(cfg, cpu_count)
         choices = list(spec.choices) if spec.choices is not None else None
+        if choices is not None and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in choices):
+            choices = sorted(set(choices))  # ranked in order (Dimension.ordinal)
         if spec.type is ParamType.pow2:
             lo, hi = int(spec.low), int(high)  # type: ignore[arg-type]
             choices = [2**k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
@@ -123,24 +190,47 @@ class SearchSpace:
             for value in d.extremes():
                 values = {d.key: value}
                 if d.key == WORKERS_KEY and value == 0:  # options that need workers are tuned with them
-                    values.update({"data.prefetch_factor": None, "data.persistent_workers": False})
+                    values.update({PREFETCH_KEY: None, "data.persistent_workers": False})
+                if d.key in NEEDS_WORKERS:  # ... and checked with some
+                    values[WORKERS_KEY] = max(1, self.base.data.num_workers)
                 try:
                     apply(self.base, values)
                 except ConfigError as exc:
                     raise ConfigError(f"tune.space.{d.name}: {value!r} is not valid: {exc}") from None
 
     def sample(self, trial: Any) -> Dict[str, Any]:
-        """Config values for this trial (accumulation derived under global_batch)."""
-        values = {d.key: d.sample(trial) for d in self.dims}
+        """Config values for this trial (accumulation derived under global_batch); knobs that need
+        loader workers are sampled only when the trial has some."""
+        values: Dict[str, Any] = {}
+        for d in sorted(self.dims, key=lambda d: d.key in NEEDS_WORKERS):  # num_workers first
+            if d.key in NEEDS_WORKERS and values.get(WORKERS_KEY, self._base_workers) == 0:
+                continue
+            values[d.key] = d.sample(trial)
         self._complete(values)
         return values
+
+    def contains(self, key: str, value: Any) -> bool:
+        d = next((d for d in self.dims if d.key == key), None)
+        return d is not None and d.contains(value)
+
+    def grid(self) -> Dict[str, List[Any]]:
+        """tune.sampler=grid: Optuna parameter -> every value."""
+        return {d.param: [d.to_param(v) for v in d.values()] for d in self.dims}
+
+    def grid_size(self) -> int:
+        """Distinct configs of the grid: the knobs that need workers multiply only the points with some."""
+        grid = {d.key: len(d.values()) for d in self.dims}
+        free = math.prod(n for k, n in grid.items() if k not in NEEDS_WORKERS and k != WORKERS_KEY)
+        queue = math.prod(n for k, n in grid.items() if k in NEEDS_WORKERS)
+        workers = next((d.values() for d in self.dims if d.key == WORKERS_KEY), [self._base_workers])
+        return free * sum(1 if w == 0 else queue for w in workers)
 
     def _complete(self, values: Dict[str, Any]) -> None:
         if self.global_batch:
             values[ACCUM_KEY] = self.global_batch // (self.world * int(values[BATCH_KEY]))
         if values.get(WORKERS_KEY) == 0:  # these need workers; reset rather than launch an invalid mix
-            if "data.prefetch_factor" not in values:
-                values["data.prefetch_factor"] = None
+            if PREFETCH_KEY not in values:
+                values[PREFETCH_KEY] = None
             if "data.persistent_workers" not in values:
                 values["data.persistent_workers"] = False
 
@@ -148,8 +238,12 @@ class SearchSpace:
         """The base config's own values of the searched keys (trial 0)."""
         node = OmegaConf.structured(self.base)
         values = {d.key: OmegaConf.select(node, d.key) for d in self.dims}
+        if values.get(PREFETCH_KEY, 0) is None and self.base.data.num_workers > 0:
+            values[PREFETCH_KEY] = 2  # torch's default, which null means
         return {k: (v.value if hasattr(v, "value") else v) for k, v in values.items()}
 
     def params_of(self, values: Dict[str, Any]) -> Dict[str, Any]:
-        """Optuna param names -> values (to enqueue the baseline)."""
-        return {d.name: values[d.key] for d in self.dims if d.key in values}
+        """Config values -> Optuna parameters (to enqueue a point): the dimensions that hold
+        the value, the rest left to the sampler."""
+        return {d.param: d.to_param(values[d.key]) for d in self.dims
+                if values.get(d.key) is not None and d.contains(values[d.key])}

@@ -11,6 +11,7 @@ from winning when it costs samples per second.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -23,8 +24,8 @@ from ..stores import redact, resolve_uri, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from .report import write_outputs
-from .rules import best_trials, confirm_candidates, confirmed, counted, figures, utilization_score
-from .space import SearchSpace, apply
+from .rules import best_trials, confirm_candidates, confirmed, counted, figures, stale_streak, utilization_score
+from .space import NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace, apply
 from .storage import is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
@@ -59,6 +60,10 @@ class Tuner:
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
         self.space = SearchSpace(cfg)  # raises ConfigError before any trial
+        if self.t.sampler is SamplerName.grid and self.space.grid_size() > self.t.n_trials:
+            raise ConfigError(f"tune.sampler: grid has {self.space.grid_size()} points, more than tune.n_trials="
+                              f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
+        self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
         self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
                                          f"{datetime.now():%Y%m%d-%H%M%S}"
@@ -81,20 +86,32 @@ class Tuner:
                 study.set_user_attr("workers", worker + 1)
                 self._reclaim_orphans(study)
                 if worker == 0 and self.t.baseline and not study.trials:
-                    base = self.space.params_of(self.space.baseline())
-                    contained = {k: v for k, v in base.items() if self._contains(k, v)}
-                    study.enqueue_trial(contained, user_attrs={"baseline": True})
+                    study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"baseline": True})
         except ConfigError:
             raise
         except Exception as exc:  # unreachable host, wrong password, ...: before any trial
             raise ConfigError(f"tune.storage: cannot use {redact(self.storage)}: {_first_line(exc)}") from None
-        # each tuner process samples its own stream; the first one is reproducible from tune.seed
-        if self.t.sampler is SamplerName.random:
-            study.sampler = optuna.samplers.RandomSampler(seed=self.t.seed + worker)
-        else:
-            study.sampler = optuna.samplers.TPESampler(seed=self.t.seed + worker, multivariate=True,
-                                                       n_startup_trials=min(5, max(2, self.t.n_trials // 4)))
+        study.sampler = self._sampler(worker)
         return study
+
+    def _sampler(self, worker: int) -> Any:
+        """tune.sampler, seeded: each tuner process of a shared study samples its own stream, the
+        first one reproducible from tune.seed. guided is TPE; the diagnosis moves come on top
+        (_propose)."""
+        samplers, seed = self.optuna.samplers, self.t.seed + worker
+        name = self.t.sampler
+        if name is SamplerName.random:
+            return samplers.RandomSampler(seed=seed)
+        if name is SamplerName.grid:
+            return _Grid(self.space.grid(), seed=seed)
+        if name is SamplerName.gp:
+            return samplers.GPSampler(seed=seed, n_startup_trials=self._startup_trials())
+        with warnings.catch_warnings():  # group (conditional knobs such as prefetch_factor) is experimental
+            warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
+            return samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=self._startup_trials())
+
+    def _startup_trials(self) -> int:
+        return min(5, max(2, self.t.n_trials // 4))
 
     def _create_or_load(self, pruner: Any, attempts: int = 3) -> Any:
         """create_study(load_if_exists=True); on a server database another machine's tuner may be
@@ -122,12 +139,6 @@ class Tuner:
                 study._storage.set_trial_user_attr(tr._trial_id, "interrupted", True)
                 study._storage.set_trial_state_values(tr._trial_id, self.optuna.trial.TrialState.FAIL)
 
-    def _contains(self, name: str, value: Any) -> bool:
-        d = next(d for d in self.space.dims if d.name == name)
-        if d.choices is not None:
-            return value in d.choices
-        return d.low <= value <= d.high  # type: ignore[operator]
-
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         study = self._study()
@@ -141,7 +152,9 @@ class Tuner:
              "world_size": str(self.cfg.world_size), **self.cfg.tags},
         )
         self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {self.t.n_trials} trials, objective "
-                  f"{self.t.objective.value}, space: " + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims))
+                  f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
+                  + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims)
+                  + "".join(f"; {name} left out: {why}" for name, why in self.space.left_out.items()))
         done = counted(study.get_trials(deepcopy=False))
         if done >= self.t.n_trials:
             self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
@@ -163,7 +176,13 @@ class Tuner:
                     raise
                 duplicates_in_a_row = duplicates_in_a_row + 1 if "duplicate_of" in trial.user_attrs else 0
                 if duplicates_in_a_row >= MAX_DUPLICATES:  # a small space is covered
-                    self._say(f"[tune] {MAX_DUPLICATES} proposals in a row were already measured: the space looks covered")
+                    self.stopped = {"by": "covered", "why": f"{MAX_DUPLICATES} proposals in a row were already "
+                                                            "measured: the space looks covered"}
+                    break
+                if getattr(study.sampler, "covered", False):
+                    self.stopped = {"by": "covered", "why": "every point of the grid was measured"}
+                    break
+                if self._out_of_patience(study):
                     break
                 self._check_failure_rate(study)
             self._confirm(study, parent)
@@ -187,6 +206,18 @@ class Tuner:
                 print(f"[tune] could not write the study's outputs: {_first_line(exc)}")
                 self.tracker.end(status)
         return summary
+
+    def _out_of_patience(self, study: Any) -> bool:
+        """tune.patience: the last N counted trials did not beat the best by more than its noise."""
+        if not self.t.patience:
+            return False
+        streak, best = stale_streak(study, self.t)
+        if streak < self.t.patience:
+            return False
+        self.stopped = {"by": "patience", "streak": streak, "best": best,
+                        "why": f"{streak} trials in a row did not beat trial {best} by more than its noise "
+                               f"(tune.patience={self.t.patience}; tune.n_trials={self.t.n_trials} is the cap)"}
+        return True
 
     def _run_trial(self, study: Any, trial: Any, parent: Optional[str]) -> None:
         TrialState = self.optuna.trial.TrialState
@@ -318,8 +349,7 @@ class Tuner:
         search still explores."""
         if self.t.sampler is not SamplerName.guided or trial.user_attrs.get("proposed_by") == "diagnosis":
             return
-        by_key = {d.key: d for d in self.space.dims}
-        here = {d.name: values[d.key] for d in self.space.dims if d.key in values}
+        here = {d.key: values[d.key] for d in self.space.dims if values.get(d.key) is not None}
         with study_lock(self.storage, self.name):  # the budget: a queued proposal must be run by someone
             trials = study.get_trials(deepcopy=False)
             waiting = sum(tr.state == self.optuna.trial.TrialState.WAITING for tr in trials)
@@ -327,14 +357,21 @@ class Tuner:
                 return
             seen = [tr.params or tr.system_attrs.get("fixed_params") or {} for tr in trials]
             for move in diagnosis.get("moves", []):
-                changes = {by_key[k].name: v for k, v in move["set"].items() if k in by_key}
+                changes = {k: v for k, v in move["set"].items() if k in self.space.keys}
                 point = {**here, **changes}
-                if not changes or point == here or point in seen or not all(self._contains(n, v) for n, v in point.items()):
+                if point.get(WORKERS_KEY) == 0:  # knobs of the workers' queue go with the workers
+                    point = {k: v for k, v in point.items() if k not in NEEDS_WORKERS}
+                elif PREFETCH_KEY in self.space.keys and PREFETCH_KEY not in point:
+                    point[PREFETCH_KEY] = 2  # first workers: torch's default queue depth
+                if not changes or point == here or not all(self.space.contains(k, v) for k, v in point.items()):
+                    continue
+                params = self.space.params_of(point)
+                if params in seen:
                     continue
                 reason = f"trial {trial.number} is {diagnosis['verdict']}: {move['why']}"
-                study.enqueue_trial(point, user_attrs={"proposed_by": "diagnosis", "reason": reason[:480]})
+                study.enqueue_trial(params, user_attrs={"proposed_by": "diagnosis", "reason": reason[:480]})
                 self._say(f"[tune] trial {trial.number} is {diagnosis['verdict']}: proposes "
-                          + " ".join(f"{k}={v}" for k, v in changes.items()))
+                          + " ".join(f"{k.split('.')[-1]}={v}" for k, v in changes.items()))
                 return
 
     def _interrupted(self, study: Any, trial: Any) -> None:
@@ -414,7 +451,7 @@ class Tuner:
 
         best = best_trials(study, self.t)
         summary = write_outputs(study, best, t=self.t, out_dir=self.run_dir, name=self.name, storage=self.storage,
-                                overrides=self.overrides, echo=self.echo)
+                                overrides=self.overrides, echo=self.echo, stopped=self.stopped)
         if best:
             self._tag(best[0].user_attrs.get("mlflow_run_id"), {"best": "true"})
         for path in summary["artifacts"]:
@@ -427,6 +464,20 @@ class Tuner:
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
+
+
+def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
+    """Optuna's GridSampler for an ask-and-tell loop: it says when the grid is covered (the loop
+    ends) instead of calling study.stop(), which only works inside study.optimize."""
+    import optuna
+
+    class Grid(optuna.samplers.GridSampler):
+        covered = False
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            self.covered = not self._get_unvisited_grid_ids(study)
+
+    return Grid(search_space, seed=seed)
 
 
 def _first_line(exc: BaseException) -> str:
