@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .rundir import pool_job_path, pool_stop_path, rank_paths, ranks_dir, read_job, write_json
+from .rundir import pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir, read_job, write_json
 
 
 def _early_rank() -> int:
@@ -136,16 +136,25 @@ def main(run_dir: str) -> int:
 
 
 POLL_S = 0.005
+OWNER_CHECK_S = 1.0
 
 
 def next_job(pool_dir: Path, seq: int) -> Optional[dict]:
-    """Wait for job `seq` (a JSON file the parent renames into place) or the stop file."""
+    """Wait for job `seq` (a JSON file the parent renames into place), the stop file, or the end
+    of the process that started the pool (killed before it could write the stop file)."""
     path = pool_job_path(pool_dir, seq)
+    owner_file = pool_owner_path(pool_dir)
+    owner = owner_file.read_text() if owner_file.exists() else ""
+    checked = time.monotonic()
     while True:
         if path.exists():
             return json.loads(path.read_text())
         if pool_stop_path(pool_dir).exists():
             return None
+        if owner and time.monotonic() - checked > OWNER_CHECK_S:
+            if process_gone(owner):
+                return None
+            checked = time.monotonic()
         time.sleep(POLL_S)
 
 

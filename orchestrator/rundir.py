@@ -146,3 +146,27 @@ def pool_job_path(pool_dir: Path, seq: int) -> Path:
 
 def pool_stop_path(pool_dir: Path) -> Path:
     return Path(pool_dir) / "stop"
+
+
+def pool_owner_path(pool_dir: Path) -> Path:
+    """`host:pid` of the process that started the pool: its ranks end when it is gone."""
+    return Path(pool_dir) / "owner"
+
+
+def process_tag() -> str:
+    """This process as `host:pid` (a trial's or a pool's owner)."""
+    import os
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def process_gone(tag: str) -> bool:
+    """The `host:pid` process is known to be gone: it ran on this host and no longer exists.
+    (A process on another host cannot be checked from here: False.)"""
+    import socket
+
+    import psutil
+
+    host, _, pid = tag.rpartition(":")
+    return host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid))

@@ -88,3 +88,42 @@ def test_kept_alive_rank_reports_each_jobs_own_peak_memory(make_cfg, tmp_path):
     assert big["peak_mem_mb"] > small["peak_mem_mb"] + 120, (big["peak_mem_mb"], small["peak_mem_mb"])
     assert small["peak_mem_mb"] > 50 and small["per_rank"][0]["mem_source"] == "rss"
     assert not job_processes(tmp_path)
+
+
+def test_kept_alive_ranks_end_when_their_tuner_is_killed(tmp_path):
+    """SIGKILL leaves no chance to write the stop file: the ranks see their owner gone and exit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import ROOT
+
+    script = f"""
+import time
+from orchestrator.app import run_job
+from orchestrator.tune.pool import RankPool
+from tests.conftest import TINY, compose_dict
+from orchestrator.schema import to_config
+pool = RankPool({str(tmp_path / 'pools')!r})
+cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.max_steps=3", "trainer.save_model=false"]))
+run_job(cfg, {str(tmp_path / 'job')!r}, echo=False, ranks=pool)
+print("ready", flush=True)
+time.sleep(600)
+"""
+    tuner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert tuner.stdout.readline().strip() == "ready"
+        def ranks():
+            return [p for p in job_processes(tmp_path) if "orchestrator.rank" in " ".join(p.info["cmdline"])]
+
+        assert ranks()  # the kept-alive rank waits for the next job
+        os.kill(tuner.pid, signal.SIGKILL)
+        tuner.wait()
+        deadline = time.monotonic() + 20
+        while ranks() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ranks()
+    finally:
+        tuner.kill()

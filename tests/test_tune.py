@@ -350,7 +350,8 @@ def test_a_trial_carries_its_owner_from_birth_and_orphans_are_known(tmp_path):
     one), so a tuner that dies between ask() and its first write leaves no trial that looks alive."""
     from datetime import timedelta
 
-    from orchestrator.tune.storage import ORPHAN_AFTER_S, orphaned, owner, study_storage
+    from orchestrator.rundir import process_tag as owner
+    from orchestrator.tune.storage import ORPHAN_AFTER_S, orphaned, study_storage
 
     study = optuna.create_study(storage=study_storage(f"sqlite:///{tmp_path}/s.db"))
     study.enqueue_trial({"x": 1.0})

@@ -8,14 +8,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from datetime import datetime
 from typing import Any, Optional
 
-import psutil
-
+from ..rundir import process_gone, process_tag
 from ..stores import sqlite_path, store_lock
 
 STORAGE_RETRY_S = 30.0  # how long a tuner waits for a server database to come back before it stops
@@ -31,10 +28,6 @@ def study_lock(storage: str, study_name: str):
     return store_lock(storage, f"study.{study_name}")
 
 
-def owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
 def orphaned(trial: Any, now: Optional[datetime] = None) -> bool:
     """A RUNNING trial nobody will finish: its owner is a process of this host that no longer
     exists, or it has had no owner for ORPHAN_AFTER_S. (Processes on other hosts cannot be
@@ -43,8 +36,7 @@ def orphaned(trial: Any, now: Optional[datetime] = None) -> bool:
     if not who:
         start = trial.datetime_start
         return start is not None and ((now or datetime.now()) - start).total_seconds() > ORPHAN_AFTER_S
-    host, _, pid = who.rpartition(":")
-    return host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid))
+    return process_gone(who)
 
 
 def study_storage(url: str) -> Any:
@@ -62,14 +54,14 @@ def study_storage(url: str) -> Any:
             if template_trial is None:
                 template_trial = FrozenTrial(
                     number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(),
-                    datetime_complete=None, params={}, distributions={}, user_attrs={"owner": owner()},
+                    datetime_complete=None, params={}, distributions={}, user_attrs={"owner": process_tag()},
                     system_attrs={}, intermediate_values={}, trial_id=-1)
             return super()._create_new_trial(study_id, template_trial)
 
         def set_trial_state_values(self, trial_id: int, state: TrialState, values: Any = None) -> bool:
             taken = super().set_trial_state_values(trial_id, state, values)
             if taken and state == TrialState.RUNNING:
-                self.set_trial_user_attr(trial_id, "owner", owner())
+                self.set_trial_user_attr(trial_id, "owner", process_tag())
             return taken
 
     if sqlite_path(url) is not None:
