@@ -108,7 +108,7 @@ def compose_cfg(overrides: Sequence[str]) -> Config:
 
 def space_overrides(space: Dict[str, List[int]]) -> List[str]:
     """The three knobs with these choices; the default space's other knobs removed."""
-    out = ["~tune.space.prefetch_factor", "~tune.space.pin_memory"]
+    out = ["~tune.space.prefetch_factor", "~tune.space.pin_memory", "tune.extend_edges=false"]  # the grid is all
     for name, choices in space.items():
         out += [f"tune.space.{name}.type=categorical", f"tune.space.{name}.choices=[{','.join(map(str, choices))}]"]
     return out

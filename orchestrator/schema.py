@@ -353,6 +353,9 @@ class TuneConfig:
     reuse_ranks: bool = True  # keep the ranks alive across trials (new ones when backend/world size change)
     trial_plots: bool = False  # timeline/breakdown PNGs for every trial (~0.4 s each); the report files always
     trial_timeout_s: float = 600.0
+    extend_edges: bool = True  # a best on the top of a dimension its verdict points past: widen it a step, try it
+    max_workers_cap: Optional[int] = None  # how far extend_edges may take data.num_workers; null: 4 x CPU cores per rank
+    allow_large_global_batch: bool = False  # pick a trial that trains one optimizer step per epoch (or fewer)
     patience: int = 10  # end the study after this many trials in a row that beat the best by less than its noise; 0: off
     # name -> ParamSpec fields; free-form so `+tune.space.x={key: ..., ...}` works from the CLI
     # (OmegaConf cannot add a typed dict entry through an override). Typed in __post_init__.
@@ -375,6 +378,8 @@ class TuneConfig:
                  f"tune.max_workers: must be null or >= 0, got {self.max_workers}")
         _require(0 <= self.max_failure_rate <= 1, f"tune.max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
         _require(self.trial_timeout_s > 0, f"tune.trial_timeout_s: must be > 0, got {self.trial_timeout_s}")
+        _require(self.max_workers_cap is None or self.max_workers_cap >= 0,
+                 f"tune.max_workers_cap: must be null or >= 0, got {self.max_workers_cap}")
         _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
         for name, p in self.space.items():
             where = f"tune.space.{name}"

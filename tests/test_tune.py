@@ -20,7 +20,8 @@ from .conftest import ROOT
 
 # trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
 SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
-         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none"]
+         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
+         "tune.extend_edges=false"]
 
 
 def study_of(summary) -> optuna.Study:
@@ -153,10 +154,16 @@ def test_crashing_and_oom_trials_fail_and_the_study_goes_on(make_cfg, tmp_path):
     summary = run_study(cfg, tmp_path, echo=False)
     assert summary["status"] == "FINISHED" and summary["n_trials"] == 6
     trials = study_of(summary).trials
+    oom = []  # (batch, trial) that ran out of memory so far: no larger batch is launched after
     for t in trials:
+        v = t.user_attrs["values"]
+        if oom and v["data.batch_size"] > min(oom)[0]:
+            assert t.user_attrs["over_memory_of"] == min(oom)[1] and t.state == optuna.trial.TrialState.PRUNED
+            continue
         if "duplicate_of" in t.user_attrs:  # a re-proposed config: not launched again
             continue
-        v = t.user_attrs["values"]
+        if v["trainer.memory_cap_mb"] == 30:
+            oom.append((v["data.batch_size"], t.number))
         should_fail = v["model.args.fail_at"] == 2 or v["trainer.memory_cap_mb"] == 30
         assert (t.state == optuna.trial.TrialState.FAIL) == should_fail, (v, t.state, t.user_attrs.get("error"))
         if v["trainer.memory_cap_mb"] == 30:
@@ -450,3 +457,89 @@ def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp
     assert flat["stopped"]["by"] == "patience" and flat["stopped"]["streak"] == 2 and flat["n_trials"] < 12
     assert "[tune] stopped early: 2 trials in a row did not beat trial" in out
     assert json.loads((tmp_path / "flat" / "summary.json").read_text())["stopped"]["by"] == "patience"
+
+
+def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys):
+    """3 ms reads per sample: the best is input-bound at the most workers the space allows; the
+    study widens num_workers (up to tune.max_workers_cap) and tries the step."""
+    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
+                   "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=tpe", "tune.max_workers=1",
+                   "tune.max_workers_cap=2", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
+                   "tune.space.accumulation_steps.high=1", "~tune.space.prefetch_factor")
+    summary = run_study(cfg, tmp_path)
+    out = capsys.readouterr().out
+    trials = study_of(summary).trials
+    edge = [t for t in trials if t.user_attrs.get("proposed_by") == "edge"]
+    assert len(edge) == 1 and edge[0].user_attrs["values"]["data.num_workers"] == 2, [
+        (t.number, t.state.name, t.user_attrs.get("proposed_by"), t.user_attrs.get("values"), t.user_attrs.get("reason"))
+        for t in trials]
+    assert "is input-bound at num_workers=1, the top of the space" in edge[0].user_attrs["reason"]
+    assert study_of(summary).user_attrs["extended"] == {"num_workers": 2}
+    assert "widened num_workers to [0, 2], trying num_workers=2" in out
+    best = summary["best"]["values"]["data.num_workers"]
+    if best == 2:  # on the new edge: the cap is said
+        assert summary["edges"][0]["capped"] == "tune.max_workers_cap=2" and "[tune] edge: " in out
+    rows = (tmp_path / "trials.csv").read_text().splitlines()
+    assert "global_batch" in rows[0] and "prune_reason" in rows[0] and ",edge," in "\n".join(rows)
+
+
+def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_path, capsys):
+    """Batch 64 of a 64-sample dataset trains one optimizer step per epoch: not a pick, whatever it
+    measures; the pick changes the base config's global batch (32), and the summary says by how much."""
+    cfg = make_cfg(*SHORT, "data.args.size=64", "tune.n_trials=3", "tune.sampler=grid",
+                   f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.type=categorical",
+                   "tune.space.batch_size.choices=[8,16,64]", "tune.space.accumulation_steps.high=1",
+                   "tune.space.num_workers.high=0")
+    summary = run_study(cfg, tmp_path)
+    out = capsys.readouterr().out
+    gb = {t.user_attrs["values"]["data.batch_size"]: t.user_attrs for t in study_of(summary).trials}
+    assert {b: a["global_batch"] for b, a in gb.items()} == {8: 8, 16: 16, 64: 64}
+    assert gb[64]["steps_per_epoch"] == 1 and gb[8]["steps_per_epoch"] == 8
+    assert summary["refused"] == [{"trial": next(n for n, t in enumerate(study_of(summary).trials)
+                                                 if t.user_attrs["values"]["data.batch_size"] == 64),
+                                   "global_batch": 64, "steps_per_epoch": 1}]
+    assert summary["best"]["values"]["data.batch_size"] in (8, 16)
+    note = summary["global_batch"]
+    assert note["base"] == 32 and note["best"] == summary["best"]["values"]["data.batch_size"]
+    assert f"hold it with tune.global_batch=32" in note["note"] and "[tune] global batch: " in out
+    assert "allow with tune.allow_large_global_batch=true" in out
+    assert "# Note: the best trains a global batch of" in (tmp_path / "tuned" / "best.yaml").read_text()
+
+
+def test_the_rerun_line_trains_and_measures(tmp_path):
+    """The study's printed rerun line, run as printed: the rerun's result has figures."""
+    study_dir, rerun_dir = tmp_path / "study", tmp_path / "rerun"
+    args = [sys.executable, "-m", "orchestrator", *SHORT, "trainer.warmup_steps=1", "tune.n_trials=2",
+            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "tune.space.accumulation_steps.high=1",
+            f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tracking.enabled=false", f"hydra.run.dir={study_dir}"]
+    subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
+    rerun = shlex.split(json.loads((study_dir / "summary.json").read_text())["rerun"])
+    out = subprocess.run([*rerun, f"hydra.run.dir={rerun_dir}"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((rerun_dir / "result.json").read_text())
+    assert result["status"] == "FINISHED" and result["throughput"] > 0 and result["utilization"] is not None
+    assert "trainer.warmup_steps=1" in rerun and not any(a.startswith(("mode=", "tune.")) for a in rerun)
+
+
+def test_a_pruned_trial_shows_its_last_window_and_the_pruners_reason(make_cfg, tmp_path, capsys):
+    """Slow reads (2 ms per sample) make a config 10x slower: once 3 trials completed, the median
+    pruner stops such a trial at its second window, and says with which figures and why."""
+    cfg = make_cfg(*SHORT, "tune.pruner=median", "tune.sampler=grid", "tune.n_trials=8", "tune.baseline=false",
+                   f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.type=categorical",
+                   "tune.space.batch_size.choices=[32]", "tune.space.num_workers.high=0",
+                   "tune.space.accumulation_steps.high=4",
+                   "+tune.space.read={key: data.read_latency_ms, type: categorical, choices: [0.0, 2.0]}")
+    summary = run_study(cfg, tmp_path)
+    out = capsys.readouterr().out
+    pruned = [t for t in study_of(summary).trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned, [t.state.name for t in study_of(summary).trials]
+    for t in pruned:
+        a = t.user_attrs
+        assert a["last_window_throughput"] > 0 and 0 <= a["last_window_utilization"] <= 1
+        assert "below the median" in a["prune_reason"] and "of earlier trials at that window" in a["prune_reason"]
+        assert f"[tune] trial {t.number:3d} PRUNED" in out and a["prune_reason"].split(";")[0] in out
+        tags = MlflowClient(cfg.tracking.uri).get_run(a["mlflow_run_id"]).data.tags
+        assert tags["prune_reason"] == a["prune_reason"]
+    assert summary["pruning"]["pruned"] == len(pruned) and summary["pruning"]["saved_s"] >= 0
+    assert "[tune] pruning stopped" in out

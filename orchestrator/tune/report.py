@@ -13,10 +13,12 @@ import yaml
 
 from ..commands import orchestrator_command
 from ..schema import Objective, TuneConfig
-from .rules import completed, confirmed, counted, figures, ranked, separation
+from .edges import advice
+from .rules import completed, confirmed, counted, figures, ranked, refused, separation
 
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
-           "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s")
+           "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "global_batch",
+           "steps_per_epoch", "last_window_utilization", "last_window_throughput", "prune_reason")
 CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
                      "runs")
 
@@ -33,10 +35,11 @@ def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, name: str, storage: str,
-                  overrides: List[str], echo: bool, stopped: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                  overrides: List[str], echo: bool, notes: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The study's files in `out_dir` (its `name`, `storage`, and the CLI `overrides` for the
-    rerun line; `stopped`: why it ended before tune.n_trials); with `echo`, the ranked table.
-    Returns the summary (also summary.json)."""
+    rerun line; `notes`: stopped, edges, global_batch, pruning, see Tuner._notes); with `echo`,
+    the ranked table. Returns the summary (also summary.json)."""
+    notes = {"stopped": None, "edges": [], "global_batch": None, "pruning": {}, **(notes or {})}
     out_dir.mkdir(parents=True, exist_ok=True)
     artifacts: List[str] = []
     trials = study.get_trials(deepcopy=False)
@@ -61,13 +64,16 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
 
     summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
-                               "pareto_front": [], "stopped": stopped}
+                               "pareto_front": [], **notes}
     for tr in trials:
         summary["states"][tr.state.name] = summary["states"].get(tr.state.name, 0) + 1
     baseline = next((tr for tr in completed(study) if tr.user_attrs.get("baseline")), None)
     if baseline is not None:
         summary["baseline"] = {"number": baseline.number, "values": baseline.user_attrs["values"],
                                **{c: baseline.user_attrs.get(c) for c in COLUMNS}}
+    summary["refused"] = [{"trial": tr.number, "global_batch": tr.user_attrs.get("global_batch"),
+                           "steps_per_epoch": tr.user_attrs["steps_per_epoch"]}
+                          for tr in completed(study) if refused(tr, t)]
     conf = confirmed(study)
     if conf:
         summary["confirmed"] = conf
@@ -91,6 +97,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
             "# @package _global_\n"
             f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
             f"# Rerun: {rerun}\n"
+            + "".join(f"# Note: {line}\n" for line in _header_notes(notes))
             + yaml.safe_dump(_nested(values), sort_keys=True)
         )
         artifacts.append(str(best_yaml))
@@ -105,6 +112,10 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     if echo:
         _print_table(study, best, t, name, summary)
     return summary
+
+
+def _header_notes(notes: Dict[str, Any]) -> List[str]:
+    return ([notes["global_batch"]["note"]] if notes.get("global_batch") else []) + [e["note"] for e in notes["edges"]]
 
 
 def _overhead(trials: List[Any]) -> Dict[str, float]:
@@ -170,7 +181,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         a, f = tr.user_attrs, figures(tr, conf)
         knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in a["values"].items() if v is not None)
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
-                                 ("baseline", a.get("baseline"))) if on]
+                                 ("baseline", a.get("baseline")), ("refused", refused(tr, t))) if on]
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
                       f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), a.get("verdict", "-"),
                       " ".join(notes))
@@ -181,6 +192,16 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
               f"(their {sep['figure']} intervals overlap): either is as good")
     if summary.get("stopped"):
         print(f"[tune] stopped early: {summary['stopped']['why']}")
+    if summary["refused"]:
+        print(f"[tune] not picked: trial(s) {', '.join(str(r['trial']) for r in summary['refused'])} train one optimizer "
+              "step per epoch (the global batch covers the dataset); allow with tune.allow_large_global_batch=true")
+    if summary["pruning"]:
+        print(f"[tune] pruning stopped {summary['pruning']['pruned']} trials early, saving about "
+              f"{summary['pruning']['saved_s']:.0f}s of trial time")
+    for edge in summary["edges"]:
+        print(f"[tune] edge: {advice(edge, t.extend_edges)}")
+    if summary["global_batch"]:
+        print(f"[tune] global batch: {summary['global_batch']['note']}")
     if summary.get("best"):
         print(f"[tune] best: trial {summary['best']['number']}: {summary['rerun_overrides']}")
         print(f"[tune] rerun it: {summary['rerun']}")

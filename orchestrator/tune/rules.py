@@ -13,8 +13,13 @@ def counted(trials: List[Any]) -> int:
     """Trials that count toward tune.n_trials: all but those an interrupt cut short, the
     re-proposals of an already measured config (never launched) and the ones still waiting in the
     queue (a diagnosis proposal counts once a tuner takes it)."""
-    return sum(not (t.user_attrs.get("interrupted") or "duplicate_of" in t.user_attrs or t.state.name == "WAITING")
-               for t in trials)
+    return sum(not (t.user_attrs.get("interrupted") or not_launched(t) or t.state.name == "WAITING") for t in trials)
+
+
+def not_launched(trial: Any) -> bool:
+    """A proposal answered without a launch: a config already measured (`duplicate_of`), or a
+    batch larger than one that ran out of memory (`over_memory_of`)."""
+    return "duplicate_of" in trial.user_attrs or "over_memory_of" in trial.user_attrs
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
@@ -25,6 +30,13 @@ def utilization_score(util: float, thr: float, best_thr: float, floor: float) ->
     if best <= 0:
         return 0.0
     return 1.0 + util if thr >= floor * best else thr / best
+
+
+def refused(trial: Any, t: TuneConfig) -> bool:
+    """A trial that cannot be the pick: its global batch leaves one optimizer step per epoch (or
+    none) of the dataset, a different training altogether (unless tune.allow_large_global_batch)."""
+    per_epoch = trial.user_attrs.get("steps_per_epoch")
+    return not t.allow_large_global_batch and per_epoch is not None and per_epoch <= 1
 
 
 def completed(study: Any) -> List[Any]:
@@ -54,12 +66,15 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
         return []
     conf = confirmed(study)
     fig = {tr.number: figures(tr, conf) for tr in done}
-    pool = [tr for tr in done if str(tr.number) in conf] or done
+    eligible = [tr for tr in done if not refused(tr, t)] or done  # the floor is measured from a possible pick
+    pool = [tr for tr in eligible if str(tr.number) in conf] or eligible
     top = max(fig[tr.number]["throughput"] for tr in pool)
 
     def key(tr: Any) -> tuple:
         f, outside = fig[tr.number], tr not in pool
-        if t.objective in (Objective.throughput, Objective.mfu):  # mfu moves with samples/s for one model
+        if t.objective is Objective.mfu and f.get("mfu") is not None:
+            return (outside, -f["mfu"])
+        if t.objective in (Objective.throughput, Objective.mfu):  # confirmed figures: mfu moves with samples/s
             return (outside, -f["throughput"])
         within = f["throughput"] >= t.throughput_floor * top
         return (outside, not within, -(f["utilization"] if within else f["throughput"]))
@@ -71,7 +86,7 @@ def best_trials(study: Any, t: TuneConfig) -> List[Any]:
     """Best first: the Pareto front for objective both, else the top of `ranked`."""
     if t.objective is Objective.both:
         return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
-    return ranked(study, t)[:1]
+    return [tr for tr in ranked(study, t) if not refused(tr, t)][:1]
 
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
@@ -79,7 +94,7 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     objective's floor is measured from it), less those the noise cannot make win: a runner-up
     whose intervals lie below the leader's on both throughput and utilization, and the fastest
     when the leader is within the floor of it for certain. A lone leader needs no confirmation."""
-    done = completed(study)
+    done = [tr for tr in completed(study) if not refused(tr, t)]
     if not done or t.objective is Objective.both or t.confirm_top == 0:
         return []
     top = max(tr.user_attrs["throughput"] for tr in done)
@@ -149,7 +164,7 @@ def stale_streak(study: Any, t: TuneConfig) -> Tuple[int, Optional[int]]:
     import optuna
 
     done = [tr for tr in study.get_trials(deepcopy=False) if tr.state.is_finished()
-            and not (tr.user_attrs.get("interrupted") or "duplicate_of" in tr.user_attrs)]
+            and not (tr.user_attrs.get("interrupted") or not_launched(tr))]
     streak, best = 0, None
     for tr in sorted(done, key=lambda tr: tr.number):
         a = tr.user_attrs

@@ -10,6 +10,7 @@ from winning when it costs samples per second.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from ..stores import redact, resolve_uri, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from .report import write_outputs
-from .rules import best_trials, confirm_candidates, confirmed, counted, figures, stale_streak, utilization_score
-from .space import NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace, apply
+from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, stale_streak,
+                    utilization_score)
+from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace, apply
+from .edges import apply_extensions, edges_of, next_step, summary_of, workers_cap
 from .storage import is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
@@ -64,6 +67,7 @@ class Tuner:
             raise ConfigError(f"tune.sampler: grid has {self.space.grid_size()} points, more than tune.n_trials="
                               f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
         self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
+        self.capped: Dict[str, str] = {}  # dimension -> why extend_edges did not widen it
         self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
                                          f"{datetime.now():%Y%m%d-%H%M%S}"
@@ -85,14 +89,30 @@ class Tuner:
                 worker = int(study.user_attrs.get("workers", 0))
                 study.set_user_attr("workers", worker + 1)
                 self._reclaim_orphans(study)
+                apply_extensions(self.space, study.user_attrs.get("extended") or {})
                 if worker == 0 and self.t.baseline and not study.trials:
-                    study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"baseline": True})
+                    self._enqueue_baseline(study)
         except ConfigError:
             raise
         except Exception as exc:  # unreachable host, wrong password, ...: before any trial
             raise ConfigError(f"tune.storage: cannot use {redact(self.storage)}: {_first_line(exc)}") from None
         study.sampler = self._sampler(worker)
         return study
+
+    def _enqueue_baseline(self, study: Any) -> None:
+        """Trial 0: the config as given (its values outside the space are left to the sampler).
+        A grid takes only whole points: knobs the baseline does not use (prefetch without workers)
+        get the grid's first value; a baseline off the grid is not run, and the study says so."""
+        params = self.space.params_of(self.space.baseline())
+        if self.t.sampler is SamplerName.grid:
+            grid = self.space.grid()
+            missing = [d for d in self.space.dims if d.param not in params]
+            if any(d.key not in NEEDS_WORKERS for d in missing):
+                self._say("[tune] the config as given is not a point of the grid: no baseline trial ("
+                          + ", ".join(f"{d.name}={self.space.baseline().get(d.key)}" for d in missing) + ")")
+                return
+            params.update({d.param: grid[d.param][0] for d in missing})
+        study.enqueue_trial(params, user_attrs={"baseline": True})
 
     def _sampler(self, worker: int) -> Any:
         """tune.sampler, seeded: each tuner process of a shared study samples its own stream, the
@@ -166,6 +186,7 @@ class Tuner:
             while True:
                 with study_lock(self.storage, self.name):
                     self._reclaim_orphans(study)
+                    apply_extensions(self.space, study.user_attrs.get("extended") or {})  # another process's
                     if counted(study.get_trials(deepcopy=False)) >= self.t.n_trials:
                         break
                     trial = study.ask()
@@ -174,11 +195,13 @@ class Tuner:
                 except KeyboardInterrupt:
                     self._interrupted(study, trial)
                     raise
-                duplicates_in_a_row = duplicates_in_a_row + 1 if "duplicate_of" in trial.user_attrs else 0
+                duplicates_in_a_row = duplicates_in_a_row + 1 if not_launched(trial) else 0
                 if duplicates_in_a_row >= MAX_DUPLICATES:  # a small space is covered
                     self.stopped = {"by": "covered", "why": f"{MAX_DUPLICATES} proposals in a row were already "
                                                             "measured: the space looks covered"}
                     break
+                if self.t.extend_edges and not self.multi:
+                    self._extend_edges(study, trial)
                 if getattr(study.sampler, "covered", False):
                     self.stopped = {"by": "covered", "why": "every point of the grid was measured"}
                     break
@@ -206,6 +229,34 @@ class Tuner:
                 print(f"[tune] could not write the study's outputs: {_first_line(exc)}")
                 self.tracker.end(status)
         return summary
+
+    def _extend_edges(self, study: Any, last: Any) -> None:
+        """tune.extend_edges: the best so far sits on the top of a dimension its verdict points
+        past: widen the dimension one step (edges.next_step: up to tune.max_workers_cap, memory,
+        the dataset) for every tuner process of the study, and try the best there next (a trial
+        proposed by `edge`). Once per step: a dimension already widened past the best is left alone."""
+        best = best_trials(study, self.t)
+        if not best or best[0].number != last.number:  # only a new best opens an edge
+            return
+        for edge in edges_of(best[0], self.space):
+            dim = next(d for d in self.space.dims if d.name == edge.name)
+            step = next_step(dim, best[0], study.get_trials(deepcopy=False), workers_cap(self.space, self.t.max_workers_cap))
+            if "capped" in step:
+                self.capped[edge.name] = step["capped"]
+                continue
+            with study_lock(self.storage, self.name):
+                trials = study.get_trials(deepcopy=False)
+                waiting = sum(tr.state == self.optuna.trial.TrialState.WAITING for tr in trials)
+                extended = dict(study.user_attrs.get("extended") or {})
+                if counted(trials) + waiting >= self.t.n_trials or extended.get(edge.name, 0) >= step["value"]:
+                    return
+                extended[edge.name] = step["value"]
+                study.set_user_attr("extended", extended)
+                apply_extensions(self.space, extended)
+                point = {**best[0].user_attrs["values"], edge.key: step["value"]}
+                reason = f"trial {best[0].number} is {edge.verdict} at {edge.name}={edge.value}, the top of the space"
+                study.enqueue_trial(self.space.params_of(point), user_attrs={"proposed_by": "edge", "reason": reason})
+            self._say(f"[tune] {reason}: widened {edge.name} to {dim.describe()}, trying {edge.name}={step['value']}")
 
     def _out_of_patience(self, study: Any) -> bool:
         """tune.patience: the last N counted trials did not beat the best by more than its noise."""
@@ -236,6 +287,13 @@ class Tuner:
             study.tell(trial, state=TrialState.PRUNED)
             self._record(rec, t0)
             return
+        ceiling = self._memory_ceiling(study)
+        if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
+            rec.state, rec.error = "PRUNED", f"batch {values[BATCH_KEY]} > {ceiling[0]}, which ran out of memory in trial {ceiling[1]}"
+            trial.set_user_attr("over_memory_of", ceiling[1])
+            study.tell(trial, state=TrialState.PRUNED)
+            self._record(rec, t0)
+            return
         try:
             cfg = trial_config(self.cfg, values)
         except ConfigError as exc:  # an invalid combination: recorded, never launched
@@ -244,7 +302,8 @@ class Tuner:
             study.tell(trial, state=TrialState.PRUNED)
             self._record(rec, t0)
             return
-        pruned = {"flag": False}
+        trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
+        pruned: Dict[str, Any] = {"flag": False}
         best_thr = self._best_throughput(study)
 
         def monitor(window: int, job: Dict[str, float]) -> bool:
@@ -256,7 +315,8 @@ class Tuner:
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
             trial.report(value, window)
             if trial.should_prune():
-                pruned["flag"] = True
+                pruned.update(flag=True, window=window, score=value, job=job,
+                              median=self._median_at(study, trial.number, window))
             return pruned["flag"]
 
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
@@ -270,7 +330,7 @@ class Tuner:
             rec.mlflow_run_id = result.get("mlflow_run_id")
             self._log_estimate(rec.mlflow_run_id, rec.metrics)
             for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
-                         "duration_s": time.monotonic() - t0}.items():
+                         "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch")}.items():
                 trial.set_user_attr(k, v)
             if result.get("diagnosis"):
                 trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
@@ -281,6 +341,7 @@ class Tuner:
         except JobStopped as exc:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
+            self._pruned(trial, rec, pruned)
             study.tell(trial, state=TrialState.PRUNED)
         except JobFailed as exc:
             err = exc.result.get("error", str(exc))
@@ -289,13 +350,46 @@ class Tuner:
             trial.set_user_attr("error", rec.error[:500])
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             study.tell(trial, state=TrialState.FAIL)
+            if _is_oom(err) and values.get(BATCH_KEY):
+                self._propose(study, trial, values, {"verdict": "out of memory", "moves": [{
+                    "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
+                            ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
+                    "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
         rec.duration_s = time.monotonic() - t0
         trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
                             "proposed_by": rec.proposed_by, "verdict": trial.user_attrs.get("verdict", "-")}
         if rec.error:
-            trial_state_tags["trial_error"] = rec.error[:500]
+            trial_state_tags["prune_reason" if rec.state == "PRUNED" else "trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
         self._record(rec, t0)
+
+    def _memory_ceiling(self, study: Any) -> Optional[tuple]:
+        """(batch, trial): the smallest batch that ran out of memory (or was memory-bound) so far
+        at this world size; no larger batch is launched for the rest of the study."""
+        bad = [(tr.user_attrs["values"][BATCH_KEY], tr.number) for tr in study.get_trials(deepcopy=False)
+               if BATCH_KEY in (tr.user_attrs.get("values") or {})
+               and (str(tr.user_attrs.get("error", "")).startswith("out of memory")
+                    or tr.user_attrs.get("verdict") == "memory-bound")]
+        return min(bad) if bad else None
+
+    def _median_at(self, study: Any, number: int, window: int) -> Optional[float]:
+        """The median pruner's bar at `window`: the median of the earlier trials' scores there."""
+        scores = [tr.intermediate_values[window] for tr in study.get_trials(
+                  deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,)) if window in tr.intermediate_values]
+        return statistics.median(scores) if scores else None
+
+    def _pruned(self, trial: Any, rec: TrialRecord, pruned: Dict[str, Any]) -> None:
+        """A pruned trial keeps its last window's figures and the pruner's reason (trials.csv,
+        the console line, the MLflow tag prune_reason)."""
+        if not pruned.get("job"):
+            return
+        job, bar = pruned["job"], pruned.get("median")
+        trial.set_user_attr("last_window_throughput", float(job["throughput"]))
+        trial.set_user_attr("last_window_utilization", float(job["utilization"]))
+        rec.error = (f"last window {pruned['window']}: utilization {100 * job['utilization']:.1f}%, throughput "
+                     f"{job['throughput']:.1f}/s; score {pruned['score']:.3f} below the median "
+                     + (f"{bar:.3f} " if bar is not None else "") + "of earlier trials at that window")
+        trial.set_user_attr("prune_reason", rec.error)
 
     def _confirm(self, study: Any, parent: Optional[str]) -> None:
         """Re-measure the best candidates (report.confirm_candidates) in CONFIRM_ROUNDS interleaved
@@ -447,11 +541,38 @@ class Tuner:
         self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {rec.proposed_by:9s} {knobs:45s} {figures}  "
                   f"({rec.duration_s:.1f}s)")
 
+    def _notes(self, study: Any, best: List[Any]) -> Dict[str, Any]:
+        """What the user must know to act on the pick: the edges it sits on, how its global batch
+        compares with the base config's, and the trial time pruning saved."""
+        TrialState = self.optuna.trial.TrialState
+        trials = study.get_trials(deepcopy=False)
+        notes: Dict[str, Any] = {"edges": [], "pruning": {}, "global_batch": None}
+        done = [tr.user_attrs["duration_s"] for tr in trials if tr.state == TrialState.COMPLETE
+                and tr.user_attrs.get("duration_s")]
+        pruned = [tr for tr in trials if tr.state == TrialState.PRUNED and "prune_reason" in tr.user_attrs]
+        if pruned and done:  # each pruned trial would have run about as long as a completed one
+            spent = sum(tr.duration.total_seconds() for tr in pruned if tr.duration)
+            notes["pruning"] = {"pruned": len(pruned), "saved_s": max(0.0, len(pruned) * statistics.median(done) - spent)}
+        if not best or self.multi:
+            return notes
+        b = best[0]
+        notes["edges"] = summary_of(b, self.space, study.user_attrs.get("extended") or {}, self.capped)
+        base = self.cfg.data.batch_size * self.cfg.trainer.accumulation_steps * self.cfg.world_size
+        mine = b.user_attrs.get("global_batch")
+        if mine is not None and mine != base:
+            notes["global_batch"] = {
+                "base": base, "best": mine, "ratio": mine / base,
+                "note": f"the best trains a global batch of {mine} (batch x accumulation x {self.cfg.world_size} "
+                        f"rank(s)) where the base config trains {base} ({mine / base:.3g}x): different optimization "
+                        f"math (learning rate, steps per epoch); hold it with tune.global_batch={base}"}
+        return notes
+
     def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
 
         best = best_trials(study, self.t)
         summary = write_outputs(study, best, t=self.t, out_dir=self.run_dir, name=self.name, storage=self.storage,
-                                overrides=self.overrides, echo=self.echo, stopped=self.stopped)
+                                overrides=self.overrides, echo=self.echo,
+                                notes={"stopped": self.stopped, **self._notes(study, best)})
         if best:
             self._tag(best[0].user_attrs.get("mlflow_run_id"), {"best": "true"})
         for path in summary["artifacts"]:
