@@ -415,6 +415,12 @@ def test_the_space_samples_ordinals_and_knobs_that_need_workers_only_with_worker
     assert space.grid_size() == 7 * 3 * (1 + 3 * 8)
     no_workers = SearchSpace(make_cfg("mode=tune", "tune.space.num_workers.high=0"))
     assert "prefetch_factor" in no_workers.left_out and no_workers.grid_size() == 7 * 8
+    # a move the diagnosis proposes lands on the nearest value of the space on its way
+    snap = space.snap
+    assert snap("data.num_workers", 0, 2) == 2 and snap("data.num_workers", 1, 8) == 3  # the top of [0, 3]
+    assert snap("data.num_workers", 3, 8) is None and snap("data.batch_size", 512, 1024) is None
+    assert snap("trainer.accumulation_steps", 1, 3) == 4 and snap("trainer.accumulation_steps", 2, 3) == 4
+    assert snap("trainer.accumulation_steps", 4, 1) == 1 and snap("data.batch_size", 64, 48) == 32
 
 
 def test_patience_counts_trials_that_do_not_beat_the_best_by_more_than_its_noise():

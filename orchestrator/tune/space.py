@@ -213,6 +213,25 @@ class SearchSpace:
         d = next((d for d in self.dims if d.key == key), None)
         return d is not None and d.contains(value)
 
+    def snap(self, key: str, current: Any, target: Any) -> Any:
+        """The value of the space nearest to `target` on the way from `current` (a move the
+        diagnosis proposes, e.g. 3 workers where the choices are 0, 1, 2, 4, becomes 4: the nearer,
+        the bolder on a tie, never back past `current`); None when the space has nothing that way."""
+        d = next((d for d in self.dims if d.key == key), None)
+        if d is None or current is None or target == current:
+            return None
+        if d.contains(target):
+            return target
+        up = target > current
+        if d.choices is None and d.type is ParamType.float:
+            edge = d.high if up else d.low
+            return edge if (edge > current if up else edge < current) else None  # type: ignore[operator]
+        ahead = [v for v in (d.choices if d.choices is not None else d.extremes())
+                 if (v > current if up else v < current)]
+        if d.choices is None and ahead:  # an int range: the nearest end of it
+            return max(ahead) if up else min(ahead)
+        return min(ahead, key=lambda v: (abs(v - target), -v if up else v)) if ahead else None  # ties: the bolder
+
     def grid(self) -> Dict[str, List[Any]]:
         """tune.sampler=grid: Optuna parameter -> every value."""
         return {d.param: [d.to_param(v) for v in d.values()] for d in self.dims}

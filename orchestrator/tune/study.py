@@ -451,7 +451,8 @@ class Tuner:
                 return
             seen = [tr.params or tr.system_attrs.get("fixed_params") or {} for tr in trials]
             for move in diagnosis.get("moves", []):
-                changes = {k: v for k, v in move["set"].items() if k in self.space.keys}
+                changes = {k: self.space.snap(k, here.get(k), v) for k, v in move["set"].items() if k in self.space.keys}
+                changes = {k: v for k, v in changes.items() if v is not None}
                 point = {**here, **changes}
                 if point.get(WORKERS_KEY) == 0:  # knobs of the workers' queue go with the workers
                     point = {k: v for k, v in point.items() if k not in NEEDS_WORKERS}
