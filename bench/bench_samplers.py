@@ -26,6 +26,9 @@ about 25); other work on the machine makes every figure noisier (the load averag
 
     .venv/bin/python bench/bench_samplers.py [--quick] [--only input_bound comm_heavy transformer_lm]
                                              [--part grid default] [--keep]
+
+`--cache FILE` keeps the trial and steady-state figures per grid point in a JSON file that
+bench_trials reads too (same workload and reference factor), so the long reference runs are made once.
 """
 
 from __future__ import annotations

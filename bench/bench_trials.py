@@ -28,6 +28,9 @@ the reference. The full run takes about 25-35 minutes on 2 idle cores; the load 
 before and after (other work on the machine makes every figure noisier).
 
     .venv/bin/python bench/bench_trials.py [--quick] [--only input_bound|comm_heavy] [--keep]
+
+`--cache FILE` keeps the trial and steady-state figures per grid point in a JSON file that
+bench_samplers reads too (same workload and reference factor), so the long reference runs are made once.
 """
 
 from __future__ import annotations
