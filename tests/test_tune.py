@@ -507,7 +507,7 @@ def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_p
     assert summary["best"]["values"]["data.batch_size"] in (8, 16)
     note = summary["global_batch"]
     assert note["base"] == 32 and note["best"] == summary["best"]["values"]["data.batch_size"]
-    assert f"hold it with tune.global_batch=32" in note["note"] and "[tune] global batch: " in out
+    assert "hold it with tune.global_batch=32" in note["note"] and "[tune] global batch: " in out
     assert "allow with tune.allow_large_global_batch=true" in out
     assert "# Note: the best trains a global batch of" in (tmp_path / "tuned" / "best.yaml").read_text()
 
