@@ -19,7 +19,7 @@ from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import WINDOW_KEYS, Event, ranks_dir, write_job
-from .runtime.dist import check_devices
+from .runtime.dist import check_devices, check_shard_modules
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
 from .supervise import FreshRanks, Outcome, Ranks
 from .tracking import Tracker
@@ -119,6 +119,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
     check_devices(cfg)
+    check_shard_modules(cfg)
     launch = build_launch(cfg, run_dir)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "

@@ -49,9 +49,9 @@ class GlobalBatches(Sampler):
         return len(self.order)
 
 
-def reference_params(make_cfg, accum: int, world: int = 2) -> dict:
+def reference_params(make_cfg, accum: int, world: int = 2, *extra: str) -> dict:
     """One process training on the same global batches (world * b per micro-step)."""
-    cfg = make_cfg(*WORKLOAD, f"trainer.accumulation_steps={accum}", "data.batch_size=16")
+    cfg = make_cfg(*WORKLOAD, f"trainer.accumulation_steps={accum}", f"data.batch_size={8 * world}", *extra)
     dataset = build_dataset(cfg)
 
     class OneProcess(Adapter):
@@ -87,6 +87,24 @@ def test_ranks_agree_and_match_one_process(make_cfg, tmp_path, backend, accum):
     assert (run.data.tags["backend"], run.data.tags["world_size"], run.data.tags["nnodes"]) == (backend, "2", "1")
     assert "rank1/throughput" in run.data.metrics and "rank0/utilization" in run.data.metrics
     assert result["comm_frac"] > 0  # the all-reduce is measured
+
+
+# fsdp: the linear layer sharded as its own unit (10 rows: 5 per rank), the global norm clipped
+# (active: the gradients' norm starts above 0.5), and HSDP on 4 ranks in 2 groups of 2
+@pytest.mark.parametrize("accum, world, shard", [(1, 2, 0), (3, 2, 0), (1, 4, 2)])
+def test_fsdp_matches_one_process(make_cfg, tmp_path, accum, world, shard):
+    fsdp = ["backend.shard_modules=[Linear]", "trainer.grad_clip=0.5", f"trainer.accumulation_steps={accum}"]
+    cfg = make_cfg("backend=fsdp", f"parallelism.nproc_per_node={world}", f"parallelism.shard_size={shard}",
+                   *WORKLOAD, *fsdp)
+    result = run_job(cfg, tmp_path)
+    assert result["status"] == "FINISHED" and result["world_size"] == world and result["steps"] == 6
+    assert len({r["param_digest"] for r in result["per_rank"]}) == 1  # the gathered parameters agree
+    got = torch.load(tmp_path / "model.pt")  # consolidated: plain tensors of the full shapes
+    want = reference_params(make_cfg, accum, world, *fsdp)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert type(got[k]) is torch.Tensor and torch.allclose(got[k], want[k], atol=1e-5), k
+    assert result["comm_frac"] > 0  # the all-gathers and reduce-scatters are measured
 
 
 def test_sampler_shards_are_disjoint_and_cover(make_cfg):

@@ -160,9 +160,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def param_digest(model: nn.Module) -> str:
-    """sha256 of every parameter's bytes: replicas in sync have equal digests."""
+    """sha256 of every parameter's bytes: replicas in sync have equal digests. Sharded (DTensor)
+    ones are gathered one at a time (a collective: every rank calls this)."""
     h = hashlib.sha256()
     for name, p in sorted(unwrap(model).state_dict().items()):
+        if hasattr(p, "full_tensor"):
+            p = p.full_tensor()
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -263,11 +266,13 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         )
     model = (model or build_model(cfg)).to(device)
     ck = checkpoint.load(resume) if resume is not None else None
-    if ck is not None:  # before wrapping: DDP and Horovod then broadcast what rank 0 loaded
+    if ck is not None and not adapter.sharded_state:  # before wrapping: DDP and Horovod then broadcast it
         model.load_state_dict(ck["model"])
     model = adapter.wrap_model(model)
     base_optimizer = build_optimizer(cfg, model)
-    if ck is not None:
+    if ck is not None and adapter.sharded_state:  # every rank reads its own part
+        checkpoint.load_sharded(resume, model, base_optimizer)  # type: ignore[arg-type]
+    elif ck is not None:
         base_optimizer.load_state_dict(ck["optimizer"])
     optimizer = adapter.wrap_optimizer(base_optimizer, model)
     criterion = loss_fn(cfg.model.loss)
@@ -275,7 +280,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     if ck is not None and scaler is not None and ck.get("scaler"):
         scaler.load_state_dict(ck["scaler"])
     generator = loader.generator  # shuffles the single-process order; saved per epoch
-    writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and adapter.rank == 0
+    writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
 
     # profiled steps follow the warmup and are kept out of the measured windows, and so is their
     # teardown (trace export) and the loader queue that filled up meanwhile: the meter warms up again
@@ -310,7 +315,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         meter.resize(figures[1], t.window_s)
         return rule is not None and rule.add(figures[0], figures[2]) is not None
 
-    adapter.install_comm_hook(model, meter.comm_hook_fired)
+    adapter.install_comm_hook(model, meter)
     accum = t.accumulation_steps
     per_epoch = steps_per_epoch(loader, accum)
     # a new epoch's iterator refills the queue: warm up again, unless the epoch is too short to
@@ -340,13 +345,16 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: torch.Tensor) -> None:
-        checkpoint.save(ckpt_dir, step, {  # type: ignore[arg-type]
-            "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
-        }, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
-            "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id})
-        events.write(CheckpointEvent(type="checkpoint", step=step))
+        state = {"scaler": scaler.state_dict() if scaler is not None else None,
+                 "rng": checkpoint.rng_state(), "loader_generator": epoch_generator}
+        if not adapter.sharded_state:
+            state.update(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict())
+        checkpoint.save(ckpt_dir, step, state,  # type: ignore[arg-type]
+                        {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
+                         "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id},
+                        sharded=(model, base_optimizer) if adapter.sharded_state else None, rank=adapter.rank)
+        if adapter.rank == 0:
+            events.write(CheckpointEvent(type="checkpoint", step=step))
 
     t_start = time.perf_counter()
     model.train()
@@ -402,6 +410,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if exposed_comm:
                     adapter.synchronize(optimizer)
                     mark(COMM)
+                if t.grad_clip:  # the global norm, also over sharded (DTensor) gradients
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)
+                    nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
                 adapter.step(optimizer, scaler)
                 optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
                 mark(OPTIMIZER)
