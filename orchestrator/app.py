@@ -115,11 +115,11 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
     """
     cfg, run_dir, resumed = prepare_run_dir(cfg, Path(run_dir).resolve())
+    check_shard_modules(cfg)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
     check_devices(cfg)
-    check_shard_modules(cfg)
     launch = build_launch(cfg, run_dir)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
