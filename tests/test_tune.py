@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator.schema import ConfigError
 from orchestrator.tune.rules import counted, utilization_score
+from orchestrator.tune.space import SearchSpace
 from orchestrator.tune.study import run_study
 
 from .conftest import ROOT
@@ -326,3 +327,11 @@ def test_guided_search_follows_the_diagnosis(make_cfg, tmp_path):
                              "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
                              "tune.space.accumulation_steps.high=1", "tune.max_workers=4"), tmp_path / "tpe", echo=False)
     assert all(t.user_attrs["proposed_by"] != "diagnosis" for t in study_of(tpe).trials)
+
+
+def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
+    base = ["backend=ddp", "parallelism.nproc_per_node=2"]
+    space = SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, fsdp]}"))
+    assert next(d for d in space.dims if d.key == "backend.name").choices == ["ddp", "fsdp"]
+    with pytest.raises(ConfigError, match=r"^tune.space.backend: 'single' runs 1 process\(es\), the base config 2"):
+        SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, single]}"))

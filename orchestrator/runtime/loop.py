@@ -23,7 +23,7 @@ from .. import checkpoint
 from ..rundir import CheckpointEvent, Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
 from .dist import Adapter
 from .flops import StepCounter, mfu_figures
-from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window
+from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window, model_state_mb
 
 
 class LatencyDataset(Dataset):
@@ -458,6 +458,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     summary = meter.summary()
     summary.update(mfu_figures(flops, summary.get("throughput"), device, amp, amp_dtype, t.peak_tflops))
     summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
+    summary["model_state_mb"] = model_state_mb(model, optimizer)
     summary["warmup"]["epochs_rewarm"] = rewarm_epochs
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}

@@ -125,9 +125,13 @@ class SearchSpace:
                 if d.key == WORKERS_KEY and value == 0:  # options that need workers are tuned with them
                     values.update({"data.prefetch_factor": None, "data.persistent_workers": False})
                 try:
-                    apply(self.base, values)
+                    point = apply(self.base, values)
                 except ConfigError as exc:
                     raise ConfigError(f"tune.space.{d.name}: {value!r} is not valid: {exc}") from None
+                if point.world_size != self.world:  # e.g. backend.name: ddp vs fsdp, never vs single
+                    raise ConfigError(f"tune.space.{d.name}: {value!r} runs {point.world_size} process(es), the base "
+                                      f"config {self.world}; a study compares points of one world size (backend.name: "
+                                      "ddp, fsdp, horovod for several ranks)")
 
     def sample(self, trial: Any) -> Dict[str, Any]:
         """Config values for this trial (accumulation derived under global_batch)."""
