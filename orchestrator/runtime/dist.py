@@ -203,22 +203,30 @@ class DDPAdapter(Adapter):
 
 def shard_units(model: nn.Module, class_names: List[str], min_params: int) -> List[nn.Module]:
     """The modules `fully_shard` makes units of before the root, children before parents: those of
-    the classes named, or, with none named, every module below the root that holds at least
-    `min_params` parameters not already in a unit below it."""
+    the classes named; with none named, the repeated blocks: every item of an nn.ModuleList or
+    nn.Sequential holding at least `min_params` parameters (the outermost such; a transformer's
+    layers), or where there is none, every such child of the root. Not any large module: one whose
+    parameters its parent uses directly (MultiheadAttention's out_proj) never runs its own forward,
+    so its parameters would never be gathered."""
     if class_names:
         names = set(class_names)
         return [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in names]
+
+    def big(m: nn.Module) -> bool:
+        return sum(p.numel() for p in m.parameters()) >= min_params
+
     units: List[nn.Module] = []
 
-    def visit(module: nn.Module) -> int:  # parameters under `module` in no unit yet
-        free = sum(visit(c) for c in module.children()) + sum(p.numel() for p in module.parameters(recurse=False))
-        if module is not model and free >= min_params:
-            units.append(module)
-            return 0
-        return free
+    def visit(module: nn.Module) -> None:
+        listed = isinstance(module, (nn.ModuleList, nn.Sequential))
+        for child in module.children():
+            if listed and big(child):
+                units.append(child)
+            else:
+                visit(child)
 
     visit(model)
-    return units
+    return units or [m for m in model.children() if big(m)]
 
 
 def check_shard_modules(cfg: Config, model: Optional[nn.Module] = None) -> None:
@@ -243,6 +251,21 @@ def check_shard_modules(cfg: Config, model: Optional[nn.Module] = None) -> None:
                           f"allowed: {', '.join(present)}")
 
 
+def _fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """glibc: allocations of `nbytes` and more get their own mapping, returned to the OS when freed.
+    FSDP on CPU allocates and frees every unit's gathered parameters and gradients each step;
+    under glibc's default (a threshold that rises to the largest block freed so far) those land on
+    the heap, which fragments and keeps growing (transformer of 200 MB, 2 ranks: 1537 MB resident
+    after 5 steps, 890 MB with this; ddp, which keeps its buffers, 1447 / 1412 MB). Elsewhere: no-op."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, nbytes)  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 class FSDPAdapter(DDPAdapter):
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over groups of
     `parallelism.shard_size` ranks (all ranks by default) and replicated across the groups (HSDP,
@@ -255,6 +278,11 @@ class FSDPAdapter(DDPAdapter):
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self._meshes: Dict[int, Any] = {}
+
+    def setup(self) -> None:
+        super().setup()
+        if self.device.type == "cpu":
+            _fixed_mmap_threshold()
 
     def mesh(self) -> Any:
         """1-D over all ranks, or (replicate, shard) with shard_size; kept-alive ranks (tuning) build
