@@ -181,7 +181,7 @@ MAY_CHANGE = (
     "trainer.min_measure_s", "trainer.max_measure_s", "trainer.peak_tflops",
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
-    "parallelism.hostfile",
+    "parallelism.hostfile", "backend.reshard_after_forward",
 )
 
 

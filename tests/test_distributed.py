@@ -17,7 +17,7 @@ from torch.utils.data import Sampler
 
 from orchestrator.app import JobFailed, run_job
 from orchestrator.diagnose import STRAGGLER_SPREAD
-from orchestrator.runtime.dist import Adapter, DDPAdapter
+from orchestrator.runtime.dist import Adapter, DDPAdapter, shard_units
 from orchestrator.runtime.loop import build_dataset, train
 
 from .conftest import ROOT, free_port, job_processes
@@ -105,6 +105,21 @@ def test_fsdp_matches_one_process(make_cfg, tmp_path, accum, world, shard):
     for k in want:
         assert type(got[k]) is torch.Tensor and torch.allclose(got[k], want[k], atol=1e-5), k
     assert result["comm_frac"] > 0  # the all-gathers and reduce-scatters are measured
+
+
+def test_fsdp_default_units_are_the_repeated_blocks():
+    from tasks.models import ManySmallLayers, TinyTransformerLM
+
+    with torch.device("meta"):
+        lm = TinyTransformerLM(d_model=256, n_heads=4, n_layers=3)  # 0.8 M parameters per layer
+        small = ManySmallLayers()
+    # the layers, not the large attention (its out_proj never runs its own forward) nor the whole stack
+    assert shard_units(lm, [], 500_000) == list(lm.blocks.layers)
+    assert shard_units(lm, [], 10**9) == [] and shard_units(small, [], 1_000_000) == []  # the root alone
+    named = shard_units(lm, ["TransformerEncoderLayer", "Linear"], 1)
+    assert {id(m) for m in named} == {id(m) for m in lm.modules() if type(m).__name__ in ("TransformerEncoderLayer", "Linear")}
+    for layer in lm.blocks.layers:  # children before their parents
+        assert named.index(layer) > max(named.index(layer.linear1), named.index(layer.linear2))
 
 
 def test_sampler_shards_are_disjoint_and_cover(make_cfg):
