@@ -324,6 +324,8 @@ class FSDPAdapter(DDPAdapter):
         it stalled on the communication streams (what prefetching hid costs nothing)."""
         from .meter import COMM, COMPUTE
 
+        if self.world_size == 1:  # nothing to communicate: the local copies are FSDP's compute
+            return
         try:
             from torch.distributed.fsdp import FSDPModule
 
