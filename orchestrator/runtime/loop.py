@@ -342,6 +342,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp else contextlib.nullcontext
     exposed_comm = adapter.exposed_comm
     plain = not amp and accum == 1  # no context to enter: the micro-step is the seed's own code
+    clip = t.grad_clip
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: torch.Tensor) -> None:
@@ -410,10 +411,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if exposed_comm:
                     adapter.synchronize(optimizer)
                     mark(COMM)
-                if t.grad_clip:  # the global norm, also over sharded (DTensor) gradients
+                if clip:  # the global norm, also over sharded (DTensor) gradients
                     if scaler is not None:
                         scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
                 adapter.step(optimizer, scaler)
                 optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
                 mark(OPTIMIZER)
