@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
-from ..schema import BackendName, Config, ConfigError, Device, DistBackend
+from ..schema import AmpDtype, BackendName, Config, ConfigError, Device, DistBackend, import_target
 
 
 def check_devices(cfg: Config) -> None:
@@ -37,6 +37,21 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def amp_dtype(cfg: Config, device: torch.device, say: bool = True) -> torch.dtype:
+    """trainer.amp_dtype on this device: bf16 where the GPU supports it, else fp16; fp16 autocast
+    does not exist on CPU: bf16 there. `say`: print when it differs from the config."""
+    dtype = torch.bfloat16 if cfg.trainer.amp_dtype is AmpDtype.bf16 else torch.float16
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        if say:
+            print("[amp] bf16 not supported on this GPU: using fp16 with a GradScaler")
+        dtype = torch.float16
+    if device.type == "cpu" and dtype is torch.float16:
+        if say:
+            print("[amp] fp16 autocast is not supported on CPU: using bf16")
+        dtype = torch.bfloat16
+    return dtype
 
 
 def check_world(cfg: Config, world_size: int) -> None:
@@ -237,11 +252,9 @@ def check_shard_modules(cfg: Config, model: Optional[nn.Module] = None) -> None:
     if cfg.backend.name is not BackendName.fsdp or not names:
         return
     if model is None:
-        from .loop import build_model
-
         try:
             with torch.device("meta"):
-                model = build_model(cfg)
+                model = import_target(cfg.model._target_)(**cfg.model.args)
         except Exception:
             return
     present = sorted({type(m).__name__ for m in model.modules() if m is not model})
@@ -303,9 +316,7 @@ class FSDPAdapter(DDPAdapter):
         check_shard_modules(self.cfg, model)
         kwargs: Dict[str, Any] = {"mesh": self.mesh(), "reshard_after_forward": b.reshard_after_forward}
         if self.device.type == "cuda" and self.cfg.trainer.amp:  # parameters gathered in the AMP dtype, fp32 reduce
-            from .loop import amp_settings
-
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_settings(self.cfg, self.device)[1],
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype(self.cfg, self.device, say=False),
                                                        reduce_dtype=torch.float32)
         for module in shard_units(model, b.shard_modules, b.shard_min_params):
             fully_shard(module, **kwargs)

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..schema import AmpDtype, Config, Loss, OptimizerName, import_target
+from ..schema import Config, Loss, OptimizerName, import_target
 from .. import checkpoint
 from ..rundir import CheckpointEvent, Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
-from .dist import Adapter
+from .dist import Adapter, amp_dtype
 from .flops import StepCounter, mfu_figures
 from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window, model_state_mb
 
@@ -127,13 +127,7 @@ def amp_settings(cfg: Config, device: torch.device) -> tuple[bool, torch.dtype, 
     """(enabled, dtype, GradScaler or None). bf16 where the device supports it, fp16 otherwise."""
     if not cfg.trainer.amp:
         return False, torch.float32, None
-    dtype = torch.bfloat16 if cfg.trainer.amp_dtype is AmpDtype.bf16 else torch.float16
-    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        print("[amp] bf16 not supported on this GPU: using fp16 with a GradScaler")
-        dtype = torch.float16
-    if device.type == "cpu" and dtype is torch.float16:
-        print("[amp] fp16 autocast is not supported on CPU: using bf16")
-        dtype = torch.bfloat16
+    dtype = amp_dtype(cfg, device)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
     return True, dtype, scaler
 
