@@ -256,6 +256,14 @@ def test_bad_space_is_rejected_before_any_trial(make_cfg, tmp_path, overrides, e
     assert not (tmp_path / "trials").exists()
 
 
+def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
+    base = ["backend=ddp", "parallelism.nproc_per_node=2"]
+    space = SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, fsdp]}"))
+    assert next(d for d in space.dims if d.key == "backend.name").choices == ["ddp", "fsdp"]
+    with pytest.raises(ConfigError, match=r"^tune.space.backend: 'single' runs 1 process\(es\), the base config 2"):
+        SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, single]}"))
+
+
 def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "trainer.warmup_steps=1",
@@ -328,10 +336,3 @@ def test_guided_search_follows_the_diagnosis(make_cfg, tmp_path):
                              "tune.space.accumulation_steps.high=1", "tune.max_workers=4"), tmp_path / "tpe", echo=False)
     assert all(t.user_attrs["proposed_by"] != "diagnosis" for t in study_of(tpe).trials)
 
-
-def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
-    base = ["backend=ddp", "parallelism.nproc_per_node=2"]
-    space = SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, fsdp]}"))
-    assert next(d for d in space.dims if d.key == "backend.name").choices == ["ddp", "fsdp"]
-    with pytest.raises(ConfigError, match=r"^tune.space.backend: 'single' runs 1 process\(es\), the base config 2"):
-        SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, single]}"))
