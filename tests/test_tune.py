@@ -335,4 +335,3 @@ def test_guided_search_follows_the_diagnosis(make_cfg, tmp_path):
                              "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
                              "tune.space.accumulation_steps.high=1", "tune.max_workers=4"), tmp_path / "tpe", echo=False)
     assert all(t.user_attrs["proposed_by"] != "diagnosis" for t in study_of(tpe).trials)
-
