@@ -25,3 +25,4 @@ bench:
 	$(PY) bench/bench_advice.py
 	$(PY) bench/bench_mfu.py
 	$(PY) bench/bench_storage.py
+	$(PY) bench/bench_fsdp.py

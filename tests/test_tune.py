@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator.schema import ConfigError
 from orchestrator.tune.rules import counted, utilization_score
+from orchestrator.tune.space import SearchSpace
 from orchestrator.tune.study import run_study
 
 from .conftest import ROOT
@@ -271,6 +272,14 @@ def test_bad_space_is_rejected_before_any_trial(make_cfg, tmp_path, overrides, e
     assert str(info.value).startswith(expected), str(info.value)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "trials").exists()
+
+
+def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
+    base = ["backend=ddp", "parallelism.nproc_per_node=2"]
+    space = SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, fsdp]}"))
+    assert next(d for d in space.dims if d.key == "backend.name").choices == ["ddp", "fsdp"]
+    with pytest.raises(ConfigError, match=r"^tune.space.backend: 'single' runs 1 process\(es\), the base config 2"):
+        SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, single]}"))
 
 
 def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):

@@ -194,9 +194,13 @@ class SearchSpace:
                 if d.key in NEEDS_WORKERS:  # ... and checked with some
                     values[WORKERS_KEY] = max(1, self.base.data.num_workers)
                 try:
-                    apply(self.base, values)
+                    point = apply(self.base, values)
                 except ConfigError as exc:
                     raise ConfigError(f"tune.space.{d.name}: {value!r} is not valid: {exc}") from None
+                if point.world_size != self.world:  # e.g. backend.name: ddp vs fsdp, never vs single
+                    raise ConfigError(f"tune.space.{d.name}: {value!r} runs {point.world_size} process(es), the base "
+                                      f"config {self.world}; a study compares points of one world size (backend.name: "
+                                      "ddp, fsdp, horovod for several ranks)")
 
     def sample(self, trial: Any) -> Dict[str, Any]:
         """Config values for this trial (accumulation derived under global_batch); knobs that need
