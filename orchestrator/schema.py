@@ -55,6 +55,11 @@ class DistBackend(str, Enum):
     nccl = "nccl"
 
 
+class Balance(str, Enum):
+    even = "even"  # every rank data.batch_size samples per micro-step
+    speed = "speed"  # each rank's share of the global batch set by its measured speed (runtime/balance.py)
+
+
 class Loss(str, Enum):
     cross_entropy = "cross_entropy"
     mse = "mse"
@@ -178,8 +183,13 @@ class ParallelismConfig:
     master_port: int = 0  # 0: pick a free port (single node only)
     hosts: Optional[str] = None  # horovod: "host1:slots,host2:slots"
     hostfile: Optional[str] = None  # horovod: a hostfile instead of hosts
+    balance: Balance = Balance.even  # speed: split the global batch by the ranks' measured speeds
+    balance_tolerance: float = 0.1  # speed: re-balance when the shares the speeds call for differ more
 
     def __post_init__(self) -> None:
+        _require(0 < self.balance_tolerance < 1,
+                 f"parallelism.balance_tolerance: must be in (0, 1) (a relative change of a share), "
+                 f"got {self.balance_tolerance}")
         _require(self.nproc_per_node >= 1, f"parallelism.nproc_per_node: must be >= 1, got {self.nproc_per_node}")
         _require(self.nnodes >= 1, f"parallelism.nnodes: must be >= 1, got {self.nnodes}")
         _require(
@@ -431,6 +441,11 @@ class Config:
             not (self.parallelism.hosts or self.parallelism.hostfile) or self.backend.name is BackendName.horovod,
             "parallelism.hosts / parallelism.hostfile: apply to backend=horovod only",
         )
+        _require(
+            self.parallelism.balance is Balance.even or not self.single_process,
+            f"parallelism.balance: speed splits the batch between ranks, and backend={self.backend.name.value} runs "
+            f"one process; use a backend with several ranks (ddp, horovod) or parallelism.balance=even",
+        )
 
     @property
     def single_process(self) -> bool:
@@ -507,7 +522,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 
 __all__: List[str] = [
-    "AmpDtype", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
+    "AmpDtype", "Balance", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
     "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "to_config", "to_yaml",

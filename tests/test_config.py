@@ -98,6 +98,9 @@ def test_names_later_issues_rely_on():
     (["tune.min_measure_s=3", "tune.max_measure_s=1"], "tune.max_measure_s: must be 0 (no cap) or >= tune.min_measure_s"),
     (["trainer.window_s=-1"], "trainer.window_s: must be >= 0 seconds"),
     (["backend=ddp", "backend.fp16_compression=true"], "backend.fp16_compression: applies to backend=horovod only"),
+    (["backend=ddp", "parallelism.balance=fast"], "parallelism.balance: invalid value 'fast'; allowed: even, speed"),
+    (["backend=ddp", "parallelism.balance_tolerance=0"], "parallelism.balance_tolerance: must be in (0, 1)"),
+    (["parallelism.balance=speed"], "parallelism.balance: speed splits the batch between ranks, and backend=single"),
 ])
 def test_bad_input_is_one_clear_line(overrides, expected):
     msg = config_error(overrides)
