@@ -133,6 +133,11 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("peak memory", f"{result['peak_mem_mb']:.0f} MB" if result.get("peak_mem_mb") else "-"),
         ("bottleneck", str(result.get("bottleneck", "-"))),
     ]
+    bal = result.get("balance")
+    if bal:
+        shares = " / ".join(f"{100 * x:.0f}%" for x in bal["shares"])
+        speedup = f" ({bal['speedup']:.2f}x the even split)" if bal.get("speedup") else ""
+        rows.append(("shares (balance=speed)", shares + speedup))
     imb = result.get("imbalance")
     if imb and imb.get("straggler_rank") is not None:
         rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))
