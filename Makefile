@@ -23,3 +23,4 @@ bench:
 	$(PY) bench/bench_advice.py
 	$(PY) bench/bench_mfu.py
 	$(PY) bench/bench_storage.py
+	$(PY) bench/bench_balance.py
