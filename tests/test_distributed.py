@@ -143,13 +143,14 @@ def test_share_sampler_splits_the_even_global_batches(world, drop_last):
 
 
 # a rank 2x slower (SlowLinear sleeps 0.5 ms a sample, 1 ms on rank 1), global batch 24, one epoch
-SLOW_RANK = ["model._target_=tasks.faults.SlowLinear", "data.args.size=960", "data.batch_size=12", "trainer.lr=0.1",
+SLOW_RANK = ["model._target_=tasks.faults.SlowLinear", "data.args.size=1920", "data.batch_size=12", "trainer.lr=0.1",
              "trainer.momentum=0.9", "trainer.max_steps=40", "trainer.window_steps=3"]
 
 
-@pytest.mark.parametrize("backend", ["ddp", "horovod"])
-def test_balance_by_speed_is_exact_and_resumes_with_its_shares(make_cfg, tmp_path, backend):
-    args = [f"backend={backend}", "parallelism.nproc_per_node=2", "parallelism.balance=speed", *SLOW_RANK]
+@pytest.mark.parametrize("backend, accum", [("ddp", 2), ("horovod", 1)])
+def test_balance_by_speed_is_exact_and_resumes_with_its_shares(make_cfg, tmp_path, backend, accum):
+    args = [f"backend={backend}", "parallelism.nproc_per_node=2", "parallelism.balance=speed", *SLOW_RANK,
+            f"trainer.accumulation_steps={accum}"]
     if backend == "ddp":  # stopped at step 20, resumed to 40: the checkpoint's shares carry on
         first = run_job(make_cfg(*args, "trainer.max_steps=20", "trainer.checkpoint_every=10"), tmp_path, echo=False)
         result = run_job(make_cfg(*args, f"trainer.resume={tmp_path}"), tmp_path / "unused", echo=False)
@@ -162,7 +163,7 @@ def test_balance_by_speed_is_exact_and_resumes_with_its_shares(make_cfg, tmp_pat
     assert 0.6 <= bal["shares"][0] <= 0.72, bal  # 2:1 is 0.667 (16 of 24)
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1
     got = torch.load(tmp_path / "model.pt")
-    want = reference_params(make_cfg, 1, *SLOW_RANK, b=12)
+    want = reference_params(make_cfg, accum, *SLOW_RANK, b=12)
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
     run = MlflowClient(make_cfg().tracking.uri).get_run(result["mlflow_run_id"])
