@@ -12,12 +12,15 @@ finish together, and the math stays that of the even split:
   adapters average gradients over ranks (DDP's all-reduce, Horovod's Average, and any adapter that
   averages, such as FSDP's reduce-scatter), so the average of the weighted gradients is their sum
   weighted by share: the even split's update over the same samples, up to float order.
-- `Balancer` measures, per closed window, each rank's own work (window time minus its exposed
-  communication wait, the same figure the load report's imbalance uses) and its samples; one small
-  all-reduce makes every rank decide the same. When the shares the pooled speeds call for differ from
-  the current ones by more than `parallelism.balance_tolerance` (relative, on any rank), the new
-  shares take effect from the next global micro-batch no rank has drawn yet (loader workers draw
-  ahead), so every global micro-batch is split one way on every rank.
+- `Balancer` measures, per closed window (steady state: after warmup), each rank's own work (window
+  time minus its exposed communication wait, the same figure the load report's imbalance uses) and
+  its samples; one small all-reduce makes every rank decide the same. Each window gives the shares
+  its speeds call for; when, over the last windows at the current shares, the 95% interval of some
+  rank's called-for share / current share lies wholly outside 1 +- `parallelism.balance_tolerance`
+  (a drift larger than the tolerance *and* than the window-to-window noise, which is +-15-30% on a
+  busy CPU), the shares are set from the speeds pooled over those windows. They take effect from
+  the next global micro-batch no rank has drawn yet (loader workers draw ahead), so every global
+  micro-batch is split one way on every rank.
 
 What an adapter must provide: `rank`, `world_size`, `all_reduce_sum`, and gradients averaged over
 ranks. DDP and Horovod do; an FSDP adapter gets balancing through the same hooks.
@@ -32,8 +35,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch.utils.data import Sampler
 
-POOL_WINDOWS = 3  # speeds are pooled over the last few windows at the current shares: one is noisy
-MIN_WINDOWS = 2  # windows at the current shares before a decision
+from .meter import estimate
+
+POOL_WINDOWS = 6  # the windows at the current shares a decision rests on (the latest)
+MIN_WINDOWS = 3  # ... at least: one window says nothing about its noise
 
 
 def split(total: int, weights: Sequence[float]) -> List[int]:
@@ -158,22 +163,30 @@ class Balancer:
         vec = [0.0] * (4 * w)
         vec[r], vec[w + r], vec[2 * w + r], vec[3 * w + r] = wall_s - comm_s, samples, wall_s / steps, self.sampler.issued
         tot = self.adapter.all_reduce_sum(vec)
-        self.recent.append({"own": tot[:w], "samples": tot[w:2 * w]})
-        self.step_times[-1].append(max(tot[2 * w:3 * w]))
-        pooled = self.recent[-POOL_WINDOWS:]
-        own = [sum(x["own"][i] for x in pooled) for i in range(w)]
-        self.speeds = [sum(x["samples"][i] for x in pooled) / own[i] if own[i] > 0 else 0.0 for i in range(w)]
-        if len(self.recent) < MIN_WINDOWS or min(self.speeds) <= 0:
+        own, samples = tot[:w], tot[w:2 * w]
+        if min(own) <= 0:
             return False
+        self.step_times[-1].append(max(tot[2 * w:3 * w]))
+        speeds = [n / t for n, t in zip(samples, own)]
         g, sizes = self.sampler.global_batch, self.sampler.sizes
-        target = [g * v / sum(self.speeds) for v in self.speeds]
-        drift = max(abs(t / s - 1) for t, s in zip(target, sizes))
+        # per window and rank: the share its speeds call for over the current share
+        self.recent.append({"own": own, "samples": samples, "drift": [g * v / sum(speeds) / s for v, s in zip(speeds, sizes)]})
+        pooled = self.recent[-POOL_WINDOWS:]
+        self.speeds = [sum(x["samples"][i] for x in pooled) / sum(x["own"][i] for x in pooled) for i in range(w)]
+        if len(pooled) < MIN_WINDOWS:
+            return False
+        tol = self.tolerance
+        intervals = [estimate([x["drift"][i] for x in pooled])["interval"] for i in range(w)]
+        drifted = [i for i, iv in enumerate(intervals) if iv and (iv[0] > 1 + tol or iv[1] < 1 - tol)]
         new = split(g, self.speeds)
-        if drift <= self.tolerance or new == sizes:
+        if not drifted or new == sizes:
             return False
         self.sampler.set_sizes(new, int(max(tot[3 * w:])))  # the next micro-batch nobody drew yet
-        self.history.append({"step": step, "sizes": new, "why": f"drift {drift:.2f} > {self.tolerance:g}",
-                             "speeds": [round(v, 3) for v in self.speeds]})
+        worst = max(drifted, key=lambda i: abs(sum(intervals[i]) / 2 - 1))
+        lo, hi = intervals[worst]
+        self.history.append({"step": step, "sizes": new,
+                             "why": f"rank {worst}'s called-for share / current {lo:.2f}..{hi:.2f} (95%) is outside "
+                                    f"1 +- {tol:g}", "speeds": [round(v, 3) for v in self.speeds]})
         self.recent = []
         self.step_times.append([])
         return True
