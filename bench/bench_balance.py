@@ -7,7 +7,11 @@ time: the median over all measured windows (after warmup) of the slower rank's w
 balance=speed pays for its even start and its changes; the step time at its final shares is printed
 beside it. Runs are interleaved (even, speed, even, speed, ...); the ratio
 is taken per round and its median and min..max are printed. Targets: 2x slower rank, even / speed
-step time >= 1.3 (ideal 1.5); equal ranks, speed costs <= 2% (step time ratio speed / even <= 1.02).
+step time >= 1.3 (ideal 1.5); equal ranks, speed costs <= 2%. Run to run, the step time of one config
+moves by more than 2% on a shared 2-core machine, so for equal ranks the bench also measures what
+balance=speed adds inside a run: the balancer's own time (its all-reduce and decision per window,
+timed in the ranks) and the sampler's + loss weight's extra time per micro-batch (timed here), over
+the even step time; the target is judged on that, with the A/B ratio and its spread beside it.
 
 Equal ranks are measured twice: SlowLinear with slow_factor=1 (sleep-bound, little noise), and the
 default job (seed 000's linear classifier, batch 32 per rank, real CPU compute on both cores).
@@ -21,6 +25,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -66,8 +71,37 @@ def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int) ->
     result = run_job(cfg, run_dir, echo=False, plots=False)
     bal = result.get("balance") or {}
     since = bal["history"][-1]["step"] if bal else 0
+    wall = load_rank_results(run_dir)[0]["wall_s"]
     return {"step_s": steady_step_time(run_dir), "final_s": steady_step_time(run_dir, since),
-            "shares": bal.get("shares"), "changes": bal.get("changes"), "reported": bal.get("speedup")}
+            "shares": bal.get("shares"), "changes": bal.get("changes"), "reported": bal.get("speedup"),
+            "spent": bal.get("spent_s", 0.0) / wall, "steps": result["steps"], "wall_s": wall}
+
+
+def sampler_cost(batch: int, n: int = 20000, repeat: int = 5) -> float:
+    """Seconds per micro-batch ShareSampler (+ the loss weight) takes more than DistributedSampler +
+    the DataLoader's BatchSampler, on rank 0 of 2, the best of `repeat`."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    from orchestrator.runtime.balance import ShareSampler
+
+    def even() -> None:
+        for _ in BatchSampler(DistributedSampler(range(n), 2, 0, shuffle=True, seed=0, drop_last=True), batch, True):
+            pass
+
+    def speed() -> None:
+        s = ShareSampler(n, 0, 2, batch, True, 0, True)
+        for k, b in enumerate(s):
+            s.weight(len(b), k)
+
+    best = {}
+    for name, fn in (("even", even), ("speed", speed)):
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return (best["speed"] - best["even"]) / (n // (2 * batch))
 
 
 def main() -> None:
@@ -78,6 +112,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="one workload by name")
     args = ap.parse_args()
     table: List[tuple] = []
+    own: Dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench_balance-") as tmp:
         for name in WORKLOADS:
             if args.only and args.only != name:
@@ -95,6 +130,16 @@ def main() -> None:
                       f"(at its final shares {shares}: {final}; {speed['changes']} changes; its own even-vs-now "
                       f"figure {speed['reported'] or float('nan'):.2f}x) -> even/speed {ratios[-1]:.3f}", flush=True)
             table.append((name, ratios, rows, WORKLOADS[name][1]))
+            if WORKLOADS[name][1] is None:  # what balance=speed itself costs per step, beside the A/B
+                batch = 32 if "default job" in name else 12
+                per_batch = sampler_cost(batch)
+                spent = [s["spent"] for _, s in rows]
+                even_step = statistics.median(e["step_s"] for e, _ in rows)
+                own[name] = statistics.median(spent) + per_batch / even_step
+                print(f"{name:26s} own cost: balancer (all-reduce + decision per window) {100 * statistics.median(spent):.2f}% "
+                      f"of the run ({100 * min(spent):.2f}..{100 * max(spent):.2f}%), sampler + loss weight "
+                      f"{1e6 * per_batch:+.1f} us a micro-batch ({100 * per_batch / even_step:+.2f}% of the even step)",
+                      flush=True)
     print()
     print(f"{'workload':26s} {'even ms':>8s} {'speed ms':>9s} {'even/speed':>11s} {'min..max':>13s}  target")
     ok = True
@@ -104,13 +149,14 @@ def main() -> None:
         speed_ms = 1000 * statistics.median(s["step_s"] for _, s in rows)
         if target is not None:
             met, goal = med >= target, f">= {target} (ideal 1.5)"
-        else:
-            met, goal = med >= 1 / 1.02, "speed costs <= 2% (even/speed >= 0.980)"
+        else:  # the A/B ratio's spread is the machine's run-to-run noise; the own cost is measured in-run
+            met, goal = own[name] <= 0.02, f"own cost {100 * own[name]:.2f}% <= 2%"
         ok &= met
         print(f"{name:26s} {even_ms:8.2f} {speed_ms:9.2f} {med:11.3f} {min(ratios):6.3f}..{max(ratios):.3f}  "
               f"{goal}: {'met' if met else 'NOT met'}")
     print(f"({args.rounds} interleaved rounds, {args.backend}, 2 ranks; step time = median over 10-step windows of the "
-          "slower rank's)")
+          "slower rank's; equal ranks: the target is judged on balance=speed's own measured cost, the A/B ratio "
+          "beside it carries the run-to-run noise of a shared machine)")
     sys.exit(0 if ok else 1)
 
 

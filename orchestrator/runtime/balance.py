@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -152,6 +153,7 @@ class Balancer:
         self.recent: List[Dict[str, Any]] = []  # measured windows at the current shares
         self.step_times: List[List[float]] = [[]]  # job step time per window, per period of shares
         self.speeds: Optional[List[float]] = None
+        self.spent_s = 0.0  # time in on_window (the all-reduce and the decision): its own cost
 
     @property
     def shares(self) -> List[float]:
@@ -159,6 +161,13 @@ class Balancer:
 
     def on_window(self, wall_s: float, comm_s: float, samples: int, steps: int, step: int) -> bool:
         """A full measured window closed (every rank at the same step); True when the shares changed."""
+        t0 = time.perf_counter()
+        try:
+            return self._decide(wall_s, comm_s, samples, steps, step)
+        finally:
+            self.spent_s += time.perf_counter() - t0
+
+    def _decide(self, wall_s: float, comm_s: float, samples: int, steps: int, step: int) -> bool:
         w, r = self.world, self.rank
         vec = [0.0] * (4 * w)
         vec[r], vec[w + r], vec[2 * w + r], vec[3 * w + r] = wall_s - comm_s, samples, wall_s / steps, self.sampler.issued
@@ -208,5 +217,5 @@ class Balancer:
             "sizes": list(self.sampler.sizes), "shares": self.shares, "speeds": self.speeds,
             "step_time_s": now, "even_step_time_s": even, "even_step_time_source": source,
             "speedup": even / now if even and now else None,
-            "changes": len(self.history) - 1, "history": self.history,
+            "changes": len(self.history) - 1, "history": self.history, "spent_s": self.spent_s,
         }
