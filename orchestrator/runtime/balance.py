@@ -14,8 +14,9 @@ finish together, and the math stays that of the even split:
   weighted by share: the even split's update over the same samples, up to float order.
 - `Balancer` measures, per closed window (steady state: after warmup), each rank's own work (window
   time minus its exposed communication wait, the same figure the load report's imbalance uses) and
-  its samples; one small all-reduce makes every rank decide the same. Each window gives the shares
-  its speeds call for; when, over the last windows at the current shares, the 95% interval of some
+  its samples; one small all-reduce every few windows (at least MIN_WINDOWS, more when it would
+  cost over EXCHANGE_BUDGET of the time once the shares settled) carries them, so that every rank
+  decides the same. Each window gives the shares its speeds call for; when, over the last windows at the current shares, the 95% interval of some
   rank's called-for share / current share lies wholly outside 1 +- `parallelism.balance_tolerance`
   (a drift larger than the tolerance *and* than the window-to-window noise, which is +-15-30% on a
   busy CPU), the shares are set from the speeds pooled over those windows. They take effect from
@@ -38,8 +39,10 @@ from torch.utils.data import Sampler
 
 from .meter import estimate
 
-POOL_WINDOWS = 6  # the windows at the current shares a decision rests on (the latest)
+POOL_WINDOWS = 6  # the windows at the current shares a decision rests on (the latest; more when exchanged at once)
 MIN_WINDOWS = 3  # ... at least: one window says nothing about its noise
+EXCHANGE_BUDGET = 0.005  # the ranks exchange their figures every few windows, so that this costs <= 0.5% of the time
+MAX_EVERY = 50  # ... but at least every this many windows
 
 
 def split(total: int, weights: Sequence[float]) -> List[int]:
@@ -154,6 +157,9 @@ class Balancer:
         self.step_times: List[List[float]] = [[]]  # job step time per window, per period of shares
         self.speeds: Optional[List[float]] = None
         self.spent_s = 0.0  # time in on_window (the all-reduce and the decision): its own cost
+        self.pending: List[tuple] = []  # this rank's windows since the last exchange: (own s, samples, step s)
+        self.every = MIN_WINDOWS  # windows between exchanges
+        self.last_cost_s = 0.0  # what this rank's last exchange took
 
     @property
     def shares(self) -> List[float]:
@@ -163,24 +169,42 @@ class Balancer:
         """A full measured window closed (every rank at the same step); True when the shares changed."""
         t0 = time.perf_counter()
         try:
-            return self._decide(wall_s, comm_s, samples, steps, step)
+            self.pending.append((wall_s - comm_s, float(samples), wall_s / steps))
+            return self._exchange(step) if len(self.pending) >= self.every else False
         finally:
             self.spent_s += time.perf_counter() - t0
 
-    def _decide(self, wall_s: float, comm_s: float, samples: int, steps: int, step: int) -> bool:
-        w, r = self.world, self.rank
-        vec = [0.0] * (4 * w)
-        vec[r], vec[w + r], vec[2 * w + r], vec[3 * w + r] = wall_s - comm_s, samples, wall_s / steps, self.sampler.issued
+    def _exchange(self, step: int) -> bool:
+        """One all-reduce of the windows since the last one (and what the last one cost, and the
+        micro-batches drawn), then the decision, the same on every rank."""
+        w, r, n = self.world, self.rank, len(self.pending)
+        vec = [0.0] * ((3 * n + 2) * w)
+        for j, figures in enumerate(self.pending):
+            for f, value in enumerate(figures):
+                vec[(3 * j + f) * w + r] = value
+        vec[3 * n * w + r], vec[(3 * n + 1) * w + r] = self.last_cost_s, self.sampler.issued
+        t0 = time.perf_counter()
         tot = self.adapter.all_reduce_sum(vec)
-        own, samples = tot[:w], tot[w:2 * w]
-        if min(own) <= 0:
-            return False
-        self.step_times[-1].append(max(tot[2 * w:3 * w]))
-        speeds = [n / t for n, t in zip(samples, own)]
+        self.last_cost_s = time.perf_counter() - t0
         g, sizes = self.sampler.global_batch, self.sampler.sizes
-        # per window and rank: the share its speeds call for over the current share
-        self.recent.append({"own": own, "samples": samples, "drift": [g * v / sum(speeds) / s for v, s in zip(speeds, sizes)]})
-        pooled = self.recent[-POOL_WINDOWS:]
+        busy = []  # the ranks' mean own time per window: what the exchange's cost is weighed against
+        for j in range(n):
+            own, done, step_s = (tot[(3 * j + f) * w:(3 * j + f + 1) * w] for f in range(3))
+            self.step_times[-1].append(max(step_s))
+            busy.append(sum(own) / w)
+            if min(own) > 0:
+                speeds = [k / t for k, t in zip(done, own)]  # per window and rank: called-for share / current
+                self.recent.append({"own": own, "samples": done,
+                                    "drift": [g * v / sum(speeds) / s for v, s in zip(speeds, sizes)]})
+        self.pending = []
+        # settled, the next exchange comes after enough windows that it costs <= EXCHANGE_BUDGET of
+        # the time; after a change (and until a first decision), after MIN_WINDOWS to check it soon
+        cost = max(tot[3 * n * w:(3 * n + 1) * w])
+        self.every = MIN_WINDOWS
+        settled = max(MIN_WINDOWS, min(MAX_EVERY, math.ceil(cost / (EXCHANGE_BUDGET * statistics.fmean(busy)))))
+        pooled = self.recent[-max(POOL_WINDOWS, n):]
+        if not pooled:
+            return False
         self.speeds = [sum(x["samples"][i] for x in pooled) / sum(x["own"][i] for x in pooled) for i in range(w)]
         if len(pooled) < MIN_WINDOWS:
             return False
@@ -189,8 +213,9 @@ class Balancer:
         drifted = [i for i, iv in enumerate(intervals) if iv and (iv[0] > 1 + tol or iv[1] < 1 - tol)]
         new = split(g, self.speeds)
         if not drifted or new == sizes:
+            self.every = settled
             return False
-        self.sampler.set_sizes(new, int(max(tot[3 * w:])))  # the next micro-batch nobody drew yet
+        self.sampler.set_sizes(new, int(max(tot[(3 * n + 1) * w:])))  # the next micro-batch nobody drew yet
         worst = max(drifted, key=lambda i: abs(sum(intervals[i]) / 2 - 1))
         lo, hi = intervals[worst]
         self.history.append({"step": step, "sizes": new,
