@@ -14,12 +14,13 @@ finish together, and the math stays that of the even split:
   weighted by share: the even split's update over the same samples, up to float order.
 - `Balancer` measures, per closed window (steady state: after warmup), each rank's own work (window
   time minus its exposed communication wait, the same figure the load report's imbalance uses) and
-  its samples; one small all-reduce every few windows (at least MIN_WINDOWS, more when it would
-  cost over EXCHANGE_BUDGET of the time once the shares settled) carries them, so that every rank
-  decides the same. Each window gives the shares its speeds call for; when, over the last windows at the current shares, the 95% interval of some
-  rank's called-for share / current share lies wholly outside 1 +- `parallelism.balance_tolerance`
-  (a drift larger than the tolerance *and* than the window-to-window noise, which is +-15-30% on a
-  busy CPU), the shares are set from the speeds pooled over those windows. They take effect from
+  its samples; one small all-reduce every few windows (MIN_WINDOWS; once the shares settled, as
+  many as keep it under EXCHANGE_BUDGET of the time) carries them, so that every rank decides the
+  same. Each window gives the shares its speeds call for; when, over the last windows at the
+  current shares, the 95% interval of some rank's called-for share / current share lies wholly
+  outside 1 +- `parallelism.balance_tolerance` (a drift larger than the tolerance *and* than the
+  window-to-window noise, +-15-30% on a busy CPU), the shares are set from the speeds pooled over
+  those windows. They take effect from
   the next global micro-batch no rank has drawn yet (loader workers draw ahead), so every global
   micro-batch is split one way on every rank.
 
