@@ -198,6 +198,7 @@ class Balancer:
                 self.recent.append({"own": own, "samples": done,
                                     "drift": [g * v / sum(speeds) / s for v, s in zip(speeds, sizes)]})
         self.pending = []
+        del self.recent[:-max(POOL_WINDOWS, MAX_EVERY)]  # a long run keeps what a decision can use
         # settled, the next exchange comes after enough windows that it costs <= EXCHANGE_BUDGET of
         # the time; after a change (and until a first decision), after MIN_WINDOWS to check it soon
         cost = max(tot[3 * n * w:(3 * n + 1) * w])
