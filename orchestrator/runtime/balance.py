@@ -14,9 +14,9 @@ finish together, and the math stays that of the even split:
   weighted by share: the even split's update over the same samples, up to float order.
 - `Balancer` measures, per closed window (steady state: after warmup), each rank's own work (window
   time minus its exposed communication wait, the same figure the load report's imbalance uses) and
-  its samples; one small all-reduce every few windows (MIN_WINDOWS; once the shares settled, as
-  many as keep it under EXCHANGE_BUDGET of the time) carries them, so that every rank decides the
-  same. Each window gives the shares its speeds call for; when, over the last windows at the
+  its samples; one small all-reduce every few windows (MIN_WINDOWS; once the shares settled, i.e.
+  every rank's interval below lies within the tolerance, as many as keep it under EXCHANGE_BUDGET of
+  the time) carries them, so that every rank decides the same. Each window gives the shares its speeds call for; when, over the last windows at the
   current shares, the 95% interval of some rank's called-for share / current share lies wholly
   outside 1 +- `parallelism.balance_tolerance` (a drift larger than the tolerance *and* than the
   window-to-window noise, +-15-30% on a busy CPU), the shares are set from the speeds pooled over
@@ -40,7 +40,7 @@ from torch.utils.data import Sampler
 
 from .meter import estimate
 
-POOL_WINDOWS = 6  # the windows at the current shares a decision rests on (the latest; more when exchanged at once)
+POOL_WINDOWS = 30  # the windows at the current shares a decision rests on (the latest; more when exchanged at once)
 MIN_WINDOWS = 3  # ... at least: one window says nothing about its noise
 EXCHANGE_BUDGET = 0.005  # the ranks exchange their figures every few windows, so that this costs <= 0.5% of the time
 MAX_EVERY = 50  # ... but at least every this many windows
@@ -200,10 +200,10 @@ class Balancer:
         self.pending = []
         del self.recent[:-max(POOL_WINDOWS, MAX_EVERY)]  # a long run keeps what a decision can use
         # settled, the next exchange comes after enough windows that it costs <= EXCHANGE_BUDGET of
-        # the time; after a change (and until a first decision), after MIN_WINDOWS to check it soon
+        # the time; after a change, or while undecided, after MIN_WINDOWS more
         cost = max(tot[3 * n * w:(3 * n + 1) * w])
         self.every = MIN_WINDOWS
-        settled = max(MIN_WINDOWS, min(MAX_EVERY, math.ceil(cost / (EXCHANGE_BUDGET * statistics.fmean(busy)))))
+        spaced = max(MIN_WINDOWS, min(MAX_EVERY, math.ceil(cost / (EXCHANGE_BUDGET * statistics.fmean(busy)))))
         pooled = self.recent[-max(POOL_WINDOWS, n):]
         if not pooled:
             return False
@@ -215,7 +215,9 @@ class Balancer:
         drifted = [i for i, iv in enumerate(intervals) if iv and (iv[0] > 1 + tol or iv[1] < 1 - tol)]
         new = split(g, self.speeds)
         if not drifted or new == sizes:
-            self.every = settled
+            # settled: every rank's interval within the tolerance (or no whole-sample split does better)
+            if drifted or all(iv and 1 - tol <= iv[0] and iv[1] <= 1 + tol for iv in intervals):
+                self.every = spaced
             return False
         self.sampler.set_sizes(new, int(max(tot[(3 * n + 1) * w:])))  # the next micro-batch nobody drew yet
         worst = max(drifted, key=lambda i: abs(sum(intervals[i]) / 2 - 1))
