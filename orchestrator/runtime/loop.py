@@ -355,7 +355,12 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     move = device.type != "cpu"
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp else contextlib.nullcontext
     exposed_comm = adapter.exposed_comm
-    plain = not amp and accum == 1 and balancer is None  # no context to enter: the seed's own micro-step
+    plain = not amp and accum == 1  # no context to enter: the micro-step is the seed's own code
+
+    def weigh(loss: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """balance=speed: the loss times world x this rank's share of global micro-batch k."""
+        w = balancer.sampler.weight(n, k)  # type: ignore[union-attr]
+        return loss if w == 1.0 else loss * w
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: torch.Tensor) -> None:
@@ -406,17 +411,13 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         mark(H2D)
                     if plain:
                         loss = criterion(model(x), y)
-                        loss.backward()
+                        (loss if balancer is None else weigh(loss, x.shape[0], b + m)).backward()
                     else:
                         with adapter.grad_sync(model, enabled=m == micro - 1), autocast():
                             loss = criterion(model(x), y)
                             if micro > 1:
                                 loss = loss / micro
-                            weighted = loss
-                            if balancer is not None:  # this rank's share of the global micro-batch
-                                w = balancer.sampler.weight(x.shape[0], b + m)
-                                if w != 1.0:
-                                    weighted = loss * w
+                            weighted = loss if balancer is None else weigh(loss, x.shape[0], b + m)
                             (scaler.scale(weighted) if scaler is not None else weighted).backward()
                     if logged:
                         step_loss += loss.detach()
