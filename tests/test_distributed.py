@@ -156,6 +156,7 @@ def test_balance_by_speed_is_exact_and_resumes_with_its_shares(make_cfg, tmp_pat
         result = run_job(make_cfg(*args, f"trainer.resume={tmp_path}"), tmp_path / "unused", echo=False)
         assert result["balance"]["history"][0] == {"step": 30, "sizes": first["balance"]["sizes"],
                                                    "why": "resumed from the checkpoint"}
+        assert all(h["step"] > 30 for h in result["balance"]["history"][1:])  # the run's steps, not the attempt's
     else:
         result = first = run_job(make_cfg(*args), tmp_path, echo=False)
     bal = result["balance"]

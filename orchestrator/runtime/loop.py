@@ -320,9 +320,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                                  comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
             return False
-        if balancer is not None and balancer.on_window(win.wall_s, win.phases_s["comm"], win.samples, win.steps,
-                                                       win.first_step + win.steps):
-            write_shares(win.first_step + win.steps)
+        # the run's step (the meter counts from this process's start, a resume's too)
+        if balancer is not None and balancer.on_window(win.wall_s, win.phases_s["comm"], win.samples, win.steps, step):
+            write_shares(step)
             meter.rewarm("balance")  # the loader's queue holds micro-batches split the old way
             return False
         figures = job_figures(win)
