@@ -18,9 +18,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..schema import Config, Loss, OptimizerName, import_target
+from ..schema import Balance, Config, Loss, OptimizerName, import_target
 from .. import checkpoint
-from ..rundir import CheckpointEvent, Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
+from ..rundir import BalanceEvent, CheckpointEvent, Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
+from .balance import Balancer, ShareSampler
 from .dist import Adapter, amp_dtype
 from .flops import StepCounter, mfu_figures
 from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window, model_state_mb
@@ -62,21 +63,25 @@ def build_dataset(cfg: Config) -> Dataset:
 
 
 def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
+    """The rank's loader: the adapter's sampler (an even split), or with parallelism.balance=speed
+    its piece of every global micro-batch (`ShareSampler`, runtime/balance.py)."""
     d = cfg.data
-    sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
     kwargs: Dict[str, Any] = {}
+    if cfg.parallelism.balance is Balance.speed:
+        kwargs["batch_sampler"] = ShareSampler(len(dataset), adapter.rank, adapter.world_size, d.batch_size,  # type: ignore[arg-type]
+                                               d.shuffle, cfg.trainer.seed, d.drop_last)
+    else:
+        sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
+        kwargs.update(batch_size=d.batch_size, shuffle=d.shuffle if sampler is None else False, sampler=sampler,
+                      drop_last=d.drop_last)
     if d.num_workers > 0:
         kwargs["persistent_workers"] = d.persistent_workers
         if d.prefetch_factor is not None:
             kwargs["prefetch_factor"] = d.prefetch_factor
     return DataLoader(
         dataset,
-        batch_size=d.batch_size,
-        shuffle=d.shuffle if sampler is None else False,
-        sampler=sampler,
         num_workers=d.num_workers,
         pin_memory=d.pin_memory and adapter.device.type == "cuda",
-        drop_last=d.drop_last,
         worker_init_fn=_seed_worker if d.num_workers > 0 else None,
         generator=torch.Generator().manual_seed(cfg.trainer.seed),
         **kwargs,
@@ -274,6 +279,11 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     if ck is not None and scaler is not None and ck.get("scaler"):
         scaler.load_state_dict(ck["scaler"])
     generator = loader.generator  # shuffles the single-process order; saved per epoch
+    balancer: Optional[Balancer] = None
+    if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
+        saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
+        balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance,
+                            step=ck["meta"]["step"] if ck is not None else 0, resumed=saved)
     writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
 
     # profiled steps follow the warmup and are kept out of the measured windows, and so is their
@@ -293,6 +303,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             figures[1:] = [v / adapter.world_size for v in figures[1:]]
         return figures
 
+    def write_shares(at: int) -> None:
+        if adapter.rank == 0:  # the same on every rank; the parent logs rank<R>/share
+            events.write(BalanceEvent(type="balance", step=at, shares=balancer.shares))  # type: ignore[union-attr]
+
     def on_window(win: Window) -> bool:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
         meter.check_memory()
@@ -304,6 +318,11 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                                  utilization=win.utilization, data_wait_frac=win.share("data"),
                                  comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
+            return False
+        # the run's step (the meter counts from this process's start, a resume's too)
+        if balancer is not None and balancer.on_window(win.wall_s, win.phases_s["comm"], win.samples, win.steps, step):
+            write_shares(step)
+            meter.rewarm("balance")  # the loader's queue holds micro-batches split the old way
             return False
         figures = job_figures(win)
         meter.resize(figures[1], t.window_s)
@@ -337,6 +356,11 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     exposed_comm = adapter.exposed_comm
     plain = not amp and accum == 1  # no context to enter: the micro-step is the seed's own code
     clip = t.grad_clip
+
+    def weigh(loss: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """balance=speed: the loss times world x this rank's share of global micro-batch k."""
+        w = balancer.sampler.weight(n, k)  # type: ignore[union-attr]
+        return loss if w == 1.0 else loss * w
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: torch.Tensor) -> None:
@@ -346,19 +370,22 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             state.update(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict())
         checkpoint.save(ckpt_dir, step, state,  # type: ignore[arg-type]
                         {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
-                         "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id},
+                         "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id,
+                         "balance": {"sizes": balancer.sampler.sizes} if balancer is not None else None},
                         sharded=(model, base_optimizer) if adapter.sharded_state else None, rank=adapter.rank)
         if adapter.rank == 0:
             events.write(CheckpointEvent(type="checkpoint", step=step))
 
+    if balancer is not None:
+        write_shares(step)
     t_start = time.perf_counter()
     model.train()
     meter.start()
     try:
         for epoch in range(start_epoch, t.epochs):
-            sampler = loader.sampler
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            for sampler in (loader.sampler, loader.batch_sampler):
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)  # type: ignore[union-attr]
             if ck is not None and epoch == start_epoch:
                 generator.set_state(ck["loader_generator"])
             epoch_generator = generator.get_state()
@@ -387,13 +414,14 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         mark(H2D)
                     if plain:
                         loss = criterion(model(x), y)
-                        loss.backward()
+                        (loss if balancer is None else weigh(loss, x.shape[0], b + m)).backward()
                     else:
                         with adapter.grad_sync(model, enabled=m == micro - 1), autocast():
                             loss = criterion(model(x), y)
                             if micro > 1:
                                 loss = loss / micro
-                            (scaler.scale(loss) if scaler is not None else loss).backward()
+                            weighted = loss if balancer is None else weigh(loss, x.shape[0], b + m)
+                            (scaler.scale(weighted) if scaler is not None else weighted).backward()
                     if logged:
                         step_loss += loss.detach()
                     samples += x.shape[0]
@@ -455,6 +483,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
     summary["model_state_mb"] = model_state_mb(model, optimizer)
     summary["warmup"]["epochs_rewarm"] = rewarm_epochs
+    if balancer is not None:
+        summary["balance"] = balancer.summary()
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1,
