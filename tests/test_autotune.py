@@ -51,38 +51,52 @@ def test_forced_switches_keep_the_order_and_the_result(make_cfg, tmp_path, monke
     assert runs["tuned"].param_digest == runs["plain"].param_digest
 
 
-def test_latency_jump_gets_more_workers_and_the_same_training_on_2_ranks(make_cfg, tmp_path, mlflow_uri):
-    """2 DDP ranks; at step 60 reading an item starts to take 3 ms. The autotuned run ends with more
-    workers, says when and why, and trains each rank on the same samples in the same order as the
-    same run without autotune (the same final parameters)."""
-    common = ["backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=360",
-              "data.args.size=512",
-              "trainer.window_steps=10", "trainer.warmup_steps=1", "trainer.log_every=20",
-              "data.latency_jump_at=60", "data.latency_after_ms=3", "tune.max_workers=4"]
-    results = {}
-    for name, extra in (("plain", []), ("tuned", ["trainer.loader_autotune=true", "trainer.loader_autotune_every=20"])):
-        (tmp_path / name).mkdir()
-        cfg = make_cfg(*common, f"+model.args.record_dir={tmp_path / name}", *extra)
-        results[name] = run_job(cfg, tmp_path / name / "run", echo=False)
-    tuned = results["tuned"]["loader_autotune"]
+def sampler_order(cfg, rank: int, world: int, steps: int) -> list:
+    """The first feature of each sample rank `rank` trains on in `steps` steps, from the
+    DistributedSampler itself: epoch after epoch, whole batches (drop_last)."""
+    from torch.utils.data import DistributedSampler
+
+    from tasks.datasets import random_classification
+
+    x = random_classification(**cfg.data.args).x  # type: ignore[attr-defined]
+    b, out, epoch = cfg.data.batch_size, [], 0
+    while len(out) < steps * b:
+        sampler = DistributedSampler(range(len(x)), world, rank, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        out += order[:len(order) // b * b]
+        epoch += 1
+    return [repr(float(x[i, 0])) for i in out[:steps * b]]
+
+
+def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, tmp_path, mlflow_uri):
+    """2 DDP ranks; at step 30 reading an item starts to take 3 ms. The autotuned run ends with more
+    workers and says when and why; each rank trained on its own shard's samples in the sampler's
+    order, nothing twice or skipped across the switches (the same as without autotune, whose
+    parameters the single-process test above compares)."""
+    cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=200",
+                   "data.args.size=512", "trainer.window_steps=10", "trainer.warmup_steps=1", "trainer.log_every=20",
+                   "data.latency_jump_at=30", "data.latency_after_ms=3", "tune.max_workers=4",
+                   f"+model.args.record_dir={tmp_path}", "trainer.loader_autotune=true", "trainer.loader_autotune_every=10")
+    result = run_job(cfg, tmp_path / "run", echo=False, plots=False)
+    tuned = result["loader_autotune"]
     assert tuned["initial"]["num_workers"] == 0 and tuned["final"]["num_workers"] > 0, tuned
     kept = [e for e in tuned["events"] if e["action"] == "keep" and e["num_workers"] > e["from_workers"]]
-    assert kept and kept[0]["step"] > 60 and kept[0]["throughput_after"] > kept[0]["throughput_before"] + kept[0]["noise"]
+    assert kept and kept[0]["step"] > 30 and kept[0]["throughput_after"] > kept[0]["throughput_before"] + kept[0]["noise"]
     tried = next(e for e in tuned["events"] if e["action"] == "try")
-    assert tried["step"] > 60 and "input-bound" in tried["reason"] and "hand" in tried["reason"]
+    assert tried["step"] > 30 and "input-bound" in tried["reason"] and "hand" in tried["reason"]
     for rank in (0, 1):
-        assert ids(tmp_path / "tuned" / f"rank{rank}.txt") == ids(tmp_path / "plain" / f"rank{rank}.txt")
-    assert ids(tmp_path / "tuned" / "rank0.txt")[:8] != ids(tmp_path / "tuned" / "rank1.txt")[:8]  # own shards
-    want, got = (torch.load(tmp_path / n / "run" / "model.pt") for n in ("plain", "tuned"))
-    assert all(torch.equal(want[k], got[k]) for k in want)
-    run_dir = tmp_path / "tuned" / "run"
+        assert ids(tmp_path / f"rank{rank}.txt") == sampler_order(cfg, rank, 2, 200)
+    assert len({r["param_digest"] for r in result["per_rank"]}) == 1
+    run_dir = tmp_path / "run"
     report = (run_dir / "load_report.md").read_text()
     assert "## Loader autotune" in report and f"| {kept[0]['step']} |" in report
     override = (run_dir / "tuned" / "loader.yaml").read_text()
     assert override.startswith("# @package _global_") and f"num_workers: {tuned['final']['num_workers']}" in override
-    history = MlflowClient(mlflow_uri).get_metric_history(results["tuned"]["mlflow_run_id"], "loader/num_workers")
-    assert history[0].value == 0 and max(m.value for m in history) == tuned["final"]["num_workers"]
-    assert MlflowClient(mlflow_uri).get_metric_history(results["tuned"]["mlflow_run_id"], "loader/prefetch_factor")
+    client = MlflowClient(mlflow_uri)
+    workers = [m.value for m in client.get_metric_history(result["mlflow_run_id"], "loader/num_workers")]
+    assert workers[0] == 0 and tuned["final"]["num_workers"] in workers
+    assert client.get_metric_history(result["mlflow_run_id"], "loader/prefetch_factor")
 
 
 def judge(kind: str, base: list, trial: list):
