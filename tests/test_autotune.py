@@ -4,7 +4,6 @@ more workers, recorded as events (result, load report, override file, MLflow).""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.loop import EventLog, train
 from orchestrator.schema import ConfigError
 
-from .custom_task import RecordingLinear
 
 RECORDED = ["model._target_=tests.custom_task.RecordingLinear", "data.args.size=240", "data.batch_size=8",
             "trainer.epochs=3", "trainer.lr=0.1", "trainer.momentum=0.9"]
@@ -49,6 +47,23 @@ def test_forced_switches_keep_the_order_and_the_result(make_cfg, tmp_path, monke
     assert ids(tmp_path / "tuned" / "rank0.txt") == ids(tmp_path / "plain" / "rank0.txt")
     assert len(set(ids(tmp_path / "plain" / "rank0.txt")[:240])) == 240  # one epoch: every sample once
     assert runs["tuned"].param_digest == runs["plain"].param_digest
+
+
+def test_checkpoints_keep_the_loader_settings_and_a_resume_continues_with_them(make_cfg, tmp_path, monkeypatch):
+    from orchestrator import checkpoint
+
+    monkeypatch.setattr(LoaderTuner, "_decide", lambda self, step, job: LoaderSettings(2, 3) if step == 3 else None)
+    tuned = ["data.args.size=240", "data.batch_size=8", "trainer.checkpoint_every=5", "trainer.loader_autotune=true",
+             "trainer.loader_autotune_every=1"]
+    a = Adapter(make_cfg(*tuned, "trainer.max_steps=10"))
+    a.setup()
+    train(a.cfg, a, EventLog(None), ckpt_dir=tmp_path)
+    latest = checkpoint.find_latest(tmp_path)
+    assert checkpoint.meta_of(latest)["loader"] == {"num_workers": 2, "prefetch_factor": 3}
+    res = train(make_cfg(*tuned, "trainer.max_steps=20"), a, EventLog(None), ckpt_dir=tmp_path, resume=latest)
+    start = res.meter["loader_autotune"]["events"][0]
+    assert (start["action"], start["step"], start["num_workers"], start["prefetch_factor"]) == ("start", 10, 2, 3)
+    assert res.meter["warmup"]["queue_micro_batches"] == 6  # the resumed loader's 2 workers x 3
 
 
 def sampler_order(cfg, rank: int, world: int, steps: int) -> list:

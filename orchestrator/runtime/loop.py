@@ -401,6 +401,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0 or t.loader_autotune)
     tuner = loader_tuner(cfg, adapter, dataset, events, ck)
     reset_latency(cfg, dataset, ck["meta"]["step"] if ck is not None else 0)
+    jump_at = cfg.data.latency_jump_at if isinstance(dataset, LatencyDataset) else 0
 
     def job_figures(win: Window) -> list:
         """[throughput summed over ranks, step time and wall time averaged]: the same on every rank."""
@@ -535,7 +536,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if writes_checkpoints and step % t.checkpoint_every == 0:
                     save_checkpoint(epoch, b, epoch_generator)
                     logged = True
-                if step == cfg.data.latency_jump_at:
+                if step == jump_at:
                     dataset.set_latency(cfg.data.latency_after_ms)  # type: ignore[union-attr]
                 if tuner is not None and not stop and step % t.loader_autotune_every == 0 and step < total:
                     new = tuner.at_step(step)
