@@ -18,8 +18,11 @@ bench:
 	$(PY) bench/bench_overhead.py
 	$(PY) bench/bench_launch.py
 	$(PY) bench/bench_tune.py
-	$(PY) bench/bench_trials.py
+	rm -f outputs/bench_steady.json  # steady-state references shared by the next two, measured afresh
+	$(PY) bench/bench_trials.py --cache outputs/bench_steady.json
+	$(PY) bench/bench_samplers.py --cache outputs/bench_steady.json
 	$(PY) bench/bench_pool.py
 	$(PY) bench/bench_advice.py
 	$(PY) bench/bench_mfu.py
 	$(PY) bench/bench_storage.py
+	$(PY) bench/bench_fsdp.py

@@ -26,6 +26,9 @@ about 25); other work on the machine makes every figure noisier (the load averag
 
     .venv/bin/python bench/bench_samplers.py [--quick] [--only input_bound comm_heavy transformer_lm]
                                              [--part grid default] [--keep]
+
+`--cache FILE` keeps the trial and steady-state figures per grid point in a JSON file that
+bench_trials reads too (same workload and reference factor), so the long reference runs are made once.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ def needed(trials: List[Any], steady: Dict[Point, Dict[str, float]], floor: floa
     return out
 
 
-def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: Path) -> Dict[str, Any]:
+def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: Path,
+              cache: Optional[Path]) -> Dict[str, Any]:
     grid: List[Point] = list(itertools.product(*(spec["space"][k] for k in KNOBS)))
     common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
               f"tune.n_trials={GRID_TRIALS}", "tune.confirm_top=0", "tune.patience=0",
@@ -91,7 +95,7 @@ def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: P
     if point_of(space.baseline()) not in grid:
         common.append("tune.baseline=false")
     print(f"\n== {name}: small grid {len(grid)} points, load average {os.getloadavg()[0]:.2f}", flush=True)
-    v = validity(name, cfg, space, grid, factor, tmp)
+    v = validity(name, cfg, space, grid, factor, tmp, cache)
     steady = v["steady"]
     best = objective_best(steady, floor)
     print(f"  steady grid-best {fmt(best)}: util {steady[best]['utilization']:.3f} thr {steady[best]['throughput']:.1f}")
@@ -158,7 +162,7 @@ def bench_workload(name: str, spec: Dict[str, Any], args: argparse.Namespace, tm
     seeds = 1 if args.quick else 3
     out: Dict[str, Any] = {}
     if "grid" in args.part:
-        out["grid"] = grid_part(name, spec, seeds, 5.0 if args.quick else 10.0, tmp)
+        out["grid"] = grid_part(name, spec, seeds, 5.0 if args.quick else 10.0, tmp, args.cache)
     if "default" in args.part:
         out["default"] = default_part(name, spec, seeds, tmp)
     return out
@@ -170,6 +174,7 @@ def main() -> int:
     ap.add_argument("--only", choices=sorted(SPACES), nargs="*", default=None, help="run only these workloads")
     ap.add_argument("--part", choices=("grid", "default"), nargs="*", default=["grid", "default"])
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--cache", type=Path, default=None, help="JSON file of steady-state figures shared with bench_trials")
     args = ap.parse_args()
 
     tmp = prepare("bench_samplers-")

@@ -28,6 +28,9 @@ the reference. The full run takes about 25-35 minutes on 2 idle cores; the load 
 before and after (other work on the machine makes every figure noisier).
 
     .venv/bin/python bench/bench_trials.py [--quick] [--only input_bound|comm_heavy] [--keep]
+
+`--cache FILE` keeps the trial and steady-state figures per grid point in a JSON file that
+bench_samplers reads too (same workload and reference factor), so the long reference runs are made once.
 """
 
 from __future__ import annotations
@@ -112,13 +115,26 @@ def reference_config(trial_cfg: Config, trial: Figures, factor: float) -> Config
                              "trainer.window_s": REFERENCE_WINDOW_S, "trainer.timeout_s": 1800})
 
 
-def validity(name: str, cfg: Config, space: SearchSpace, grid: List[Point], factor: float, tmp: Path
-             ) -> Dict[str, Any]:
-    jobs = Jobs(tmp, f"{name}-validity")
+def validity(name: str, cfg: Config, space: SearchSpace, grid: List[Point], factor: float, tmp: Path,
+             cache: Optional[Path] = None) -> Dict[str, Any]:
+    """Trial and steady-state figures per grid point; with `cache` (a JSON file), points measured
+    by an earlier run (bench_trials or bench_samplers, same workload and factor) are read back
+    and new ones added, so the two benchmarks share the long reference runs."""
+    import json
+
+    key = f"{name} x{factor:g}"
+    stored = json.loads(cache.read_text()) if cache and cache.exists() else {}
     trial: Dict[Point, Figures] = {}
     steady: Dict[Point, Figures] = {}
+    for p in grid:
+        row = stored.get(key, {}).get(fmt(p))
+        if row:
+            trial[p], steady[p] = row["trial"], row["steady"]
+    if trial:
+        print(f"    {len(trial)} points read from {cache}", flush=True)
+    jobs = Jobs(tmp, f"{name}-validity")
     try:
-        for p in grid:
+        for p in [p for p in grid if p not in trial]:
             tcfg = trial_config(cfg, values_of(space, p))
             t0 = time.monotonic()
             trial[p] = figures(jobs.run(tcfg))
@@ -131,6 +147,9 @@ def validity(name: str, cfg: Config, space: SearchSpace, grid: List[Point], fact
                   f"{trial[p].get('windows', 0)} w, {trial[p]['measured_s']:.1f}s, {t_trial:.1f}s wall)  "
                   f"steady {steady[p]['throughput']:8.1f}/s ({steady[p]['measured_s']:.1f}s, {t_ref:.0f}s wall)  "
                   f"ratio {ratio:.3f}  util {trial[p]['utilization']:.2f}/{steady[p]['utilization']:.2f}", flush=True)
+            if cache:
+                stored.setdefault(key, {})[fmt(p)] = {"trial": trial[p], "steady": steady[p]}
+                cache.write_text(json.dumps(stored, indent=1))
     finally:
         jobs.close()
     return {"trial": trial, "steady": steady}
@@ -150,7 +169,7 @@ def study_time(name: str, cfg_overrides: List[str], seed: int, tmp: Path, old: b
             "launched": sum("duplicate_of" not in t.user_attrs for t in trials)}
 
 
-def bench_workload(name: str, spec: Dict[str, Any], quick: bool, tmp: Path) -> Dict[str, Any]:
+def bench_workload(name: str, spec: Dict[str, Any], quick: bool, tmp: Path, cache: Optional[Path]) -> Dict[str, Any]:
     space_spec = spec["space"]
     grid: List[Point] = list(itertools.product(*(space_spec[k] for k in KNOBS)))
     if quick:
@@ -162,7 +181,7 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, tmp: Path) -> D
     space, floor = SearchSpace(cfg), cfg.tune.throughput_floor
     print(f"\n== {name}: grid {len(grid)} points, load average {os.getloadavg()[0]:.2f}", flush=True)
     t0 = time.monotonic()
-    v = validity(name, cfg, space, grid, 5.0 if quick else 10.0, tmp)
+    v = validity(name, cfg, space, grid, 5.0 if quick else 10.0, tmp, cache)
     print(f"  validity: {time.monotonic() - t0:.0f}s", flush=True)
 
     studies = []
@@ -182,13 +201,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="12 grid points, 2 seeds, 5x reference samples")
     ap.add_argument("--only", choices=sorted(WORKLOADS), nargs="*", default=None, help="run only these workloads")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--cache", type=Path, default=None, help="JSON file of steady-state figures shared with bench_samplers")
     args = ap.parse_args()
 
     tmp = prepare("bench_trials-")
     start = time.monotonic()
     print(f"bench_trials: {'quick' if args.quick else 'full'}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, output {tmp}", flush=True)
-    results = run_workloads(args.only, args.keep, tmp, lambda name, spec: bench_workload(name, spec, args.quick, tmp))
+    results = run_workloads(args.only, args.keep, tmp, lambda name, spec: bench_workload(name, spec, args.quick, tmp, args.cache))
 
     results_table = Results()
     row, rows, verdicts = results_table.row, results_table.rows, results_table.verdicts

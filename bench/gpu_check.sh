@@ -4,7 +4,8 @@
 # optuna: those are installed from the wheels in WHEELS (made by scripts/gpu_wheels.sh, see the
 # README's "GPU check"). MLflow is not needed: every job runs with tracking.enabled=false.
 #
-# It runs single, dp and ddp (1 rank, NCCL) jobs of a transformer LM, AMP bf16 and fp16, the
+# It runs single, dp, ddp and fsdp (1 rank, NCCL; fsdp with AMP's mixed-precision policy and a
+# sharded checkpoint) jobs of a transformer LM, AMP bf16 and fp16, the
 # profiler with the CUDA memory summary, and a 4-trial study, then prints one table: what ran,
 # its status, mfu, nvml_util, sm_active, peak memory and throughput. Outputs go to OUT.
 #   bash bench/gpu_check.sh [WHEELS=.whl] [OUT=/tmp/gpu_check]
@@ -41,6 +42,7 @@ run() {  # name, overrides...
 run single backend=single
 run dp backend=dp
 run ddp_nccl backend=ddp parallelism.nproc_per_node=1 backend.dist_backend=nccl
+run fsdp_amp backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl trainer.amp=true trainer.checkpoint_every=50
 run amp_bf16 trainer.amp=true trainer.amp_dtype=bf16
 run amp_fp16 trainer.amp=true trainer.amp_dtype=fp16
 run profiler trainer.amp=true trainer.profile_steps=5
@@ -55,7 +57,7 @@ from pathlib import Path
 out = Path(sys.argv[1])
 rows = [("run", "status", "mfu", "nvml_util", "sm_active", "peak MB", "samples/s", "verdict")]
 pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
-for name in ("single", "dp", "ddp_nccl", "amp_bf16", "amp_fp16", "profiler"):
+for name in ("single", "dp", "ddp_nccl", "fsdp_amp", "amp_bf16", "amp_fp16", "profiler"):
     path = out / name / "result.json"
     r = json.loads(path.read_text()) if path.exists() else {"status": "NO RESULT"}
     rows.append((name, r.get("status"), pct(r.get("mfu")), pct(r.get("nvml_util")), pct(r.get("sm_active")),

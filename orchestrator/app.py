@@ -19,7 +19,7 @@ from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import WINDOW_KEYS, Event, ranks_dir, write_job
-from .runtime.dist import check_devices
+from .runtime.dist import check_devices, check_shard_modules
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
 from .supervise import FreshRanks, Outcome, Ranks
 from .tracking import Tracker
@@ -120,6 +120,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
     """
     cfg, run_dir, resumed = prepare_run_dir(cfg, Path(run_dir).resolve())
+    check_shard_modules(cfg)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()

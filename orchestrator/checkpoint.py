@@ -1,13 +1,19 @@
-"""Checkpoints: written by rank 0, atomically, and only ever read back whole.
+"""Checkpoints: written by rank 0 (every rank for a sharded model), atomically, and only ever read
+back whole.
 
 Layout in a run dir:
     checkpoints/step_00000120.pt     model, optimizer, scaler, RNG states, position in the data
     checkpoints/step_00000120.json   the same metadata without tensors (for the parent)
+    checkpoints/step_00000120.dcp/   backend=fsdp: model and optimizer, sharded (torch.distributed.
+                                     checkpoint: every rank writes its part); the .pt holds the rest
     checkpoints/latest               name of the newest complete checkpoint
 
-Each file is written to a temporary name and renamed, and `latest` is updated last, so a process
-killed mid-write leaves at most a stray `.tmp` that nothing reads. `find_latest` still verifies
-what it picks and falls back to the previous checkpoint if the newest does not load.
+Each file is written to a temporary name and renamed (the sharded directory too, once every rank
+wrote its part), and `latest` is updated last, so a process killed mid-write leaves at most a
+stray `.tmp` that nothing reads. `find_latest` still verifies what it picks (a sharded one: every
+part its metadata names is there, whole) and falls back to the previous checkpoint if the newest
+does not load. Ranks on several machines need the run dir on a shared filesystem for a sharded
+checkpoint to be complete.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["MAY_CHANGE", "changed_keys", "find_latest", "load", "meta_of", "resolve_resume", "save"]
+__all__ = ["MAY_CHANGE", "changed_keys", "find_latest", "load", "load_sharded", "meta_of", "resolve_resume", "save"]
 
 DIR = "checkpoints"
 KEEP = 2  # checkpoints kept on disk (the newest and the one before it)
@@ -50,18 +57,69 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any]) -> Path:
-    """Rank 0 only. `state` holds tensors; `meta` is JSON (step, epoch, mlflow run id, ...)."""
+def _sharded_state(model: Any, optimizer: Any) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _save_sharded(path: Path, model: Any, optimizer: Any, rank: int) -> None:
+    """Every rank writes its part of the model and optimizer into `path`.tmp (a collective);
+    rank 0 renames it to `path` once all are written (dcp.save returns after the metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(path.name + ".tmp")
+    if rank == 0:  # a killed attempt's leftovers; no rank writes before all entered the save
+        shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(tmp))
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.replace(path)
+
+
+def _sharded_complete(path: Path) -> bool:
+    """The metadata of a sharded checkpoint reads, and every part it names is there, whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data.values()
+        return all((path / s.relative_path).stat().st_size >= s.offset + s.length for s in storage)
+    except Exception:
+        return False
+
+
+def load_sharded(pt: Path, model: Any, optimizer: Any) -> None:
+    """Every rank reads its part of the model and optimizer of the sharded checkpoint beside `pt`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(pt.with_suffix(".dcp")))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any],
+         sharded: Optional[Tuple[Any, Any]] = None, rank: int = 0) -> Optional[Path]:
+    """Rank 0 only, or with `sharded` (model, optimizer) every rank: those go to `<name>.dcp/`,
+    rank 0 writes the rest. `state` holds tensors; `meta` is JSON (step, epoch, mlflow run id, ...).
+    Returns the .pt's path on rank 0."""
     d = run_dir / DIR
     d.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     pt = d / f"{name}.pt"
+    if sharded is not None:
+        _save_sharded(pt.with_suffix(".dcp"), *sharded, rank)
+        meta = {**meta, "sharded": True}
+    if rank != 0:
+        return None
     _atomic_write(pt, lambda p: torch.save({**state, "meta": meta}, p))
     _atomic_write(d / f"{name}.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
     _atomic_write(d / "latest", lambda p: p.write_text(name))
     for old in sorted(d.glob("step_*.pt"))[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
+        shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)
     return pt
 
 
@@ -76,8 +134,10 @@ def find_latest(run_dir: Path) -> Optional[Path]:
     for name in reversed(names):
         path = d / f"{name}.pt"
         try:
-            torch.load(path, map_location="cpu", weights_only=False)
+            ck = torch.load(path, map_location="cpu", weights_only=False)
             json.loads(path.with_suffix(".json").read_text())
+            if ck["meta"].get("sharded") and not _sharded_complete(path.with_suffix(".dcp")):
+                continue
             return path
         except Exception:
             continue  # half-written or damaged: never picked
@@ -121,7 +181,7 @@ MAY_CHANGE = (
     "trainer.min_measure_s", "trainer.max_measure_s", "trainer.peak_tflops", "trainer.loader_autotune",
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
-    "parallelism.hostfile",
+    "parallelism.hostfile", "backend.reshard_after_forward",
 )
 
 

@@ -108,6 +108,9 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
         moves = [Move({"data.batch_size": max(1, d.batch_size // 2), "trainer.accumulation_steps": t.accumulation_steps * 2},
                       f"peak memory is {_pct(mem_share)} of the device; half the batch takes half the activations, and "
                       "twice the accumulation keeps the global batch (the same model math)")]
+        shard = _shard_move(job, cfg, peak)
+        if shard is not None:  # first when the replicated model state is most of the peak
+            moves.insert(0 if shard[1] else 1, shard[0])
         if not t.amp and cuda:
             moves.append(Move({"trainer.amp": True}, "bf16/fp16 activations take half the memory"))
         return Diagnosis("memory-bound", f"peak memory {peak:.0f} MB is {_pct(mem_share)} of the {device_mem_mb:.0f} MB "
@@ -119,6 +122,10 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
                                         f">= {_pct(INPUT_BOUND)})")
         _input_moves(diag, job, cfg, cuda, handoff)
         return diag
+
+    if comm >= COMM_BOUND and job.get("world_size", 1) > 1 and cfg.backend.name is BackendName.fsdp:
+        return Diagnosis("communication-bound", f"exposed communication (all-gathers, reduce-scatters) is {_pct(comm)} "
+                                                f"of the step (>= {_pct(COMM_BOUND)})", _fsdp_comm_moves(cfg, comm, step))
 
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1:
         moves = [Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
@@ -143,6 +150,44 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
     return Diagnosis("compute-bound", f"compute + optimizer take {_pct(busy)} of the step; input {_pct(inp)}, "
                                       f"communication {_pct(comm)}", moves,
                      ["the device is the limit: a faster model (fused ops, torch.compile) or more ranks"])
+
+
+def _shard_move(job: Dict[str, Any], cfg: Config, peak: float) -> Optional[tuple]:
+    """backend=fsdp for a memory-bound ddp run of several ranks: (the move, whether the replicated
+    model state is at least half the peak, so that sharding it comes first)."""
+    world = job.get("world_size", 1)
+    if cfg.backend.name is not BackendName.ddp or world < 2:
+        return None
+    state = (job.get("per_rank") or [{}])[0].get("model_state_mb")
+    if state:
+        why = (f"parameters, gradients and optimizer state take {state:.0f} MB of the {peak:.0f} MB peak on every rank, "
+               f"a full copy each; fsdp shards them over the {world} ranks (about {state / world:.0f} MB each; "
+               "activations unchanged), the same model math, at the cost of all-gathering parameters every step")
+    else:
+        why = (f"each of the {world} ranks holds a full copy of the parameters, gradients and optimizer state; fsdp "
+               "shards them over the ranks, the same model math")
+    return Move({"backend.name": "fsdp"}, why), bool(state) and state >= 0.5 * peak
+
+
+def _fsdp_comm_moves(cfg: Config, comm: float, step: float) -> List[Move]:
+    """A communication-bound fsdp run: fewer all-gathers, collectives within a node, fewer steps."""
+    b, p, d = cfg.backend, cfg.parallelism, cfg.data
+    moves = []
+    if b.reshard_after_forward:
+        moves.append(Move({"backend.reshard_after_forward": False},
+                          f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; keeping the gathered "
+                          "parameters from forward to backward saves the backward all-gather (one of the three "
+                          "collectives per step), at the cost of holding each unit's full parameters until its backward"))
+    if p.nnodes > 1 and (p.shard_size or cfg.world_size) > p.nproc_per_node:
+        moves.append(Move({"parallelism.shard_size": p.nproc_per_node},
+                          f"shard within each node and replicate across the {p.nnodes} nodes (HSDP): the all-gathers and "
+                          "reduce-scatters stay on the node's links and only an all-reduce of the gradient shards crosses "
+                          f"the network; each rank then holds 1/{p.nproc_per_node} of the model state instead of "
+                          f"1/{cfg.world_size}"))
+    moves.append(Move({"data.batch_size": d.batch_size * 4},
+                      f"fsdp all-gathers the whole model for every micro-batch whatever its size, so a 4x batch "
+                      f"pays it a quarter as often per sample (activations grow 4x); {_global_note(cfg, 4)}"))
+    return moves
 
 
 def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, handoff: Handoff) -> None:

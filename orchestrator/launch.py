@@ -95,6 +95,7 @@ BUILDERS: Dict[BackendName, Callable[..., Launch]] = {
     BackendName.single: _single,
     BackendName.dp: _single,
     BackendName.ddp: _torchrun,
+    BackendName.fsdp: _torchrun,
     BackendName.horovod: _horovodrun,
 }
 

@@ -75,11 +75,12 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
                     mlflow_run_id=read_job(root).get("mlflow_run_id"))
     finally:
         events.close()
-    if cfg.trainer.save_model and rank == 0:
+    state = adapter.consolidated_state_dict(res.model) if cfg.trainer.save_model else None  # all ranks: may gather
+    if state is not None:
         import torch
 
         tmp_model = root / "model.pt.tmp"
-        torch.save(res.model.state_dict(), tmp_model)
+        torch.save(state, tmp_model)
         tmp_model.replace(root / "model.pt")
     result = {
         "param_digest": res.param_digest,

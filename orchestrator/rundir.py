@@ -104,6 +104,7 @@ class RankResult(TypedDict, total=False):
     phase_s: Dict[str, float]
     peak_mem_mb: float
     reserved_mem_mb: float
+    model_state_mb: float  # parameters + gradients + optimizer state this rank holds (fsdp: its shards)
     mem_source: str
     measured_steps: int
     warmup_excluded: bool

@@ -40,6 +40,7 @@ class BackendName(str, Enum):
     single = "single"
     dp = "dp"
     ddp = "ddp"
+    fsdp = "fsdp"  # FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over the ranks
     horovod = "horovod"
 
 
@@ -165,12 +166,19 @@ class BackendConfig:
     dist_backend: DistBackend = DistBackend.auto  # ddp only
     fp16_compression: bool = False  # horovod only: compress gradients to fp16 for the allreduce
     gloo: bool = True  # horovod only: horovodrun --gloo (False: MPI)
+    # fsdp only (other backends ignore them, so one tuning space can switch backend.name):
+    shard_modules: List[str] = field(default_factory=list)  # class names sharded as units; []: by shard_min_params
+    shard_min_params: int = 1_000_000  # shard_modules=[]: a module holding this many parameters is a unit
+    reshard_after_forward: bool = True  # free gathered parameters after forward (all-gather again in backward)
 
     def __post_init__(self) -> None:
         _require(
             not self.fp16_compression or self.name is BackendName.horovod,
             "backend.fp16_compression: applies to backend=horovod only",
         )
+        _require(self.shard_min_params >= 1, f"backend.shard_min_params: must be >= 1, got {self.shard_min_params}")
+        for name in self.shard_modules:
+            _require(name.isidentifier(), f"backend.shard_modules: '{name}' is not a class name (e.g. TransformerEncoderLayer)")
 
 
 @dataclass
@@ -184,8 +192,10 @@ class ParallelismConfig:
     master_port: int = 0  # 0: pick a free port (single node only)
     hosts: Optional[str] = None  # horovod: "host1:slots,host2:slots"
     hostfile: Optional[str] = None  # horovod: a hostfile instead of hosts
+    shard_size: int = 0  # fsdp: ranks a model is sharded over (HSDP: replicated across groups); 0: all ranks
 
     def __post_init__(self) -> None:
+        _require(self.shard_size >= 0, f"parallelism.shard_size: must be >= 0 (0 = all ranks), got {self.shard_size}")
         _require(self.nproc_per_node >= 1, f"parallelism.nproc_per_node: must be >= 1, got {self.nproc_per_node}")
         _require(self.nnodes >= 1, f"parallelism.nnodes: must be >= 1, got {self.nnodes}")
         _require(
@@ -226,6 +236,7 @@ class TrainerConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     accumulation_steps: int = 1
+    grad_clip: float = 0.0  # clip the gradients' global L2 norm to this before each step; 0: off
     amp: bool = False
     amp_dtype: AmpDtype = AmpDtype.bf16
     seed: int = 0
@@ -257,6 +268,7 @@ class TrainerConfig:
             self.accumulation_steps >= 1,
             f"trainer.accumulation_steps: must be an integer >= 1, got {self.accumulation_steps}",
         )
+        _require(self.grad_clip >= 0, f"trainer.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")
         _require(self.warmup_steps >= 0, f"trainer.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.window_steps >= 1, f"trainer.window_steps: must be >= 1, got {self.window_steps}")
         _require(self.log_every >= 1, f"trainer.log_every: must be >= 1, got {self.log_every}")
@@ -454,6 +466,11 @@ class Config:
             not (self.trainer.loader_autotune and self.mode is Mode.tune),
             "trainer.loader_autotune: a study measures fixed loader settings; allowed with mode=tune: false",
         )
+        world, shard = self.world_size, self.parallelism.shard_size
+        if self.backend.name is BackendName.fsdp and shard:
+            divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+            _require(world % shard == 0, f"parallelism.shard_size: {shard} does not divide the world size {world} "
+                                         f"(nproc_per_node x nnodes); allowed: 0 (all ranks), {divisors}")
 
     @property
     def single_process(self) -> bool:

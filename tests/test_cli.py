@@ -20,7 +20,7 @@ def test_cli_runs_a_job(tmp_path, mlflow_uri):
 
 def test_cli_help_and_cfg():
     help_ = run_cli(["--help"])
-    assert help_.returncode == 0 and "backend: ddp, dp, horovod, single" in help_.stdout
+    assert help_.returncode == 0 and "backend: ddp, dp, fsdp, horovod, single" in help_.stdout
     groups = help_.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "schema" not in groups  # the schemas behind the groups are not options
     job = run_cli(["--cfg", "job", "backend=ddp", "data.batch_size=64"])
@@ -31,7 +31,13 @@ def test_cli_help_and_cfg():
 def test_cli_bad_input_is_one_line_exit_2(tmp_path):
     for args, expected in [
         (["data.batch_size=0"], "error: data.batch_size: must be an integer >= 1, got 0"),
-        (["backend=nope"], "error: backend: unknown choice 'nope'; allowed: ddp, dp, horovod, single"),
+        (["backend=nope"], "error: backend: unknown choice 'nope'; allowed: ddp, dp, fsdp, horovod, single"),
+        (["backend=fsdp", "parallelism.nproc_per_node=2", "experiment=transformer_lm", "backend.shard_modules=[Block]"],
+         "error: backend.shard_modules: Block is no module class of tasks.models.TinyTransformerLM; allowed: Dropout, "
+         "Embedding, LayerNorm, Linear, ModuleList, MultiheadAttention"),
+        (["backend=fsdp", "parallelism.nproc_per_node=4", "parallelism.shard_size=3"],
+         "error: parallelism.shard_size: 3 does not divide the world size 4 (nproc_per_node x nnodes); "
+         "allowed: 0 (all ranks), 1, 2, 4"),
         (["data.nope=1"], "error: data.nope: unknown key in data; allowed:"),
         (["mode=tune", "tune.n_trials=0"], "error: tune.n_trials: must be >= 1, got 0"),
     ]:

@@ -38,7 +38,7 @@ def test_every_experiment_composes(name):
     assert cfg.model._target_.startswith("tasks.")
 
 
-@pytest.mark.parametrize("backend", ["single", "dp", "ddp", "horovod"])
+@pytest.mark.parametrize("backend", ["single", "dp", "ddp", "fsdp", "horovod"])
 def test_backends_compose(backend):
     cfg = to_config(compose_dict([f"backend={backend}"]))
     assert cfg.backend.name.value == backend
@@ -64,7 +64,7 @@ def test_names_later_issues_rely_on():
     (["data.batch_size=0"], "data.batch_size: must be an integer >= 1, got 0"),
     (["data.num_workers=-1"], "data.num_workers: must be an integer >= 0, got -1"),
     (["trainer.accumulation_steps=0"], "trainer.accumulation_steps: must be an integer >= 1, got 0"),
-    (["backend=foo"], "backend: unknown choice 'foo'; allowed: ddp, dp, horovod, single"),
+    (["backend=foo"], "backend: unknown choice 'foo'; allowed: ddp, dp, fsdp, horovod, single"),
     (["model=bar"], "model: unknown choice 'bar'; allowed: convnet, custom, linear"),
     (["backend.device=tpu"], "backend.device: invalid value 'tpu'; allowed: auto, cpu, cuda"),
     (["mode=walk"], "mode: invalid value 'walk'; allowed: run, tune"),
@@ -98,6 +98,10 @@ def test_names_later_issues_rely_on():
     (["tune.min_measure_s=3", "tune.max_measure_s=1"], "tune.max_measure_s: must be 0 (no cap) or >= tune.min_measure_s"),
     (["trainer.window_s=-1"], "trainer.window_s: must be >= 0 seconds"),
     (["backend=ddp", "backend.fp16_compression=true"], "backend.fp16_compression: applies to backend=horovod only"),
+    (["parallelism.shard_size=-1"], "parallelism.shard_size: must be >= 0 (0 = all ranks), got -1"),
+    (["backend=fsdp", "backend.shard_min_params=0"], "backend.shard_min_params: must be >= 1, got 0"),
+    (["backend=fsdp", "backend.shard_modules=[nn.Linear]"], "backend.shard_modules: 'nn.Linear' is not a class name"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip: must be >= 0 (0 = off), got -1"),
 ])
 def test_bad_input_is_one_clear_line(overrides, expected):
     msg = config_error(overrides)

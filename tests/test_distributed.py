@@ -17,7 +17,7 @@ from torch.utils.data import Sampler
 
 from orchestrator.app import JobFailed, run_job
 from orchestrator.diagnose import STRAGGLER_SPREAD
-from orchestrator.runtime.dist import Adapter, DDPAdapter
+from orchestrator.runtime.dist import Adapter, DDPAdapter, shard_units
 from orchestrator.runtime.loop import build_dataset, train
 
 from .conftest import ROOT, free_port, job_processes
@@ -49,9 +49,9 @@ class GlobalBatches(Sampler):
         return len(self.order)
 
 
-def reference_params(make_cfg, accum: int, world: int = 2) -> dict:
+def reference_params(make_cfg, accum: int, world: int = 2, *extra: str) -> dict:
     """One process training on the same global batches (world * b per micro-step)."""
-    cfg = make_cfg(*WORKLOAD, f"trainer.accumulation_steps={accum}", "data.batch_size=16")
+    cfg = make_cfg(*WORKLOAD, f"trainer.accumulation_steps={accum}", f"data.batch_size={8 * world}", *extra)
     dataset = build_dataset(cfg)
 
     class OneProcess(Adapter):
@@ -87,6 +87,39 @@ def test_ranks_agree_and_match_one_process(make_cfg, tmp_path, backend, accum):
     assert (run.data.tags["backend"], run.data.tags["world_size"], run.data.tags["nnodes"]) == (backend, "2", "1")
     assert "rank1/throughput" in run.data.metrics and "rank0/utilization" in run.data.metrics
     assert result["comm_frac"] > 0  # the all-reduce is measured
+
+
+# fsdp: the linear layer sharded as its own unit (10 rows: 5 per rank), the global norm clipped
+# (active: the gradients' norm starts above 0.5), and HSDP on 4 ranks in 2 groups of 2
+@pytest.mark.parametrize("accum, world, shard", [(1, 2, 0), (3, 2, 0), (1, 4, 2)])
+def test_fsdp_matches_one_process(make_cfg, tmp_path, accum, world, shard):
+    fsdp = ["backend.shard_modules=[Linear]", "trainer.grad_clip=0.5", f"trainer.accumulation_steps={accum}"]
+    cfg = make_cfg("backend=fsdp", f"parallelism.nproc_per_node={world}", f"parallelism.shard_size={shard}",
+                   *WORKLOAD, *fsdp)
+    result = run_job(cfg, tmp_path)
+    assert result["status"] == "FINISHED" and result["world_size"] == world and result["steps"] == 6
+    assert len({r["param_digest"] for r in result["per_rank"]}) == 1  # the gathered parameters agree
+    got = torch.load(tmp_path / "model.pt")  # consolidated: plain tensors of the full shapes
+    want = reference_params(make_cfg, accum, world, *fsdp)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert type(got[k]) is torch.Tensor and torch.allclose(got[k], want[k], atol=1e-5), k
+    assert result["comm_frac"] > 0  # the all-gathers and reduce-scatters are measured
+
+
+def test_fsdp_default_units_are_the_repeated_blocks():
+    from tasks.models import ManySmallLayers, TinyTransformerLM
+
+    with torch.device("meta"):
+        lm = TinyTransformerLM(d_model=256, n_heads=4, n_layers=3)  # 0.8 M parameters per layer
+        small = ManySmallLayers()
+    # the layers, not the large attention (its out_proj never runs its own forward) nor the whole stack
+    assert shard_units(lm, [], 500_000) == list(lm.blocks.layers)
+    assert shard_units(lm, [], 10**9) == [] and shard_units(small, [], 1_000_000) == []  # the root alone
+    named = shard_units(lm, ["TransformerEncoderLayer", "Linear"], 1)
+    assert {id(m) for m in named} == {id(m) for m in lm.modules() if type(m).__name__ in ("TransformerEncoderLayer", "Linear")}
+    for layer in lm.blocks.layers:  # children before their parents
+        assert named.index(layer) > max(named.index(layer.linear1), named.index(layer.linear2))
 
 
 def test_sampler_shards_are_disjoint_and_cover(make_cfg):

@@ -85,6 +85,30 @@ def test_memory_bound_when_the_device_is_nearly_full(make_cfg):
         == "input-bound"
 
 
+@pytest.mark.parametrize("state_mb, fsdp_first", [(800.0, True), (100.0, False), (None, False)])
+def test_memory_bound_ddp_is_advised_to_shard(make_cfg, state_mb, fsdp_first):
+    cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2")
+    job = {"comm_frac": 0.1, "compute_frac": 0.9, "peak_mem_mb": 950.0, "world_size": 2,
+           "per_rank": [{"device": "cuda:0", "model_state_mb": state_mb}]}
+    moves = [m.set for m in diagnose(job, cfg, device_mem_mb=1000.0).moves]
+    assert moves.index({"backend.name": "fsdp"}) == (0 if fsdp_first else 1)
+    fsdp = make_cfg("backend=fsdp", "parallelism.nproc_per_node=2")  # already sharded: not advised again
+    assert {"backend.name": "fsdp"} not in [m.set for m in diagnose(job, fsdp, device_mem_mb=1000.0).moves]
+
+
+def test_communication_bound_fsdp_is_advised_fewer_gathers_then_hsdp(make_cfg):
+    job = {"comm_frac": 0.5, "compute_frac": 0.5, "peak_mem_mb": 100.0, "world_size": 4, "step_time_s": 0.1,
+           "per_rank": [{"device": "cpu"}]}
+    nodes = ["backend=fsdp", "parallelism.nnodes=2", "parallelism.nproc_per_node=2", "parallelism.master_port=29500"]
+    d = diagnose(job, make_cfg(*nodes), device_mem_mb=1000.0)
+    assert d.verdict == "communication-bound" and "all-gathers" in d.reason
+    assert [m.set for m in d.moves] == [{"backend.reshard_after_forward": False}, {"parallelism.shard_size": 2},
+                                        {"data.batch_size": 128}]
+    kept = diagnose(job, make_cfg(*nodes, "backend.reshard_after_forward=false", "parallelism.shard_size=2"),
+                    device_mem_mb=1000.0)
+    assert [m.set for m in kept.moves] == [{"data.batch_size": 128}]  # HSDP already: no accumulation either
+
+
 def _input_bound(step_ms: float, wait_share: float, item_bytes: int = 4000) -> dict:
     return {"data_wait_frac": wait_share, "h2d_frac": 0.0, "comm_frac": 0.0, "compute_frac": 1 - wait_share,
             "optimizer_frac": 0.0, "peak_mem_mb": 100.0, "world_size": 1, "step_time_s": step_ms / 1000,

@@ -64,7 +64,7 @@ def reference_model(tmp_path, backend, mlflow_uri) -> dict:
     return torch.load(tmp_path / "ref" / "model.pt")
 
 
-@pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), ("horovod", "sigkill-rank")])
+@pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), ("horovod", "sigkill-rank"), ("fsdp", "sigkill-rank")])
 def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend, how):
     run_dir = tmp_path / "run"
     job = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW], run_dir, mlflow_uri)
@@ -163,6 +163,23 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
     picked = checkpoint.find_latest(tmp_path)
     assert picked is not None and picked.name == "step_00000010.pt"
     assert torch.equal(checkpoint.load(picked)["model"]["w"], torch.ones(3) * 10)
+
+
+def test_incomplete_sharded_checkpoint_is_never_picked(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in (10, 20):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        checkpoint.save(tmp_path, step, {"rng": None}, {"step": step}, sharded=(model, opt))
+    d = tmp_path / "checkpoints"
+    assert checkpoint.find_latest(tmp_path) == d / "step_00000020.pt" and not list(d.glob("*.tmp"))
+    (d / "step_00000020.dcp" / "__0_0.distcp").unlink()  # a rank's part is missing (or on another machine)
+    picked = checkpoint.find_latest(tmp_path)
+    assert picked == d / "step_00000010.pt"
+    fresh = torch.nn.Linear(4, 2)
+    checkpoint.load_sharded(picked, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+    assert torch.equal(fresh.weight, torch.full((2, 4), 10.0))
 
 
 def test_resume_rejects_bad_input(make_cfg, tmp_path):

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator.schema import ConfigError
 from orchestrator.tune.rules import counted, utilization_score
+from orchestrator.tune.space import SearchSpace
 from orchestrator.tune.study import run_study
 
 from .conftest import ROOT
@@ -273,6 +274,14 @@ def test_bad_space_is_rejected_before_any_trial(make_cfg, tmp_path, overrides, e
     assert not (tmp_path / "trials").exists()
 
 
+def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
+    base = ["backend=ddp", "parallelism.nproc_per_node=2"]
+    space = SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, fsdp]}"))
+    assert next(d for d in space.dims if d.key == "backend.name").choices == ["ddp", "fsdp"]
+    with pytest.raises(ConfigError, match=r"^tune.space.backend: 'single' runs 1 process\(es\), the base config 2"):
+        SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, single]}"))
+
+
 def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "trainer.warmup_steps=1",
@@ -415,6 +424,12 @@ def test_the_space_samples_ordinals_and_knobs_that_need_workers_only_with_worker
     assert space.grid_size() == 7 * 3 * (1 + 3 * 8)
     no_workers = SearchSpace(make_cfg("mode=tune", "tune.space.num_workers.high=0"))
     assert "prefetch_factor" in no_workers.left_out and no_workers.grid_size() == 7 * 8
+    # a move the diagnosis proposes lands on the nearest value of the space on its way
+    snap = space.snap
+    assert snap("data.num_workers", 0, 2) == 2 and snap("data.num_workers", 1, 8) == 3  # the top of [0, 3]
+    assert snap("data.num_workers", 3, 8) is None and snap("data.batch_size", 512, 1024) is None
+    assert snap("trainer.accumulation_steps", 1, 3) == 4 and snap("trainer.accumulation_steps", 2, 3) == 4
+    assert snap("trainer.accumulation_steps", 4, 1) == 1 and snap("data.batch_size", 64, 48) == 32
 
 
 def test_patience_counts_trials_that_do_not_beat_the_best_by_more_than_its_noise():
@@ -460,26 +475,25 @@ def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp
 
 
 def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys):
-    """3 ms reads per sample: the best is input-bound at the most workers the space allows; the
+    """40 ms reads per sample (320 ms per batch of 8 per worker, far above its compute): the best is input-bound at the most workers the space allows; the
     study widens num_workers (up to tune.max_workers_cap) and tries the step."""
-    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
-                   "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=tpe", "tune.max_workers=1",
-                   "tune.max_workers_cap=2", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
-                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
+    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=40", "data.args.blur_passes=1", *SHORT,
+                   "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=grid", "tune.max_workers=2",
+                   "tune.max_workers_cap=3", "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[8]",
                    "tune.space.accumulation_steps.high=1", "~tune.space.prefetch_factor")
     summary = run_study(cfg, tmp_path)
     out = capsys.readouterr().out
     trials = study_of(summary).trials
     edge = [t for t in trials if t.user_attrs.get("proposed_by") == "edge"]
-    assert len(edge) == 1 and edge[0].user_attrs["values"]["data.num_workers"] == 2, [
-        (t.number, t.state.name, t.user_attrs.get("proposed_by"), t.user_attrs.get("values"), t.user_attrs.get("reason"))
+    assert len(edge) == 1 and edge[0].user_attrs["values"]["data.num_workers"] == 3, [
+        (t.number, t.user_attrs.get("values", {}).get("data.num_workers"), t.user_attrs.get("verdict"), t.user_attrs.get("data_wait_frac"))
         for t in trials]
-    assert "is input-bound at num_workers=1, the top of the space" in edge[0].user_attrs["reason"]
-    assert study_of(summary).user_attrs["extended"] == {"num_workers": 2}
-    assert "widened num_workers to [0, 2], trying num_workers=2" in out
-    best = summary["best"]["values"]["data.num_workers"]
-    if best == 2:  # on the new edge: the cap is said
-        assert summary["edges"][0]["capped"] == "tune.max_workers_cap=2" and "[tune] edge: " in out
+    assert "is input-bound at num_workers=2, the top of the space" in edge[0].user_attrs["reason"]
+    assert study_of(summary).user_attrs["extended"] == {"num_workers": 3}
+    assert "widened num_workers to [0, 3], trying num_workers=3" in out
+    if summary["edges"]:  # the best on the new edge, still input-bound: the cap is said
+        assert summary["edges"][0]["capped"] == "tune.max_workers_cap=3" and "[tune] edge: " in out
     rows = (tmp_path / "trials.csv").read_text().splitlines()
     assert "global_batch" in rows[0] and "prune_reason" in rows[0] and ",edge," in "\n".join(rows)
 
@@ -502,7 +516,7 @@ def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_p
     assert summary["best"]["values"]["data.batch_size"] in (8, 16)
     note = summary["global_batch"]
     assert note["base"] == 32 and note["best"] == summary["best"]["values"]["data.batch_size"]
-    assert f"hold it with tune.global_batch=32" in note["note"] and "[tune] global batch: " in out
+    assert "hold it with tune.global_batch=32" in note["note"] and "[tune] global batch: " in out
     assert "allow with tune.allow_large_global_batch=true" in out
     assert "# Note: the best trains a global batch of" in (tmp_path / "tuned" / "best.yaml").read_text()
 

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..schema import AmpDtype, Config, DataConfig, Loss, OptimizerName, import_target
+from ..schema import Config, DataConfig, Loss, OptimizerName, import_target
 from .. import checkpoint
 from ..rundir import CheckpointEvent, Event, LoaderEvent, LogEvent, ResumeEvent, StartEvent, WindowEvent
 from .autotune import LoaderSettings, LoaderTuner
-from .dist import Adapter
+from .dist import Adapter, amp_dtype
 from .flops import StepCounter, mfu_figures
-from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window
+from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window, model_state_mb
 
 
 class LatencyDataset(Dataset):
@@ -193,13 +193,7 @@ def amp_settings(cfg: Config, device: torch.device) -> tuple[bool, torch.dtype, 
     """(enabled, dtype, GradScaler or None). bf16 where the device supports it, fp16 otherwise."""
     if not cfg.trainer.amp:
         return False, torch.float32, None
-    dtype = torch.bfloat16 if cfg.trainer.amp_dtype is AmpDtype.bf16 else torch.float16
-    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        print("[amp] bf16 not supported on this GPU: using fp16 with a GradScaler")
-        dtype = torch.float16
-    if device.type == "cpu" and dtype is torch.float16:
-        print("[amp] fp16 autocast is not supported on CPU: using bf16")
-        dtype = torch.bfloat16
+    dtype = amp_dtype(cfg, device)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
     return True, dtype, scaler
 
@@ -226,9 +220,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def param_digest(model: nn.Module) -> str:
-    """sha256 of every parameter's bytes: replicas in sync have equal digests."""
+    """sha256 of every parameter's bytes: replicas in sync have equal digests. Sharded (DTensor)
+    ones are gathered one at a time (a collective: every rank calls this)."""
     h = hashlib.sha256()
     for name, p in sorted(unwrap(model).state_dict().items()):
+        if hasattr(p, "full_tensor"):
+            p = p.full_tensor()
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -377,11 +374,13 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             f"per rank (world size {adapter.world_size}); lower the batch size or enlarge the dataset"
         )
     model = (model or build_model(cfg)).to(device)
-    if ck is not None:  # before wrapping: DDP and Horovod then broadcast what rank 0 loaded
+    if ck is not None and not adapter.sharded_state:  # before wrapping: DDP and Horovod then broadcast it
         model.load_state_dict(ck["model"])
     model = adapter.wrap_model(model)
     base_optimizer = build_optimizer(cfg, model)
-    if ck is not None:
+    if ck is not None and adapter.sharded_state:  # every rank reads its own part
+        checkpoint.load_sharded(resume, model, base_optimizer)  # type: ignore[arg-type]
+    elif ck is not None:
         base_optimizer.load_state_dict(ck["optimizer"])
     optimizer = adapter.wrap_optimizer(base_optimizer, model)
     criterion = loss_fn(cfg.model.loss)
@@ -389,7 +388,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     if ck is not None and scaler is not None and ck.get("scaler"):
         scaler.load_state_dict(ck["scaler"])
     generator = loader.sampler.generator  # shuffles the single-process order; saved per epoch  # type: ignore[union-attr]
-    writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and adapter.rank == 0
+    writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
 
     # profiled steps follow the warmup and are kept out of the measured windows, and so is their
     # teardown (trace export) and the loader queue that filled up meanwhile: the meter warms up again
@@ -429,7 +428,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         meter.resize(figures[1], t.window_s)
         return rule is not None and rule.add(figures[0], figures[2]) is not None
 
-    adapter.install_comm_hook(model, meter.comm_hook_fired)
+    adapter.install_comm_hook(model, meter)
     accum = t.accumulation_steps
     per_epoch = steps_per_epoch(loader, accum)
     # a new epoch's iterator refills the queue: warm up again, unless the epoch is too short to
@@ -456,17 +455,21 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp else contextlib.nullcontext
     exposed_comm = adapter.exposed_comm
     plain = not amp and accum == 1  # no context to enter: the micro-step is the seed's own code
+    clip = t.grad_clip
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: Optional[torch.Tensor]) -> None:
-        checkpoint.save(ckpt_dir, step, {  # type: ignore[arg-type]
-            "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": checkpoint.rng_state(), "loader_generator": epoch_generator,
-        }, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
-            "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id,
-            "loader": (tuner.settled if tuner is not None else LoaderSettings.of(cfg.data)).as_dict()})
-        events.write(CheckpointEvent(type="checkpoint", step=step))
+        state = {"scaler": scaler.state_dict() if scaler is not None else None,
+                 "rng": checkpoint.rng_state(), "loader_generator": epoch_generator}
+        if not adapter.sharded_state:
+            state.update(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict())
+        checkpoint.save(ckpt_dir, step, state,  # type: ignore[arg-type]
+                        {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
+                         "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id,
+                         "loader": (tuner.settled if tuner is not None else LoaderSettings.of(cfg.data)).as_dict()},
+                        sharded=(model, base_optimizer) if adapter.sharded_state else None, rank=adapter.rank)
+        if adapter.rank == 0:
+            events.write(CheckpointEvent(type="checkpoint", step=step))
 
     t_start = time.perf_counter()
     model.train()
@@ -519,6 +522,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if exposed_comm:
                     adapter.synchronize(optimizer)
                     mark(COMM)
+                if clip:  # the global norm, also over sharded (DTensor) gradients
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
                 adapter.step(optimizer, scaler)
                 optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
                 mark(OPTIMIZER)
@@ -574,6 +581,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     summary = meter.summary()
     summary.update(mfu_figures(flops, summary.get("throughput"), device, amp, amp_dtype, t.peak_tflops))
     summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
+    summary["model_state_mb"] = model_state_mb(model, optimizer)
     summary["warmup"]["epochs_rewarm"] = rewarm_epochs
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}

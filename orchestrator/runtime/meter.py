@@ -530,6 +530,18 @@ class StepMeter:
         }
 
 
+def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """MB of parameters, their gradients (one each, counted whether or not held now) and the
+    optimizer's state that this rank holds: its own shards of sharded (DTensor) ones."""
+    def local(t: Any) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    params = sum(local(p) for p in model.parameters())
+    state = sum(local(v) for s in optimizer.state.values() for v in s.values())
+    return (2 * params + state) / 2**20
+
+
 def memory_stats(device: torch.device, sampler: Optional[MemorySampler] = None) -> Dict[str, Any]:
     """This job's peak memory: the CUDA allocator's (its peak was reset when the job started) on
     GPU; on CPU the sampled resident high-water of the rank and its loader workers."""

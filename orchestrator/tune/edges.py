@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from .rules import out_of_memory
 from .space import ACCUM_KEY, BATCH_KEY, WORKERS_KEY, Dimension, SearchSpace
 
 # verdict -> the knob its advice raises
@@ -55,8 +56,7 @@ def next_step(dim: Dimension, trial: Any, study_trials: List[Any], workers_cap: 
         if per_epoch is not None and per_epoch < MIN_STEPS_PER_EPOCH:
             return {"capped": f"the dataset: trial {trial.number} already trains {per_epoch} steps per epoch"}
         failed = [tr for tr in study_trials if (tr.user_attrs.get("values") or {}).get(BATCH_KEY, 0) > top
-                  and (str(tr.user_attrs.get("error", "")).startswith("out of memory")
-                       or tr.user_attrs.get("verdict") == "memory-bound")]
+                  and out_of_memory(tr)]
         if failed:
             return {"capped": f"memory: trial {failed[0].number} ran out at a larger batch"}
         return {"value": 2 * top}

@@ -39,6 +39,12 @@ def refused(trial: Any, t: TuneConfig) -> bool:
     return not t.allow_large_global_batch and per_epoch is not None and per_epoch <= 1
 
 
+def out_of_memory(trial: Any) -> bool:
+    """The trial ran out of memory (its error), or was memory-bound (its verdict)."""
+    return (str(trial.user_attrs.get("error", "")).startswith("out of memory")
+            or trial.user_attrs.get("verdict") == "memory-bound")
+
+
 def completed(study: Any) -> List[Any]:
     import optuna
 

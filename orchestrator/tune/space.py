@@ -194,9 +194,13 @@ class SearchSpace:
                 if d.key in NEEDS_WORKERS:  # ... and checked with some
                     values[WORKERS_KEY] = max(1, self.base.data.num_workers)
                 try:
-                    apply(self.base, values)
+                    point = apply(self.base, values)
                 except ConfigError as exc:
                     raise ConfigError(f"tune.space.{d.name}: {value!r} is not valid: {exc}") from None
+                if point.world_size != self.world:  # e.g. backend.name: ddp vs fsdp, never vs single
+                    raise ConfigError(f"tune.space.{d.name}: {value!r} runs {point.world_size} process(es), the base "
+                                      f"config {self.world}; a study compares points of one world size (backend.name: "
+                                      "ddp, fsdp, horovod for several ranks)")
 
     def sample(self, trial: Any) -> Dict[str, Any]:
         """Config values for this trial (accumulation derived under global_batch); knobs that need
@@ -212,6 +216,25 @@ class SearchSpace:
     def contains(self, key: str, value: Any) -> bool:
         d = next((d for d in self.dims if d.key == key), None)
         return d is not None and d.contains(value)
+
+    def snap(self, key: str, current: Any, target: Any) -> Any:
+        """The value of the space nearest to `target` on the way from `current` (a move the
+        diagnosis proposes, e.g. 3 workers where the choices are 0, 1, 2, 4, becomes 4: the nearer,
+        the bolder on a tie, never back past `current`); None when the space has nothing that way."""
+        d = next((d for d in self.dims if d.key == key), None)
+        if d is None or current is None or target == current:
+            return None
+        if d.contains(target):
+            return target
+        up = target > current
+        if d.choices is None and d.type is ParamType.float:
+            edge = d.high if up else d.low
+            return edge if (edge > current if up else edge < current) else None  # type: ignore[operator]
+        ahead = [v for v in (d.choices if d.choices is not None else d.extremes())
+                 if (v > current if up else v < current)]
+        if d.choices is None and ahead:  # an int range: the nearest end of it
+            return max(ahead) if up else min(ahead)
+        return min(ahead, key=lambda v: (abs(v - target), -v if up else v)) if ahead else None  # ties: the bolder
 
     def grid(self) -> Dict[str, List[Any]]:
         """tune.sampler=grid: Optuna parameter -> every value."""

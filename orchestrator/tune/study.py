@@ -27,8 +27,9 @@ from .pool import RankPool
 from .report import write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, stale_streak,
                     utilization_score)
-from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace, apply
-from .edges import apply_extensions, edges_of, next_step, summary_of, workers_cap
+from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply
+from .edges import apply_extensions, summary_of
+from .proposals import Proposals
 from .storage import is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
@@ -67,12 +68,12 @@ class Tuner:
             raise ConfigError(f"tune.sampler: grid has {self.space.grid_size()} points, more than tune.n_trials="
                               f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
         self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
-        self.capped: Dict[str, str] = {}  # dimension -> why extend_edges did not widen it
         self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
                                          f"{datetime.now():%Y%m%d-%H%M%S}"
         self.multi = self.t.objective is Objective.both
         self.tracker = Tracker(cfg.tracking)
+        self.proposals = Proposals(self.space, self.t, self.storage, self.name, self._say)
         self.pool = RankPool(self.run_dir / "pools") if self.t.reuse_ranks else None
 
     # -- setup -----------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class Tuner:
     def _sampler(self, worker: int) -> Any:
         """tune.sampler, seeded: each tuner process of a shared study samples its own stream, the
         first one reproducible from tune.seed. guided is TPE; the diagnosis moves come on top
-        (_propose)."""
+        (proposals.py)."""
         samplers, seed = self.optuna.samplers, self.t.seed + worker
         name = self.t.sampler
         if name is SamplerName.random:
@@ -201,8 +202,9 @@ class Tuner:
                                                             "measured: the space looks covered"}
                     break
                 if self.t.extend_edges and not self.multi:
-                    self._extend_edges(study, trial)
-                if getattr(study.sampler, "covered", False):
+                    self.proposals.edges(study, trial)
+                if getattr(study.sampler, "covered", False) and not study.get_trials(
+                        deepcopy=False, states=(self.optuna.trial.TrialState.WAITING,)):  # proposals still run
                     self.stopped = {"by": "covered", "why": "every point of the grid was measured"}
                     break
                 if self._out_of_patience(study):
@@ -229,34 +231,6 @@ class Tuner:
                 print(f"[tune] could not write the study's outputs: {_first_line(exc)}")
                 self.tracker.end(status)
         return summary
-
-    def _extend_edges(self, study: Any, last: Any) -> None:
-        """tune.extend_edges: the best so far sits on the top of a dimension its verdict points
-        past: widen the dimension one step (edges.next_step: up to tune.max_workers_cap, memory,
-        the dataset) for every tuner process of the study, and try the best there next (a trial
-        proposed by `edge`). Once per step: a dimension already widened past the best is left alone."""
-        best = best_trials(study, self.t)
-        if not best or best[0].number != last.number:  # only a new best opens an edge
-            return
-        for edge in edges_of(best[0], self.space):
-            dim = next(d for d in self.space.dims if d.name == edge.name)
-            step = next_step(dim, best[0], study.get_trials(deepcopy=False), workers_cap(self.space, self.t.max_workers_cap))
-            if "capped" in step:
-                self.capped[edge.name] = step["capped"]
-                continue
-            with study_lock(self.storage, self.name):
-                trials = study.get_trials(deepcopy=False)
-                waiting = sum(tr.state == self.optuna.trial.TrialState.WAITING for tr in trials)
-                extended = dict(study.user_attrs.get("extended") or {})
-                if counted(trials) + waiting >= self.t.n_trials or extended.get(edge.name, 0) >= step["value"]:
-                    return
-                extended[edge.name] = step["value"]
-                study.set_user_attr("extended", extended)
-                apply_extensions(self.space, extended)
-                point = {**best[0].user_attrs["values"], edge.key: step["value"]}
-                reason = f"trial {best[0].number} is {edge.verdict} at {edge.name}={edge.value}, the top of the space"
-                study.enqueue_trial(self.space.params_of(point), user_attrs={"proposed_by": "edge", "reason": reason})
-            self._say(f"[tune] {reason}: widened {edge.name} to {dim.describe()}, trying {edge.name}={step['value']}")
 
     def _out_of_patience(self, study: Any) -> bool:
         """tune.patience: the last N counted trials did not beat the best by more than its noise."""
@@ -287,7 +261,7 @@ class Tuner:
             study.tell(trial, state=TrialState.PRUNED)
             self._record(rec, t0)
             return
-        ceiling = self._memory_ceiling(study)
+        ceiling = self.proposals.memory_ceiling(study)
         if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
             rec.state, rec.error = "PRUNED", f"batch {values[BATCH_KEY]} > {ceiling[0]}, which ran out of memory in trial {ceiling[1]}"
             trial.set_user_attr("over_memory_of", ceiling[1])
@@ -337,7 +311,7 @@ class Tuner:
             study.tell(trial, self._score(study, rec))
             rec.state = "COMPLETE"
             if result.get("diagnosis"):
-                self._propose(study, trial, values, result["diagnosis"])
+                self.proposals.diagnosis(study, trial, values, result["diagnosis"])
         except JobStopped as exc:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
@@ -351,7 +325,7 @@ class Tuner:
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             study.tell(trial, state=TrialState.FAIL)
             if _is_oom(err) and values.get(BATCH_KEY):
-                self._propose(study, trial, values, {"verdict": "out of memory", "moves": [{
+                self.proposals.diagnosis(study, trial, values, {"verdict": "out of memory", "moves": [{
                     "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
                             ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
                     "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
@@ -362,15 +336,6 @@ class Tuner:
             trial_state_tags["prune_reason" if rec.state == "PRUNED" else "trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
         self._record(rec, t0)
-
-    def _memory_ceiling(self, study: Any) -> Optional[tuple]:
-        """(batch, trial): the smallest batch that ran out of memory (or was memory-bound) so far
-        at this world size; no larger batch is launched for the rest of the study."""
-        bad = [(tr.user_attrs["values"][BATCH_KEY], tr.number) for tr in study.get_trials(deepcopy=False)
-               if BATCH_KEY in (tr.user_attrs.get("values") or {})
-               and (str(tr.user_attrs.get("error", "")).startswith("out of memory")
-                    or tr.user_attrs.get("verdict") == "memory-bound")]
-        return min(bad) if bad else None
 
     def _median_at(self, study: Any, number: int, window: int) -> Optional[float]:
         """The median pruner's bar at `window`: the median of the earlier trials' scores there."""
@@ -435,38 +400,6 @@ class Tuner:
                 self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
                           f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
         study.set_user_attr("confirmed", out)
-
-    def _propose(self, study: Any, trial: Any, values: Dict[str, Any], diagnosis: Dict[str, Any]) -> None:
-        """tune.sampler=guided: enqueue the neighbour this trial's diagnosis points to, its first
-        move that stays in the space and has not been tried. Proposals come only from the
-        sampler's (and the baseline's) trials, so they interleave with the sampler's own and the
-        search still explores."""
-        if self.t.sampler is not SamplerName.guided or trial.user_attrs.get("proposed_by") == "diagnosis":
-            return
-        here = {d.key: values[d.key] for d in self.space.dims if values.get(d.key) is not None}
-        with study_lock(self.storage, self.name):  # the budget: a queued proposal must be run by someone
-            trials = study.get_trials(deepcopy=False)
-            waiting = sum(tr.state == self.optuna.trial.TrialState.WAITING for tr in trials)
-            if counted(trials) + waiting >= self.t.n_trials:
-                return
-            seen = [tr.params or tr.system_attrs.get("fixed_params") or {} for tr in trials]
-            for move in diagnosis.get("moves", []):
-                changes = {k: v for k, v in move["set"].items() if k in self.space.keys}
-                point = {**here, **changes}
-                if point.get(WORKERS_KEY) == 0:  # knobs of the workers' queue go with the workers
-                    point = {k: v for k, v in point.items() if k not in NEEDS_WORKERS}
-                elif PREFETCH_KEY in self.space.keys and PREFETCH_KEY not in point:
-                    point[PREFETCH_KEY] = 2  # first workers: torch's default queue depth
-                if not changes or point == here or not all(self.space.contains(k, v) for k, v in point.items()):
-                    continue
-                params = self.space.params_of(point)
-                if params in seen:
-                    continue
-                reason = f"trial {trial.number} is {diagnosis['verdict']}: {move['why']}"
-                study.enqueue_trial(params, user_attrs={"proposed_by": "diagnosis", "reason": reason[:480]})
-                self._say(f"[tune] trial {trial.number} is {diagnosis['verdict']}: proposes "
-                          + " ".join(f"{k.split('.')[-1]}={v}" for k, v in changes.items()))
-                return
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
@@ -556,7 +489,7 @@ class Tuner:
         if not best or self.multi:
             return notes
         b = best[0]
-        notes["edges"] = summary_of(b, self.space, study.user_attrs.get("extended") or {}, self.capped)
+        notes["edges"] = summary_of(b, self.space, study.user_attrs.get("extended") or {}, self.proposals.capped)
         base = self.cfg.data.batch_size * self.cfg.trainer.accumulation_steps * self.cfg.world_size
         mine = b.user_attrs.get("global_batch")
         if mine is not None and mine != base:
