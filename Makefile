@@ -26,3 +26,4 @@ bench:
 	$(PY) bench/bench_mfu.py
 	$(PY) bench/bench_storage.py
 	$(PY) bench/bench_fsdp.py
+	$(PY) bench/bench_balance.py

@@ -70,6 +70,8 @@ class LiveLog:
                 points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
                 if rank == 0 and self.task is not None:
                     self.progress.update(self.task, completed=step)
+            elif kind == "balance":
+                points += [(f"rank{r}/share", share, step) for r, share in enumerate(ev["shares"])]  # type: ignore[typeddict-item]
             elif kind == "window":
                 if self.world > 1:
                     points += [(f"rank{rank}/{k}", ev[k], step) for k in WINDOW_KEYS]  # type: ignore[misc]

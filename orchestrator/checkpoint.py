@@ -169,8 +169,9 @@ def resolve_resume(value: str, outputs: Path = Path("outputs")) -> Path:
     return run_dir
 
 
-# What a resume may change: how long and how often, where it is recorded, the loader's speed knobs
-# and the machines' addresses. Everything else (model and data targets and args, batch size,
+# What a resume may change: how long and how often, where it is recorded, the loader's speed knobs,
+# the machines' addresses and how the global batch is split between ranks (the same global batches
+# either way, runtime/balance.py). Everything else (model and data targets and args, batch size,
 # accumulation, seed, optimizer, backend, world size, ...) was fixed by the checkpoint and must
 # match the run's config.yaml. Prefixes of dotted keys.
 MAY_CHANGE = (
@@ -181,7 +182,7 @@ MAY_CHANGE = (
     "trainer.min_measure_s", "trainer.max_measure_s", "trainer.peak_tflops", "trainer.loader_autotune",
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
-    "parallelism.hostfile", "backend.reshard_after_forward",
+    "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance", "parallelism.balance_tolerance",
 )
 
 

@@ -248,4 +248,6 @@ def straggler_note(job: Dict[str, Any]) -> Optional[str]:
         return None
     return (f"rank {imb['straggler_rank']} is a straggler: its own work per step is {_pct(imb['own_time_spread'])} above "
             f"the fastest rank's (> {_pct(STRAGGLER_SPREAD)}); the others wait for it in the all-reduce. Check its "
-            "device, its data shard and what else runs on its host")
+            "device, its data shard and what else runs on its host"
+            + ("" if job.get("balance") else "; parallelism.balance=speed gives each rank a share of the global batch "
+               "by its measured speed (the same math)"))

@@ -19,6 +19,7 @@ SHARE_TOLERANCE = 0.01
 
 
 def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    balance = result.get("balance") or {}
     per_rank = []
     for r in rank_results:
         if not r.get("measured_steps"):
@@ -33,6 +34,9 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
             "device_mem_mb": r.get("device_mem_mb"), "mem_source": r.get("mem_source"),
             "memory_summary": r.get("memory_summary"), "mfu": r.get("mfu"), "mfu_source": r.get("mfu_source"),
             "nvml_util": r.get("nvml_util"), "sm_active": r.get("sm_active"),
+            # parallelism.balance=speed: this rank's share of the global batch, its own-work samples/s
+            "share": balance["shares"][r["rank"]] if balance else None,
+            "speed": balance["speeds"][r["rank"]] if balance.get("speeds") else None,
         })
     device_mem = min((r["device_mem_mb"] for r in per_rank if r.get("device_mem_mb")), default=None)
     tuned = result.get("loader_autotune")
@@ -46,6 +50,7 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
         "diagnosis": diag.as_dict(),
         "straggler": straggler_note(result),
         "imbalance": result.get("imbalance"),
+        "balance": balance or None,
         "job": {k: result.get(k) for k in ("utilization", "utilization_source", "throughput", "step_time_s",
                                             "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac",
                                             "optimizer_frac", "other_frac", "peak_mem_mb", "mfu", "mfu_source",
@@ -67,18 +72,22 @@ def to_markdown(report: Dict[str, Any]) -> str:
         lines += ["What to try:", ""] + [f"- {a}" for a in d["advice"]] + [""]
     if report.get("straggler"):
         lines += [f"**Imbalance**: {report['straggler']}.", ""]
+    if report.get("balance"):
+        lines += [f"**Balance** (parallelism.balance=speed): {balance_line(report['balance'])}.", ""]
     job = report["job"]
     lines += ["| figure | value | source |", "|---|---|---|"]
     for key in ("utilization", "mfu", "nvml_util", "sm_active"):
         value = job.get(key)
         lines.append(f"| {key} | {'-' if value is None else f'{100 * value:.1f}%'} | {job.get(key + '_source') or '-'} |")
     lines.append("")
-    lines += ["| rank | utilization | throughput | step ms | " + " | ".join(PHASES) + " | peak MB |",
-              "|---" * (5 + len(PHASES)) + "|"]
+    bal = bool(report.get("balance"))
+    lines += ["| rank | utilization | throughput | step ms | " + " | ".join(PHASES) + " | peak MB |"
+              + (" share | own samples/s |" if bal else ""), "|---" * (5 + len(PHASES) + 2 * bal) + "|"]
     for r in report["per_rank"]:
         lines.append(f"| {r['rank']} | {100 * r['utilization']:.1f}% ({r['utilization_source']}) | {r['throughput']:.1f}/s | "
                      f"{1000 * r['step_time_s']:.2f} | " + " | ".join(f"{100 * r['shares'][p]:.1f}%" for p in PHASES)
-                     + f" | {r['peak_mem_mb']:.0f} |")
+                     + f" | {r['peak_mem_mb']:.0f} |"
+                     + (f" {100 * r['share']:.1f}% | {_num(r['speed'], '.1f')} |" if bal else ""))
     lines += ["", "Phases are those of each rank's window of median step time (warmup excluded); they add up to "
                   f"its step time within {100 * report['share_check']['tolerance']:.0f}%."]
     lines += _autotune_markdown(report.get("loader_autotune"))
@@ -131,6 +140,20 @@ def write_loader_override(tuned: Dict[str, Any], run_dir: Path) -> Path:
                     f"# Use: {orchestrator_command(['--config-dir', str(run_dir), '+tuned=loader'])} and the run's overrides\n"
                     + yaml.safe_dump({"data": dict(final)}, sort_keys=True))
     return path
+
+
+def _num(x: Any, fmt: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(scale * x, fmt)
+
+
+def balance_line(b: Dict[str, Any]) -> str:
+    """The shares, and the step time at the even split vs now (result.json's `balance`)."""
+    shares = " / ".join(f"{100 * s:.0f}%" for s in b["shares"])
+    even = _num(b.get("even_step_time_s"), ".2f", 1000)
+    line = (f"shares {shares} of a global batch of {b['global_batch']} ({b['changes']} change"
+            f"{'s' if b['changes'] != 1 else ''}); step time even split {even} ms "
+            f"({b.get('even_step_time_source') or 'not measured'}) -> now {_num(b.get('step_time_s'), '.2f', 1000)} ms")
+    return line + (f" ({b['speedup']:.2f}x)" if b.get("speedup") else "")
 
 
 def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:

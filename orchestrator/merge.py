@@ -42,7 +42,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
     if ranks[0].get("warmup"):
         job["warmup"] = ranks[0]["warmup"]  # the same on every rank (same steps, same loader)
-    for key in ("stopped_by", "steps_per_epoch", "epochs", "loader_autotune"):  # loader_autotune: rank 0's
+    for key in ("stopped_by", "steps_per_epoch", "epochs", "balance", "loader_autotune"):  # the same on every rank; loader_autotune: rank 0's
         if ranks[0].get(key) is not None:
             job[key] = ranks[0][key]
     if not measured:
@@ -133,6 +133,11 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("peak memory", f"{result['peak_mem_mb']:.0f} MB" if result.get("peak_mem_mb") else "-"),
         ("bottleneck", str(result.get("bottleneck", "-"))),
     ]
+    bal = result.get("balance")
+    if bal:
+        shares = " / ".join(f"{100 * x:.0f}%" for x in bal["shares"])
+        speedup = f" ({bal['speedup']:.2f}x the even split)" if bal.get("speedup") else ""
+        rows.append(("shares (balance=speed)", shares + speedup))
     imb = result.get("imbalance")
     if imb and imb.get("straggler_rank") is not None:
         rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))

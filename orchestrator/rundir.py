@@ -75,7 +75,13 @@ class LoaderEvent(TypedDict):
     t_s: float  # seconds since training started
 
 
-Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, LoaderEvent]
+class BalanceEvent(TypedDict):
+    type: str  # "balance": the ranks' shares of the global batch from `step` on (parallelism.balance=speed)
+    step: int
+    shares: List[float]
+
+
+Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, LoaderEvent, BalanceEvent]
 # the per-window figures the parent turns into MLflow metrics
 WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
 

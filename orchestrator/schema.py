@@ -56,6 +56,11 @@ class DistBackend(str, Enum):
     nccl = "nccl"
 
 
+class Balance(str, Enum):
+    even = "even"  # every rank data.batch_size samples per micro-step
+    speed = "speed"  # each rank's share of the global batch set by its measured speed (runtime/balance.py)
+
+
 class Loss(str, Enum):
     cross_entropy = "cross_entropy"
     mse = "mse"
@@ -193,9 +198,14 @@ class ParallelismConfig:
     hosts: Optional[str] = None  # horovod: "host1:slots,host2:slots"
     hostfile: Optional[str] = None  # horovod: a hostfile instead of hosts
     shard_size: int = 0  # fsdp: ranks a model is sharded over (HSDP: replicated across groups); 0: all ranks
+    balance: Balance = Balance.even  # speed: split the global batch by the ranks' measured speeds
+    balance_tolerance: float = 0.1  # speed: re-balance when the shares the speeds call for differ more
 
     def __post_init__(self) -> None:
         _require(self.shard_size >= 0, f"parallelism.shard_size: must be >= 0 (0 = all ranks), got {self.shard_size}")
+        _require(0 < self.balance_tolerance < 1,
+                 f"parallelism.balance_tolerance: must be in (0, 1) (a relative change of a share), "
+                 f"got {self.balance_tolerance}")
         _require(self.nproc_per_node >= 1, f"parallelism.nproc_per_node: must be >= 1, got {self.nproc_per_node}")
         _require(self.nnodes >= 1, f"parallelism.nnodes: must be >= 1, got {self.nnodes}")
         _require(
@@ -466,11 +476,22 @@ class Config:
             not (self.trainer.loader_autotune and self.mode is Mode.tune),
             "trainer.loader_autotune: a study measures fixed loader settings; allowed with mode=tune: false",
         )
+        _require(
+            not (self.trainer.loader_autotune and self.parallelism.balance is Balance.speed),
+            "trainer.loader_autotune: not with parallelism.balance=speed (its batch sampler splits each global "
+            "micro-batch by shares; the autotune rebuilds an index-sampled loader); allowed: "
+            "trainer.loader_autotune=false, or parallelism.balance=even",
+        )
         world, shard = self.world_size, self.parallelism.shard_size
         if self.backend.name is BackendName.fsdp and shard:
             divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
             _require(world % shard == 0, f"parallelism.shard_size: {shard} does not divide the world size {world} "
                                          f"(nproc_per_node x nnodes); allowed: 0 (all ranks), {divisors}")
+        _require(
+            self.parallelism.balance is Balance.even or not self.single_process,
+            f"parallelism.balance: speed splits the batch between ranks, and backend={self.backend.name.value} runs "
+            f"one process; use a backend with several ranks (ddp, horovod) or parallelism.balance=even",
+        )
 
     @property
     def single_process(self) -> bool:
@@ -547,7 +568,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 
 __all__: List[str] = [
-    "AmpDtype", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
+    "AmpDtype", "Balance", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
     "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "to_config", "to_yaml",

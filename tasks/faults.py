@@ -1,4 +1,5 @@
-"""Workloads that fail on purpose, to exercise supervision (a crashing rank, a hung rank)."""
+"""Workloads that fail on purpose, to exercise supervision (a crashing rank, a hung rank), and one
+whose rank is slower than the others by a known factor (parallelism.balance=speed)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,20 @@ class FailingLinear(nn.Linear):
             if self.hang:
                 time.sleep(3600)
             raise RuntimeError(f"injected failure on rank {self.fail_rank} at forward {self.calls}")
+        return super().forward(x)
+
+
+class SlowLinear(nn.Linear):
+    """nn.Linear plus emulated device work: its forward sleeps `sample_ms` per sample, and
+    `slow_factor` times as long on `slow_rank`, a device that much slower. Sleeping, not computing:
+    ranks sharing a few CPU cores would slow each other down and blur the factor. The math is
+    nn.Linear's (the same initialization and output on every rank)."""
+
+    def __init__(self, in_features: int = 1000, out_features: int = 10, sample_ms: float = 0.5, slow_rank: int = 1,
+                 slow_factor: float = 2.0) -> None:
+        super().__init__(in_features, out_features)
+        self.sample_ms = sample_ms * (slow_factor if _rank() == slow_rank else 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.sample_ms * x.shape[0] / 1000.0)
         return super().forward(x)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 
 from orchestrator.app import run_job
@@ -146,6 +145,8 @@ def test_autotune_options_are_checked(make_cfg):
         make_cfg("trainer.loader_autotune_every=0")
     with pytest.raises(ConfigError, match="trainer.loader_autotune: a study measures fixed loader settings"):
         make_cfg("trainer.loader_autotune=true", "mode=tune")
+    with pytest.raises(ConfigError, match="trainer.loader_autotune: not with parallelism.balance=speed"):
+        make_cfg("trainer.loader_autotune=true", "parallelism.balance=speed", "backend=ddp", "parallelism.nproc_per_node=2")
     with pytest.raises(ConfigError, match="data.latency_after_ms: applies with data.latency_jump_at > 0"):
         make_cfg("data.latency_after_ms=3")
     with pytest.raises(ConfigError, match="data.latency_jump_at: must be a step >= 0"):

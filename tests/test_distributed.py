@@ -13,10 +13,11 @@ import time
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from orchestrator.app import JobFailed, run_job
 from orchestrator.diagnose import STRAGGLER_SPREAD
+from orchestrator.runtime.balance import ShareSampler, split
 from orchestrator.runtime.dist import Adapter, DDPAdapter, shard_units
 from orchestrator.runtime.loop import build_dataset, train
 
@@ -49,19 +50,20 @@ class GlobalBatches(Sampler):
         return len(self.order)
 
 
-def reference_params(make_cfg, accum: int, world: int = 2, *extra: str) -> dict:
+def reference_params(make_cfg, accum: int, *workload: str, world: int = 2, b: int = 8, extra=()) -> dict:
     """One process training on the same global batches (world * b per micro-step)."""
-    cfg = make_cfg(*WORKLOAD, f"trainer.accumulation_steps={accum}", f"data.batch_size={8 * world}", *extra)
+    cfg = make_cfg(*(workload or WORKLOAD), f"trainer.accumulation_steps={accum}", f"data.batch_size={world * b}",
+                   *extra)
     dataset = build_dataset(cfg)
 
     class OneProcess(Adapter):
         def sampler(self, ds, shuffle, seed, drop_last):
-            return GlobalBatches(cfg, dataset, world, 8)
+            return GlobalBatches(cfg, dataset, world, b)
 
     a = OneProcess(cfg)
     a.setup()
-    assert cfg.trainer.epochs == 3
-    res = train(cfg, a)  # one epoch is enough for 6 steps; set_epoch is not called on GlobalBatches
+    res = train(cfg, a)
+    assert res.epochs == 1  # GlobalBatches has no set_epoch: the runs compared stay within one epoch
     return res.model.state_dict()
 
 
@@ -100,7 +102,7 @@ def test_fsdp_matches_one_process(make_cfg, tmp_path, accum, world, shard):
     assert result["status"] == "FINISHED" and result["world_size"] == world and result["steps"] == 6
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1  # the gathered parameters agree
     got = torch.load(tmp_path / "model.pt")  # consolidated: plain tensors of the full shapes
-    want = reference_params(make_cfg, accum, world, *fsdp)
+    want = reference_params(make_cfg, accum, world=world, extra=fsdp)
     assert got.keys() == want.keys()
     for k in want:
         assert type(got[k]) is torch.Tensor and torch.allclose(got[k], want[k], atol=1e-5), k
@@ -135,6 +137,73 @@ def test_sampler_shards_are_disjoint_and_cover(make_cfg):
     assert not set(a) & set(b) and set(a) | set(b) == set(range(100))
     shards[0].set_epoch(1)
     assert list(shards[0]) != a  # set_epoch reshuffles
+
+
+@pytest.mark.parametrize("world, drop_last", [(2, True), (3, False)])
+def test_share_sampler_splits_the_even_global_batches(world, drop_last):
+    """Whatever the shares and wherever they change, the ranks' pieces tile the even split's global
+    micro-batches: every sample once per epoch, deterministic given the seed and the shares."""
+    n, b = 103, 8
+    even = [DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=5, drop_last=drop_last)
+            for r in range(world)]
+    ranks = [ShareSampler(n, r, world, b, True, 5, drop_last) for r in range(world)]
+    skewed = split(world * b, [3.0] + [1.0] * (world - 1))
+    for epoch, change in ((0, 3), (1, 99)):  # 99: past the epoch's end; epoch 1 starts with the latest shares
+        for s in even + ranks:
+            s.set_epoch(epoch)
+        shards = [list(s) for s in even]
+        its = [iter(s) for s in ranks]
+        seen, mine = [], [[] for _ in ranks]
+        for k in range(len(ranks[0])):
+            if k == change:
+                for s in ranks:
+                    s.set_sizes(skewed, change)
+            pieces = [next(it) for it in its]
+            if k < len(ranks[0]) - 1 or drop_last:  # (a short last micro-batch is split in proportion)
+                assert [len(p) for p in pieces] == (skewed if k >= 3 or epoch else [b] * world)
+            assert sorted(i for p in pieces for i in p) == sorted(i for sh in shards for i in sh[k * b:(k + 1) * b])
+            seen += [i for p in pieces for i in p]
+            for r, p in enumerate(pieces):
+                mine[r].append(p)
+        if drop_last:  # each sample at most once, all but the remainder of a global batch
+            assert len(seen) == len(set(seen)) == len(ranks[0]) * world * b
+        else:  # every sample; padding repeats a few, as DistributedSampler's does
+            assert set(seen) == set(range(n))
+    resumed = [ShareSampler(n, r, world, b, True, 5, drop_last, sizes=skewed) for r in range(world)]
+    for s in resumed:
+        s.set_epoch(1)
+    assert [list(s) for s in resumed] == mine  # epoch 1 again, from the shares alone (a resume)
+    assert split(10, [2.0, 1.0, 0.001]) == [6, 3, 1] and split(24, [1.0, 1.0]) == [12, 12]
+
+
+# a rank 2x slower (SlowLinear sleeps 0.5 ms a sample, 1 ms on rank 1), global batch 24, one epoch
+SLOW_RANK = ["model._target_=tasks.faults.SlowLinear", "data.args.size=2880", "data.batch_size=12", "trainer.lr=0.1",
+             "trainer.momentum=0.9", "trainer.max_steps=60", "trainer.window_steps=3"]
+
+
+@pytest.mark.parametrize("backend, accum", [("ddp", 2), ("horovod", 1)])
+def test_balance_by_speed_is_exact_and_resumes_with_its_shares(make_cfg, tmp_path, backend, accum):
+    args = [f"backend={backend}", "parallelism.nproc_per_node=2", "parallelism.balance=speed", *SLOW_RANK,
+            f"trainer.accumulation_steps={accum}"]
+    if backend == "ddp":  # stopped at step 30, resumed to 60: the checkpoint's shares carry on
+        first = run_job(make_cfg(*args, "trainer.max_steps=30", "trainer.checkpoint_every=10"), tmp_path, echo=False)
+        result = run_job(make_cfg(*args, f"trainer.resume={tmp_path}"), tmp_path / "unused", echo=False)
+        assert result["balance"]["history"][0] == {"step": 30, "sizes": first["balance"]["sizes"],
+                                                   "why": "resumed from the checkpoint"}
+        assert all(h["step"] > 30 for h in result["balance"]["history"][1:])  # the run's steps, not the attempt's
+    else:
+        result = first = run_job(make_cfg(*args), tmp_path, echo=False)
+    bal = result["balance"]
+    assert result["status"] == "FINISHED" and result["steps"] == 60 and first["balance"]["changes"] >= 1, first["balance"]
+    assert 0.6 <= bal["shares"][0] <= 0.72, bal  # 2:1 is 0.667 (16 of 24)
+    assert len({r["param_digest"] for r in result["per_rank"]}) == 1
+    got = torch.load(tmp_path / "model.pt")
+    want = reference_params(make_cfg, accum, *SLOW_RANK, b=12)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
+    run = MlflowClient(make_cfg().tracking.uri).get_run(result["mlflow_run_id"])
+    assert run.data.metrics["rank0/share"] == bal["shares"][0]
+    assert "shares" in (tmp_path / "load_report.md").read_text()
 
 
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])

@@ -14,17 +14,18 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..schema import Config, DataConfig, Loss, OptimizerName, import_target
+from ..schema import Balance, Config, DataConfig, Loss, OptimizerName, import_target
 from .. import checkpoint
-from ..rundir import CheckpointEvent, Event, LoaderEvent, LogEvent, ResumeEvent, StartEvent, WindowEvent
+from ..rundir import BalanceEvent, CheckpointEvent, Event, LoaderEvent, LogEvent, ResumeEvent, StartEvent, WindowEvent
 from .autotune import LoaderSettings, LoaderTuner
+from .balance import Balancer, ShareSampler
 from .dist import Adapter, amp_dtype
 from .flops import StepCounter, mfu_figures
 from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window, model_state_mb
@@ -105,29 +106,38 @@ class EpochSampler(Sampler):
 
 
 def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
+    """The rank's loader: the adapter's sampler (an even split), or with parallelism.balance=speed
+    its piece of every global micro-batch (`ShareSampler`, runtime/balance.py)."""
     d = cfg.data
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    if cfg.parallelism.balance is Balance.speed:
+        return make_loader(d, dataset, ShareSampler(len(dataset), adapter.rank, adapter.world_size,  # type: ignore[arg-type]
+                                                    d.batch_size, d.shuffle, cfg.trainer.seed, d.drop_last),
+                           generator, adapter.device)
     sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
     if sampler is None:  # one process: shuffled by its own seeded generator
         sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(cfg.trainer.seed)) if d.shuffle
                    else SequentialSampler(dataset))
-    return make_loader(d, dataset, EpochSampler(sampler), torch.Generator().manual_seed(cfg.trainer.seed), adapter.device)
+    return make_loader(d, dataset, EpochSampler(sampler), generator, adapter.device)
 
 
-def make_loader(d: DataConfig, dataset: Dataset, sampler: EpochSampler, generator: torch.Generator,
+def make_loader(d: DataConfig, dataset: Dataset, sampler: Union[EpochSampler, ShareSampler], generator: torch.Generator,
                 device: torch.device) -> DataLoader:
-    """A DataLoader with `d`'s knobs over `sampler` (built once per run, kept across rebuilds)."""
+    """A DataLoader with `d`'s knobs over `sampler` (built once per run, kept across rebuilds): an
+    EpochSampler of indices, or balance=speed's ShareSampler of whole micro-batches."""
     kwargs: Dict[str, Any] = {}
+    if isinstance(sampler, ShareSampler):
+        kwargs["batch_sampler"] = sampler
+    else:
+        kwargs.update(batch_size=d.batch_size, sampler=sampler, drop_last=d.drop_last)
     if d.num_workers > 0:
         kwargs["persistent_workers"] = d.persistent_workers
         if d.prefetch_factor is not None:
             kwargs["prefetch_factor"] = d.prefetch_factor
     return DataLoader(
         dataset,
-        batch_size=d.batch_size,
-        sampler=sampler,
         num_workers=d.num_workers,
         pin_memory=d.pin_memory and device.type == "cuda",
-        drop_last=d.drop_last,
         worker_init_fn=_seed_worker if d.num_workers > 0 else None,
         generator=generator,
         **kwargs,
@@ -136,7 +146,13 @@ def make_loader(d: DataConfig, dataset: Dataset, sampler: EpochSampler, generato
 
 def epoch_iterator(loader: DataLoader, batches_done: int) -> Any:
     """An iterator over the epoch the sampler is set to, from its `batches_done`-th batch: the
-    same batches in the same order as an uninterrupted epoch, those before not loaded."""
+    same batches in the same order as an uninterrupted epoch, those before not loaded (with
+    balance=speed's ShareSampler, loaded and dropped: its shares schedule counts what was drawn)."""
+    if isinstance(loader.batch_sampler, ShareSampler):
+        it = iter(loader)
+        for _ in range(batches_done):
+            next(it)
+        return it
     loader.sampler.skip = batches_done * (loader.batch_size or 1)  # type: ignore[union-attr]
     return iter(loader)
 
@@ -387,7 +403,14 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     amp, amp_dtype, scaler = amp_settings(cfg, device)
     if ck is not None and scaler is not None and ck.get("scaler"):
         scaler.load_state_dict(ck["scaler"])
-    generator = loader.sampler.generator  # shuffles the single-process order; saved per epoch  # type: ignore[union-attr]
+    # saved per epoch: the single-process shuffle's generator (EpochSampler), or with balance=speed
+    # the DataLoader's (workers' base seeds; ShareSampler's order is that of seed + epoch)
+    generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
+    balancer: Optional[Balancer] = None
+    if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
+        saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
+        balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance,
+                            step=ck["meta"]["step"] if ck is not None else 0, resumed=saved)
     writes_checkpoints = t.checkpoint_every > 0 and ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
 
     # profiled steps follow the warmup and are kept out of the measured windows, and so is their
@@ -410,6 +433,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             figures[1:] = [v / adapter.world_size for v in figures[1:]]
         return figures
 
+    def write_shares(at: int) -> None:
+        if adapter.rank == 0:  # the same on every rank; the parent logs rank<R>/share
+            events.write(BalanceEvent(type="balance", step=at, shares=balancer.shares))  # type: ignore[union-attr]
+
     def on_window(win: Window) -> bool:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
         meter.check_memory()
@@ -421,6 +448,11 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                                  utilization=win.utilization, data_wait_frac=win.share("data"),
                                  comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
+            return False
+        # the run's step (the meter counts from this process's start, a resume's too)
+        if balancer is not None and balancer.on_window(win.wall_s, win.phases_s["comm"], win.samples, win.steps, step):
+            write_shares(step)
+            meter.rewarm("balance")  # the loader's queue holds micro-batches split the old way
             return False
         figures = job_figures(win)
         if tuner is not None:
@@ -456,6 +488,11 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     exposed_comm = adapter.exposed_comm
     plain = not amp and accum == 1  # no context to enter: the micro-step is the seed's own code
     clip = t.grad_clip
+
+    def weigh(loss: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """balance=speed: the loss times world x this rank's share of global micro-batch k."""
+        w = balancer.sampler.weight(n, k)  # type: ignore[union-attr]
+        return loss if w == 1.0 else loss * w
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: Optional[torch.Tensor]) -> None:
@@ -466,19 +503,22 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         checkpoint.save(ckpt_dir, step, state,  # type: ignore[arg-type]
                         {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
                          "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id,
-                         "loader": (tuner.settled if tuner is not None else LoaderSettings.of(cfg.data)).as_dict()},
+                         "loader": (tuner.settled if tuner is not None else LoaderSettings.of(cfg.data)).as_dict(),
+                         "balance": {"sizes": balancer.sampler.sizes} if balancer is not None else None},
                         sharded=(model, base_optimizer) if adapter.sharded_state else None, rank=adapter.rank)
         if adapter.rank == 0:
             events.write(CheckpointEvent(type="checkpoint", step=step))
 
+    if balancer is not None:
+        write_shares(step)
     t_start = time.perf_counter()
     model.train()
     meter.start()
     try:
         for epoch in range(start_epoch, t.epochs):
-            sampler = loader.sampler
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            for sampler in (loader.sampler, loader.batch_sampler):
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)  # type: ignore[union-attr]
             resuming = ck is not None and epoch == start_epoch
             if resuming and generator is not None and ck.get("loader_generator") is not None:  # type: ignore[union-attr]
                 generator.set_state(ck["loader_generator"])  # type: ignore[index]
@@ -504,13 +544,14 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         mark(H2D)
                     if plain:
                         loss = criterion(model(x), y)
-                        loss.backward()
+                        (loss if balancer is None else weigh(loss, x.shape[0], b + m)).backward()
                     else:
                         with adapter.grad_sync(model, enabled=m == micro - 1), autocast():
                             loss = criterion(model(x), y)
                             if micro > 1:
                                 loss = loss / micro
-                            (scaler.scale(loss) if scaler is not None else loss).backward()
+                            weighted = loss if balancer is None else weigh(loss, x.shape[0], b + m)
+                            (scaler.scale(weighted) if scaler is not None else weighted).backward()
                     if logged:
                         step_loss += loss.detach()
                     samples += x.shape[0]
@@ -583,6 +624,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     summary["stopped_by"] = rule.reason if rule is not None and rule.reason else "steps"
     summary["model_state_mb"] = model_state_mb(model, optimizer)
     summary["warmup"]["epochs_rewarm"] = rewarm_epochs
+    if balancer is not None:
+        summary["balance"] = balancer.summary()
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
     if tuner is not None and adapter.rank == 0:
