@@ -54,6 +54,7 @@ class LiveLog:
         self.task: Any = None
         self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
         self.seen: Dict[int, int] = {}  # rank -> windows seen
+        self.loader: Dict[str, float] = {}  # the loader autotune's current settings, logged with each window
 
     def __call__(self, batch: List[tuple[int, Event]]) -> None:
         points: List[tuple[str, float, int]] = []
@@ -61,6 +62,10 @@ class LiveLog:
             kind, step = ev.get("type"), int(ev.get("step", 0))  # type: ignore[arg-type]
             if kind == "start" and rank == 0 and self.progress is not None:
                 self.task = self.progress.add_task("training", total=ev["total_steps"])
+            elif kind == "loader" and rank == 0:  # the loader autotune's settings, from this step on
+                self.loader = {"loader/num_workers": float(ev["num_workers"]),  # type: ignore[typeddict-item]
+                               "loader/prefetch_factor": float(ev["effective_prefetch"])}  # type: ignore[typeddict-item]
+                points += [(k, v, step) for k, v in self.loader.items()]
             elif kind == "log":
                 points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
                 if rank == 0 and self.task is not None:
@@ -86,7 +91,7 @@ class LiveLog:
                         "comm_frac": mean("comm_frac"),
                         "step_time_s": max(float(e["step_time_s"]) for e in evs),  # type: ignore[arg-type]
                     }
-                    points += [(k, v, s) for k, v in job.items()]
+                    points += [(k, v, s) for k, v in {**job, **self.loader}.items()]
                     if self.monitor is not None and self.monitor(n, job):
                         self.stop = True
         if points:
@@ -166,6 +171,8 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         result["status"] = status  # before the load report, which records it
         if result.get("measured_steps"):
             report, report_files = load_report.write(result, cfg, rank_results, run_dir, plots=plots)
+            if result.get("loader_autotune"):
+                report_files.append(load_report.write_loader_override(result["loader_autotune"], run_dir))
             result["diagnosis"] = report["diagnosis"]
             result["bottleneck"] = report["diagnosis"]["verdict"]
             result["straggler"] = report["straggler"]

@@ -3,11 +3,13 @@ operators, memory; as `load_report.json`, `load_report.md` and PNG plots in the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Dict, List
 
 from .diagnose import diagnose, straggler_note
+from .runtime.autotune import LoaderSettings
 from .runtime.meter import PHASES
 from .schema import Config
 
@@ -37,6 +39,9 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
             "speed": balance["speeds"][r["rank"]] if balance.get("speeds") else None,
         })
     device_mem = min((r["device_mem_mb"] for r in per_rank if r.get("device_mem_mb")), default=None)
+    tuned = result.get("loader_autotune")
+    if tuned:  # the advice is about the settings the run ended with
+        cfg = dataclasses.replace(cfg, data=LoaderSettings(**tuned["final"]).data(cfg.data))
     diag = diagnose(result, cfg, device_mem)
     phase_sum = {r["rank"]: sum(r["phase_s"].values()) for r in per_rank}
     report: Dict[str, Any] = {
@@ -54,6 +59,7 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
         "share_check": {"tolerance": SHARE_TOLERANCE,
                         "phase_sum_over_step_time": {r["rank"]: phase_sum[r["rank"]] / r["step_time_s"] for r in per_rank}},
         "profile": next((r["profile"] for r in rank_results if r.get("profile") and r["rank"] == 0), None),
+        "loader_autotune": tuned,
     }
     return report
 
@@ -84,6 +90,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
                      + (f" {100 * r['share']:.1f}% | {_num(r['speed'], '.1f')} |" if bal else ""))
     lines += ["", "Phases are those of each rank's window of median step time (warmup excluded); they add up to "
                   f"its step time within {100 * report['share_check']['tolerance']:.0f}%."]
+    lines += _autotune_markdown(report.get("loader_autotune"))
     prof = report.get("profile")
     if prof and prof.get("top_ops"):
         lines += ["", f"## Top operators (rank 0, {prof['steps']} profiled steps)", "",
@@ -95,6 +102,44 @@ def to_markdown(report: Dict[str, Any]) -> str:
         if r.get("memory_summary"):
             lines += ["", f"## Memory, rank {r['rank']} ({r['device']})", "", "```", r["memory_summary"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _autotune_markdown(tuned: Any) -> List[str]:
+    """The loader autotune's events: one row per decision, with the steady throughput before and after."""
+    if not tuned:
+        return []
+    start, final = LoaderSettings(**tuned["initial"]), LoaderSettings(**tuned["final"])
+    lines = ["", "## Loader autotune", "", f"Started with {start.text}, ended with {final.text} "
+             "(`tuned/loader.yaml`).", "", "| step | s | action | settings | before | throughput before | "
+             "throughput after | noise | why |", "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for ev in tuned["events"]:
+        if ev["action"] == "start":
+            continue
+        lines.append(f"| {ev['step']} | {ev['t_s']:.1f} | {ev['action']} | "
+                     f"{LoaderSettings(ev['num_workers'], ev['prefetch_factor']).text} | "
+                     f"{LoaderSettings(ev['from_workers'], ev['from_prefetch']).text} | {fmt(ev['throughput_before'])} | "
+                     f"{fmt(ev['throughput_after'])} | {fmt(ev['noise'])} | {ev['reason']} |")
+    return lines
+
+
+def write_loader_override(tuned: Dict[str, Any], run_dir: Path) -> Path:
+    """`tuned/loader.yaml`: the loader settings the autotune ended with, a Hydra override file as
+    a study's best.yaml (`--config-dir RUN_DIR +tuned=loader`)."""
+    import yaml
+
+    from .commands import orchestrator_command
+
+    out = run_dir / "tuned"
+    out.mkdir(exist_ok=True)
+    path = out / "loader.yaml"
+    final = tuned["final"]
+    path.write_text("# @package _global_\n"
+                    f"# The loader settings trainer.loader_autotune ended with ({LoaderSettings(**tuned['initial']).text} "
+                    "at the start).\n"
+                    f"# Use: {orchestrator_command(['--config-dir', str(run_dir), '+tuned=loader'])} and the run's overrides\n"
+                    + yaml.safe_dump({"data": dict(final)}, sort_keys=True))
+    return path
 
 
 def _num(x: Any, fmt: str, scale: float = 1.0) -> str:

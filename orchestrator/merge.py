@@ -42,7 +42,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
     if ranks[0].get("warmup"):
         job["warmup"] = ranks[0]["warmup"]  # the same on every rank (same steps, same loader)
-    for key in ("stopped_by", "steps_per_epoch", "epochs", "balance"):  # the same on every rank
+    for key in ("stopped_by", "steps_per_epoch", "epochs", "balance", "loader_autotune"):  # the same on every rank; loader_autotune: rank 0's
         if ranks[0].get(key) is not None:
             job[key] = ranks[0][key]
     if not measured:

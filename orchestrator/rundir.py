@@ -59,13 +59,29 @@ class CheckpointEvent(TypedDict):
     step: int
 
 
+class LoaderEvent(TypedDict):
+    type: str  # "loader": the loader autotune (runtime/autotune.py) decided; rank 0 only
+    step: int
+    action: str  # start (the settings a run starts with) | try | keep | revert
+    num_workers: int  # the settings in place after this event
+    prefetch_factor: Optional[int]
+    effective_prefetch: int  # batches queued per worker (torch's 2 for null; 0 without workers)
+    from_workers: int  # the settings before it
+    from_prefetch: Optional[int]
+    reason: str
+    throughput_before: Optional[float]  # samples/s, job-level, steady state
+    throughput_after: Optional[float]
+    noise: Optional[float]  # the 95% half-width of the difference
+    t_s: float  # seconds since training started
+
+
 class BalanceEvent(TypedDict):
     type: str  # "balance": the ranks' shares of the global batch from `step` on (parallelism.balance=speed)
     step: int
     shares: List[float]
 
 
-Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, BalanceEvent]
+Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, LoaderEvent, BalanceEvent]
 # the per-window figures the parent turns into MLflow metrics
 WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
 

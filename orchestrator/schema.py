@@ -138,6 +138,8 @@ class DataConfig:
     shuffle: bool = True
     drop_last: bool = True
     read_latency_ms: float = 0.0  # simulated per-sample storage latency, for any dataset
+    latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
+    latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, f"data.batch_size: must be an integer >= 1, got {self.batch_size}")
@@ -155,6 +157,10 @@ class DataConfig:
             "data.persistent_workers: needs data.num_workers > 0; set it to false or raise num_workers",
         )
         _require(self.read_latency_ms >= 0, f"data.read_latency_ms: must be >= 0, got {self.read_latency_ms}")
+        _require(self.latency_jump_at >= 0, f"data.latency_jump_at: must be a step >= 0 (0 = never), got {self.latency_jump_at}")
+        _require(self.latency_after_ms >= 0, f"data.latency_after_ms: must be >= 0, got {self.latency_after_ms}")
+        _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
+                 "data.latency_after_ms: applies with data.latency_jump_at > 0 (the step the latency changes at)")
         check_target("data", self._target_, self.args)
 
 
@@ -259,6 +265,8 @@ class TrainerConfig:
     checkpoint_every: int = 0  # steps between checkpoints (rank 0, atomic); 0: off
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
     resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
+    loader_autotune: bool = False  # tune data.num_workers / prefetch_factor online (runtime/autotune.py)
+    loader_autotune_every: int = 100  # steps between the autotuner's looks at the last windows
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -281,6 +289,8 @@ class TrainerConfig:
         _require(self.peak_tflops >= 0,
                  f"trainer.peak_tflops: must be >= 0 (0 = the table or a CPU measurement), got {self.peak_tflops}")
         _measure_rule("trainer", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
+        _require(self.loader_autotune_every >= 1,
+                 f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
 
 
 def _measure_rule(where: str, window_s: float, rel_precision: float, min_s: float, max_s: float) -> None:
@@ -461,6 +471,16 @@ class Config:
         _require(
             not (self.parallelism.hosts or self.parallelism.hostfile) or self.backend.name is BackendName.horovod,
             "parallelism.hosts / parallelism.hostfile: apply to backend=horovod only",
+        )
+        _require(
+            not (self.trainer.loader_autotune and self.mode is Mode.tune),
+            "trainer.loader_autotune: a study measures fixed loader settings; allowed with mode=tune: false",
+        )
+        _require(
+            not (self.trainer.loader_autotune and self.parallelism.balance is Balance.speed),
+            "trainer.loader_autotune: not with parallelism.balance=speed (its batch sampler splits each global "
+            "micro-batch by shares; the autotune rebuilds an index-sampled loader); allowed: "
+            "trainer.loader_autotune=false, or parallelism.balance=even",
         )
         world, shard = self.world_size, self.parallelism.shard_size
         if self.backend.name is BackendName.fsdp and shard:

@@ -31,3 +31,19 @@ class Elementwise(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x * self.scale)[:, :4]
+
+
+class RecordingLinear(nn.Linear):
+    """nn.Linear that appends the first feature of every sample it trains on (which names the
+    sample: the features are random) to `record_dir`/rank<R>.txt: the order a rank trained in."""
+
+    def __init__(self, in_features: int, out_features: int, record_dir: str) -> None:
+        super().__init__(in_features, out_features)
+        import os
+
+        self.path = os.path.join(record_dir, f"rank{os.environ.get('RANK', '0')}.txt")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with open(self.path, "a") as f:
+            f.write("".join(f"{v!r}\n" for v in x[:, 0].tolist()))
+        return super().forward(x)

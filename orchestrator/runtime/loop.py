@@ -4,23 +4,27 @@ cudnn.benchmark, non_blocking copies), instrumented by `StepMeter`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import itertools
 import json
 import math
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..schema import Balance, Config, Loss, OptimizerName, import_target
+from ..schema import Balance, Config, DataConfig, Loss, OptimizerName, import_target
 from .. import checkpoint
-from ..rundir import BalanceEvent, CheckpointEvent, Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
+from ..rundir import BalanceEvent, CheckpointEvent, Event, LoaderEvent, LogEvent, ResumeEvent, StartEvent, WindowEvent
+from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer, ShareSampler
 from .dist import Adapter, amp_dtype
 from .flops import StepCounter, mfu_figures
@@ -28,16 +32,23 @@ from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRu
 
 
 class LatencyDataset(Dataset):
-    """Adds a fixed per-item read latency, as remote storage would (`data.read_latency_ms`)."""
+    """Adds a per-item read latency, as remote storage would (`data.read_latency_ms`). `set_latency`
+    changes it in the loader's workers too (shared memory they inherit): `data.latency_jump_at`."""
 
     def __init__(self, inner: Dataset, latency_ms: float) -> None:
-        self.inner, self.delay = inner, latency_ms / 1000.0
+        self.inner = inner
+        self._delay = multiprocessing.RawValue("d", latency_ms / 1000.0)
+
+    def set_latency(self, latency_ms: float) -> None:
+        self._delay.value = latency_ms / 1000.0
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
 
     def __getitem__(self, idx: int):
-        time.sleep(self.delay)
+        delay = self._delay.value
+        if delay:
+            time.sleep(delay)
         return self.inner[idx]
 
 
@@ -57,23 +68,68 @@ def _seed_worker(worker_id: int) -> None:
 
 def build_dataset(cfg: Config) -> Dataset:
     ds = import_target(cfg.data._target_)(**cfg.data.args)
-    if cfg.data.read_latency_ms > 0:
+    if cfg.data.read_latency_ms > 0 or cfg.data.latency_jump_at > 0:
         ds = LatencyDataset(ds, cfg.data.read_latency_ms)
     return ds
+
+
+class EpochSampler(Sampler):
+    """The loader's sampler (the adapter's, or a seeded shuffle in one process), able to start an
+    epoch part-way: with `skip` set, the next epoch's first `skip` indices are drawn (its order
+    stays the same) but not handed to the loader, so batches already trained are never loaded.
+    Resume and the loader autotune restart an epoch this way (`epoch_iterator`). The shuffle's own
+    generator, apart from the DataLoader's (workers' base seeds), makes the order independent of
+    num_workers and persistent_workers."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner, self.skip = inner, 0
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        """The shuffle's generator, whose state at an epoch's start fixes its order (None: the
+        order depends on the epoch alone, as DistributedSampler's)."""
+        return getattr(self.inner, "generator", None) if isinstance(self.inner, RandomSampler) else None
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __iter__(self):
+        it, skip = iter(self.inner), self.skip
+        self.skip = 0
+        for _ in itertools.islice(it, skip):
+            pass
+        return it
 
 
 def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
     """The rank's loader: the adapter's sampler (an even split), or with parallelism.balance=speed
     its piece of every global micro-batch (`ShareSampler`, runtime/balance.py)."""
     d = cfg.data
-    kwargs: Dict[str, Any] = {}
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
     if cfg.parallelism.balance is Balance.speed:
-        kwargs["batch_sampler"] = ShareSampler(len(dataset), adapter.rank, adapter.world_size, d.batch_size,  # type: ignore[arg-type]
-                                               d.shuffle, cfg.trainer.seed, d.drop_last)
+        return make_loader(d, dataset, ShareSampler(len(dataset), adapter.rank, adapter.world_size,  # type: ignore[arg-type]
+                                                    d.batch_size, d.shuffle, cfg.trainer.seed, d.drop_last),
+                           generator, adapter.device)
+    sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
+    if sampler is None:  # one process: shuffled by its own seeded generator
+        sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(cfg.trainer.seed)) if d.shuffle
+                   else SequentialSampler(dataset))
+    return make_loader(d, dataset, EpochSampler(sampler), generator, adapter.device)
+
+
+def make_loader(d: DataConfig, dataset: Dataset, sampler: Union[EpochSampler, ShareSampler], generator: torch.Generator,
+                device: torch.device) -> DataLoader:
+    """A DataLoader with `d`'s knobs over `sampler` (built once per run, kept across rebuilds): an
+    EpochSampler of indices, or balance=speed's ShareSampler of whole micro-batches."""
+    kwargs: Dict[str, Any] = {}
+    if isinstance(sampler, ShareSampler):
+        kwargs["batch_sampler"] = sampler
     else:
-        sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
-        kwargs.update(batch_size=d.batch_size, shuffle=d.shuffle if sampler is None else False, sampler=sampler,
-                      drop_last=d.drop_last)
+        kwargs.update(batch_size=d.batch_size, sampler=sampler, drop_last=d.drop_last)
     if d.num_workers > 0:
         kwargs["persistent_workers"] = d.persistent_workers
         if d.prefetch_factor is not None:
@@ -81,11 +137,24 @@ def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
     return DataLoader(
         dataset,
         num_workers=d.num_workers,
-        pin_memory=d.pin_memory and adapter.device.type == "cuda",
+        pin_memory=d.pin_memory and device.type == "cuda",
         worker_init_fn=_seed_worker if d.num_workers > 0 else None,
-        generator=torch.Generator().manual_seed(cfg.trainer.seed),
+        generator=generator,
         **kwargs,
     )
+
+
+def epoch_iterator(loader: DataLoader, batches_done: int) -> Any:
+    """An iterator over the epoch the sampler is set to, from its `batches_done`-th batch: the
+    same batches in the same order as an uninterrupted epoch, those before not loaded (with
+    balance=speed's ShareSampler, loaded and dropped: its shares schedule counts what was drawn)."""
+    if isinstance(loader.batch_sampler, ShareSampler):
+        it = iter(loader)
+        for _ in range(batches_done):
+            next(it)
+        return it
+    loader.sampler.skip = batches_done * (loader.batch_size or 1)  # type: ignore[union-attr]
+    return iter(loader)
 
 
 def loader_queue(cfg: Config) -> int:
@@ -103,6 +172,14 @@ def steady_warmup_steps(cfg: Config) -> int:
     if t.profile_steps:  # the queue is read again after the profiled steps (see train())
         return t.warmup_steps + t.profile_steps + drain
     return max(t.warmup_steps, drain)
+
+
+def reset_latency(cfg: Config, dataset: Dataset, step: int) -> None:
+    """The per-item latency a run starting at `step` reads with (data.latency_jump_at passed or
+    not); a kept-alive rank's dataset may carry an earlier job's jump."""
+    if isinstance(dataset, LatencyDataset):
+        jumped = 0 < cfg.data.latency_jump_at <= step
+        dataset.set_latency(cfg.data.latency_after_ms if jumped else cfg.data.read_latency_ms)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -244,6 +321,53 @@ def top_ops(prof: Any, cuda: bool, n: int = 15) -> list:
              "self_device_ms": dev(e) / 1000.0, "input_shapes": str(e.input_shapes)[:200]} for e in events[:n]]
 
 
+# -- loader autotune (runtime/autotune.py decides; these apply its settings to the loop) ----------
+def loader_config(cfg: Config, ck: Optional[Dict[str, Any]]) -> Config:
+    """`cfg`, or with trainer.loader_autotune, `cfg` with the loader settings its checkpoint kept."""
+    saved = (ck or {}).get("meta", {}).get("loader")
+    if not cfg.trainer.loader_autotune or not saved:
+        return cfg
+    settings = LoaderSettings(int(saved["num_workers"]), saved.get("prefetch_factor"))
+    return dataclasses.replace(cfg, data=settings.data(cfg.data))
+
+
+def loader_tuner(cfg: Config, adapter: Adapter, dataset: Dataset, events: EventLog,
+                 ck: Optional[Dict[str, Any]]) -> Optional[LoaderTuner]:
+    """The run's loader tuner (trainer.loader_autotune), its starting settings recorded (rank 0)."""
+    if not cfg.trainer.loader_autotune:
+        return None
+
+    def emit(ev: LoaderEvent) -> None:
+        if adapter.rank == 0:
+            events.write(ev)
+            if ev["action"] != "start":
+                print(f"[loader-autotune] step {ev['step']}: {ev['action']} "
+                      f"{LoaderSettings(ev['num_workers'], ev['prefetch_factor']).text} "
+                      f"(was {LoaderSettings(ev['from_workers'], ev['from_prefetch']).text}): {ev['reason']}", flush=True)
+
+    settings = LoaderSettings.of(cfg.data)
+    tuner = LoaderTuner(cfg, settings, rank=adapter.rank, world_size=adapter.world_size, device=str(adapter.device),
+                        item_bytes=item_bytes(dataset), emit=emit, all_reduce_sum=adapter.all_reduce_sum)
+    step = ck["meta"]["step"] if ck is not None else 0
+    tuner.record(step, "start", settings, settings, "resumed with the checkpoint's settings" if ck else "configured")
+    return tuner
+
+
+def switch_loader(cfg: Config, new: LoaderSettings, loader: DataLoader, it: Any, generator: Optional[torch.Generator],
+                  epoch_generator: Optional[torch.Tensor], batches_done: int, device: torch.device) -> tuple:
+    """(cfg, loader, iterator) with `new` loader settings, the iterator at the same batch of the
+    same epoch: the old workers end, the sampler's order is restored to the epoch's start and the
+    batches already trained are skipped unloaded (`epoch_iterator`, as a resume does)."""
+    shutdown = getattr(it, "_shutdown_workers", None)  # torch's own teardown of the old iterator's workers
+    if shutdown is not None:
+        shutdown()
+    cfg = dataclasses.replace(cfg, data=new.data(cfg.data))
+    if generator is not None and epoch_generator is not None:
+        generator.set_state(epoch_generator)
+    loader = make_loader(cfg.data, loader.dataset, loader.sampler, loader.generator, device)  # type: ignore[arg-type]
+    return cfg, loader, epoch_iterator(loader, batches_done)
+
+
 def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
           model: Optional[nn.Module] = None, trace_path: Optional[Path] = None,
           ckpt_dir: Optional[Path] = None, resume: Optional[Path] = None,
@@ -257,6 +381,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         torch.backends.cudnn.benchmark = not t.deterministic
 
     dataset = dataset if dataset is not None else build_dataset(cfg)
+    ck = checkpoint.load(resume) if resume is not None else None
+    cfg = loader_config(cfg, ck)  # a resumed autotuned run continues with its checkpoint's loader settings
     loader = build_loader(cfg, dataset, adapter)
     if len(loader) == 0:
         raise ValueError(
@@ -264,7 +390,6 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             f"per rank (world size {adapter.world_size}); lower the batch size or enlarge the dataset"
         )
     model = (model or build_model(cfg)).to(device)
-    ck = checkpoint.load(resume) if resume is not None else None
     if ck is not None and not adapter.sharded_state:  # before wrapping: DDP and Horovod then broadcast it
         model.load_state_dict(ck["model"])
     model = adapter.wrap_model(model)
@@ -278,7 +403,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     amp, amp_dtype, scaler = amp_settings(cfg, device)
     if ck is not None and scaler is not None and ck.get("scaler"):
         scaler.load_state_dict(ck["scaler"])
-    generator = loader.generator  # shuffles the single-process order; saved per epoch
+    # saved per epoch: the single-process shuffle's generator (EpochSampler), or with balance=speed
+    # the DataLoader's (workers' base seeds; ShareSampler's order is that of seed + epoch)
+    generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
     balancer: Optional[Balancer] = None
     if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
         saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
@@ -293,7 +420,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                       warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiler is not None else 0))
     # tuning trials: measure until precise enough (every rank sees the same all-reduced figures)
     rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
-    collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0)
+    collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0 or t.loader_autotune)
+    tuner = loader_tuner(cfg, adapter, dataset, events, ck)
+    reset_latency(cfg, dataset, ck["meta"]["step"] if ck is not None else 0)
+    jump_at = cfg.data.latency_jump_at if isinstance(dataset, LatencyDataset) else 0
 
     def job_figures(win: Window) -> list:
         """[throughput summed over ranks, step time and wall time averaged]: the same on every rank."""
@@ -325,6 +455,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             meter.rewarm("balance")  # the loader's queue holds micro-batches split the old way
             return False
         figures = job_figures(win)
+        if tuner is not None:
+            tuner.add(figures[0], win.phases_s, win.steps)
         meter.resize(figures[1], t.window_s)
         return rule is not None and rule.add(figures[0], figures[2]) is not None
 
@@ -363,7 +495,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         return loss if w == 1.0 else loss * w
     mark = meter.mark
 
-    def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: torch.Tensor) -> None:
+    def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: Optional[torch.Tensor]) -> None:
         state = {"scaler": scaler.state_dict() if scaler is not None else None,
                  "rng": checkpoint.rng_state(), "loader_generator": epoch_generator}
         if not adapter.sharded_state:
@@ -371,6 +503,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         checkpoint.save(ckpt_dir, step, state,  # type: ignore[arg-type]
                         {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "world_size": adapter.world_size,
                          "backend": cfg.backend.name.value, "mlflow_run_id": mlflow_run_id,
+                         "loader": (tuner.settled if tuner is not None else LoaderSettings.of(cfg.data)).as_dict(),
                          "balance": {"sizes": balancer.sampler.sizes} if balancer is not None else None},
                         sharded=(model, base_optimizer) if adapter.sharded_state else None, rank=adapter.rank)
         if adapter.rank == 0:
@@ -386,16 +519,13 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             for sampler in (loader.sampler, loader.batch_sampler):
                 if hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(epoch)  # type: ignore[union-attr]
-            if ck is not None and epoch == start_epoch:
-                generator.set_state(ck["loader_generator"])
-            epoch_generator = generator.get_state()
-            it = iter(loader)
+            resuming = ck is not None and epoch == start_epoch
+            if resuming and generator is not None and ck.get("loader_generator") is not None:  # type: ignore[union-attr]
+                generator.set_state(ck["loader_generator"])  # type: ignore[index]
+            epoch_generator = generator.get_state() if generator is not None else None
+            b = skip if resuming else 0  # the same order, from where the checkpoint was taken
+            it = epoch_iterator(loader, b)
             n_batches = len(loader)
-            b = 0
-            if ck is not None and epoch == start_epoch:
-                for _ in range(skip):  # the same order up to where the checkpoint was taken
-                    next(it)
-                b = skip
             while b < n_batches and step < total:
                 if profiler is not None and profiler.at_step(step, t.warmup_steps, t.profile_steps):
                     meter.rewarm("profiler")
@@ -454,6 +584,17 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if writes_checkpoints and step % t.checkpoint_every == 0:
                     save_checkpoint(epoch, b, epoch_generator)
                     logged = True
+                if step == jump_at:
+                    dataset.set_latency(cfg.data.latency_after_ms)  # type: ignore[union-attr]
+                if tuner is not None and not stop and step % t.loader_autotune_every == 0 and step < total:
+                    new = tuner.at_step(step)
+                    if new is not None:  # every rank switches here, at the same batch of the epoch
+                        cfg, loader, it = switch_loader(cfg, new, loader, it, generator, epoch_generator, b, device)
+                        rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
+                        meter.queue = loader_queue(cfg)
+                        partial = meter.rewarm("loader")  # the new workers fill their queue: warm up again
+                        stop = partial is not None and on_window(partial)
+                    logged = True
                 if logged or window is not None:
                     mark(OTHER)  # the bookkeeping above is nobody's data wait
                 if stop:
@@ -487,6 +628,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         summary["balance"] = balancer.summary()
     if profiler is not None:
         summary["profile"] = {"steps": t.profile_steps, "trace": str(trace_path), "top_ops": profiler.top_ops}
+    if tuner is not None and adapter.rank == 0:
+        summary["loader_autotune"] = tuner.summary()
     return TrainResult(model=unwrap(model), param_digest=param_digest(model), steps=step, epochs=epoch + 1,
                        steps_per_epoch=per_epoch, item_bytes=item_bytes(dataset), final_loss=last_loss,
                        first_loss=first_loss, wall_s=wall,
