@@ -1,12 +1,15 @@
 # Quick start: `make setup` then `make test`. See README.md.
 PY := .venv/bin/python
 
-.PHONY: setup test run bench ui
+.PHONY: setup test test-slow run bench ui
 setup:
 	bash scripts/setup.sh
 
 test:
 	$(PY) -m pytest -q
+
+test-slow:  # the long end-to-end runs kept out of the default suite
+	$(PY) -m pytest -q -m slow
 
 run:
 	$(PY) -m orchestrator

@@ -16,7 +16,7 @@ the even step time; the target is judged on that, with the A/B ratio and its spr
 Equal ranks are measured twice: SlowLinear with slow_factor=1 (sleep-bound, little noise), and the
 default job (seed 000's linear classifier, batch 32 per rank, real CPU compute on both cores).
 
-    .venv/bin/python bench/bench_balance.py [--rounds 3] [--steps 200] [--backend ddp]
+    .venv/bin/python bench/bench_balance.py [--rounds 3] [--steps 200] [--backend ddp] [--tolerance 0.1]
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ def steady_step_time(run_dir: Path, since_step: int = 0) -> float:
     return statistics.median(max(ws[i]["wall_s"] / ws[i]["steps"] for ws in per_rank) for i in range(n)) if n else None
 
 
-def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int) -> Dict:
+def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int, tolerance: float = 0.1) -> Dict:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = to_config(compose("config", overrides=[
             f"backend={backend}", "parallelism.nproc_per_node=2", f"parallelism.balance={balance}",
+            f"parallelism.balance_tolerance={tolerance}",
             f"trainer.max_steps={steps}", "trainer.warmup_steps=5", "trainer.window_steps=10",
             "trainer.save_model=false", "tracking.enabled=false", *WORKLOADS[name][0]]))
     GlobalHydra.instance().clear()
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--backend", default="ddp", choices=["ddp", "horovod"])
     ap.add_argument("--only", default=None, help="one workload by name")
+    ap.add_argument("--tolerance", type=float, default=0.1, help="parallelism.balance_tolerance")
     args = ap.parse_args()
     table: List[tuple] = []
     own: Dict[str, float] = {}
@@ -121,7 +123,7 @@ def main() -> None:
             ratios, rows = [], []
             for i in range(args.rounds):
                 order = ("even", "speed") if i % 2 == 0 else ("speed", "even")  # ABBA: a drifting machine load
-                got = {mode: run(name, mode, steps, args.backend, Path(tmp), i) for mode in order}  # favours neither
+                got = {mode: run(name, mode, steps, args.backend, Path(tmp), i, args.tolerance) for mode in order}  # favours neither
                 even, speed = got["even"], got["speed"]
                 ratios.append(even["step_s"] / speed["step_s"])
                 rows.append((even, speed))

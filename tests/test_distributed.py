@@ -244,6 +244,7 @@ def _cli(args, run_dir, mlflow_uri):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_two_nodes_simulated_match_one_node(tmp_path, mlflow_uri):
     port = free_port()
     common = ["backend=ddp", *WORKLOAD]

@@ -37,6 +37,7 @@ def tuners(n: int, args: list, tmp_path, tag: str) -> list:
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
 
 
+@pytest.mark.slow
 def test_four_tuners_one_postgres_study_and_mlflow_server(pg, tmp_path):
     with mlflow_ui(pg.url("mlflow"), tmp_path / "artifacts", tmp_path / "ui.log") as url:
         args = [*TUNE, "tune.n_trials=12", "tune.study_name=shared", f"tune.storage={pg.url('optuna')}",

@@ -64,7 +64,8 @@ def reference_model(tmp_path, backend, mlflow_uri) -> dict:
     return torch.load(tmp_path / "ref" / "model.pt")
 
 
-@pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), ("horovod", "sigkill-rank"), ("fsdp", "sigkill-rank")])
+@pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), pytest.param("horovod", "sigkill-rank", marks=pytest.mark.slow),
+                                          ("fsdp", "sigkill-rank")])
 def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend, how):
     run_dir = tmp_path / "run"
     job = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW], run_dir, mlflow_uri)
@@ -195,6 +196,7 @@ def test_resume_rejects_bad_input(make_cfg, tmp_path):
         run_job(make_cfg(f"trainer.resume={tmp_path / 'two'}"), tmp_path / "c", echo=False)
 
 
+@pytest.mark.slow
 def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     args = ["mode=tune", "tune.n_trials=4", "tune.study_name=interrupt-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
             "tune.warmup_steps=1", "tune.measure_steps=20", "tune.window_steps=10", "tune.pruner=none",
