@@ -146,8 +146,33 @@ def test_estimate_and_stop_rule():
     assert lo < 100 < hi and hi - 100 == pytest.approx(100 - lo)
     rule = StopRule(rel_precision=0.05, min_s=1.0, max_s=10.0)
     assert [rule.add(t, 0.3) for t in (100, 101, 99, 100)] == [None, None, None, "precision"]  # 4 windows, 1.2 s
+    # weighted by wall time: all samples / all time (300/s for 1 s and 100/s for 3 s -> 150/s)
+    w = estimate([300.0, 100.0], 4.0, weights=[1.0, 3.0])
+    assert w["mean"] == pytest.approx(150.0) and estimate([300.0, 100.0])["mean"] == pytest.approx(200.0)
     noisy = StopRule(rel_precision=0.01, min_s=0.0, max_s=1.0)
     assert [noisy.add(t, 0.3) for t in (50, 150, 60, 140)][-1] == "max_measure_s"
+
+
+def test_windows_span_whole_rounds_of_a_bursty_loader():
+    # 4 workers fed together deliver together: one step in 4 waits a cycle (40 ms), the next three
+    # find their batches ready. Windows of 3 steps would read 0 or 1 cycles; whole rounds read 1.
+    from orchestrator.runtime.loop import loader_round
+
+    m = StepMeter(torch.device("cpu"), window_steps=3, warmup_steps=1, round_steps=4)
+    m.start()
+    for i in range(1 + 4 * 6):
+        if i % 4 == 1:
+            time.sleep(0.04)
+        m.mark(DATA)
+        m.mark(COMPUTE)
+        m.end_step(samples=4)
+    m.flush()
+    assert [w.steps for w in m.windows] == [4] * 6
+    assert m.summary()["estimate"]["mean"] == pytest.approx(16 / 0.04, rel=0.15)
+    m.resize(step_time_s=0.01, window_s=0.05, at_most=2)  # 5 steps at most 2 -> one round
+    assert m.whole_rounds(5) == 8 and m._window_len == 4
+    cfg = to_config(compose_dict(TINY + ["data.num_workers=4", "trainer.accumulation_steps=2"]))
+    assert loader_round(cfg) == 2  # 2 steps of 2 micro-batches hand over one batch from each of 4 workers
 
 
 def test_loop_warmup_is_steady_and_epochs_rewarm():

@@ -164,6 +164,14 @@ def loader_queue(cfg: Config) -> int:
     return d.num_workers * (d.prefetch_factor or 2) if d.num_workers > 0 else 0
 
 
+def loader_round(cfg: Config) -> int:
+    """Optimizer steps in one round of the loader's workers (each hands over one micro-batch in
+    turn): num_workers / gcd(num_workers, accumulation_steps); 1 without workers. Measured windows
+    last whole rounds (see StepMeter)."""
+    w, accum = cfg.data.num_workers, cfg.trainer.accumulation_steps
+    return w // math.gcd(w, accum) if w > 0 else 1
+
+
 def steady_warmup_steps(cfg: Config) -> int:
     """Optimizer steps the first warmup takes: trainer.warmup_steps (+ profile_steps), and at least
     the loader's pre-filled queue + 1 micro-batches."""
@@ -416,7 +424,8 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     # profiled steps follow the warmup and are kept out of the measured windows, and so is their
     # teardown (trace export) and the loader queue that filled up meanwhile: the meter warms up again
     profiler = Profiler(device, trace_path) if t.profile_steps and trace_path is not None else None
-    meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), memory_cap_mb=t.memory_cap_mb,
+    meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
+                      memory_cap_mb=t.memory_cap_mb,
                       warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiler is not None else 0))
     # tuning trials: measure until precise enough (every rank sees the same all-reduced figures)
     rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
@@ -592,6 +601,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         cfg, loader, it = switch_loader(cfg, new, loader, it, generator, epoch_generator, b, device)
                         rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
                         meter.queue = loader_queue(cfg)
+                        meter.set_round(loader_round(cfg))
                         partial = meter.rewarm("loader")  # the new workers fill their queue: warm up again
                         stop = partial is not None and on_window(partial)
                     logged = True
