@@ -371,7 +371,7 @@ class TuneConfig:
     measure_steps: int = 20  # with rel_precision=0: measured steps per trial
     window_steps: int = 5  # the first window: at most this many steps (the step time is not known yet)
     window_s: float = 0.1  # later windows last this long (whole steps)
-    rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this
+    rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this (judged on its t interval)
     min_measure_s: float = 0.3  # ... and at least this long
     max_measure_s: float = 2.0  # ... or stop here
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off

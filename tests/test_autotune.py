@@ -86,13 +86,21 @@ def sampler_order(cfg, rank: int, world: int, steps: int) -> list:
 def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, tmp_path, mlflow_uri):
     """2 DDP ranks; at step 30 reading an item starts to take 3 ms. The autotuned run ends with more
     workers and says when and why; each rank trained on its own shard's samples in the sampler's
-    order, nothing twice or skipped across the switches (the same as without autotune, whose
-    parameters the single-process test above compares)."""
-    cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=200",
-                   "data.args.size=512", "trainer.window_steps=10", "trainer.warmup_steps=1", "trainer.log_every=20",
-                   "data.latency_jump_at=30", "data.latency_after_ms=3", "tune.max_workers=4",
-                   f"+model.args.record_dir={tmp_path}", "trainer.loader_autotune=true", "trainer.loader_autotune_every=10")
+    order, nothing twice or skipped across the switches, and ended with the parameters of the same
+    run without autotune."""
+    same = ["backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=200",
+            "data.args.size=512", "trainer.window_steps=10", "trainer.warmup_steps=1", "trainer.log_every=20",
+            "data.latency_jump_at=30", "data.latency_after_ms=3", "tune.max_workers=4"]
+    cfg = make_cfg(*same, f"+model.args.record_dir={tmp_path}", "trainer.loader_autotune=true",
+                   "trainer.loader_autotune_every=10")
     result = run_job(cfg, tmp_path / "run", echo=False, plots=False)
+    # the untouched run: no latency (it changes the speed, not the samples), so it takes seconds
+    (tmp_path / "plain").mkdir()
+    plain = run_job(make_cfg(*same, "data.latency_after_ms=0", f"+model.args.record_dir={tmp_path / 'plain'}",
+                             "tracking.enabled=false"), tmp_path / "plain_run", echo=False, plots=False)
+    assert plain["per_rank"][0]["param_digest"] == result["per_rank"][0]["param_digest"]
+    for rank in (0, 1):
+        assert ids(tmp_path / f"rank{rank}.txt") == ids(tmp_path / "plain" / f"rank{rank}.txt")
     tuned = result["loader_autotune"]
     assert tuned["initial"]["num_workers"] == 0 and tuned["final"]["num_workers"] > 0, tuned
     kept = [e for e in tuned["events"] if e["action"] == "keep" and e["num_workers"] > e["from_workers"]]

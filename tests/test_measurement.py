@@ -146,6 +146,10 @@ def test_estimate_and_stop_rule():
     assert lo < 100 < hi and hi - 100 == pytest.approx(100 - lo)
     rule = StopRule(rel_precision=0.05, min_s=1.0, max_s=10.0)
     assert [rule.add(t, 0.3) for t in (100, 101, 99, 100)] == [None, None, None, "precision"]  # 4 windows, 1.2 s
+    # a 4.1% standard error over 4 windows: within 5%, but its t interval (+-13%) is not within 1.96 x 5%
+    few = StopRule(rel_precision=0.05)
+    assert [few.add(t, 0.1) for t in (100, 110, 90, 100)] == [None] * 4
+    assert [few.add(t, 0.1) for t in (110, 90, 100, 100)][-1] == "precision"  # 8 windows: +-6.8%
     # weighted by wall time: all samples / all time (300/s for 1 s and 100/s for 3 s -> 150/s)
     w = estimate([300.0, 100.0], 4.0, weights=[1.0, 3.0])
     assert w["mean"] == pytest.approx(150.0) and estimate([300.0, 100.0])["mean"] == pytest.approx(200.0)
