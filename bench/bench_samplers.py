@@ -12,7 +12,10 @@ Workloads (tracking off, everything under one temporary directory):
    study shows the search alone. After each counted trial k, the pick so far (the objective's
    rule on the trials' own figures) is scored by its steady-state figures against the
    steady-state grid-best (bench_trials.quality). Printed: trials needed to reach >= 0.97
-   (median over seeds; "13" when 12 never did); target: guided <= 6 on every workload.
+   (median over seeds; "13" when 12 never did); target: guided <= 6 on every workload. Also
+   printed: trials to 0.95, and the pick's score after each trial. Where several configs lie
+   within the references' own run-to-run spread of the best (input_bound: four 4-worker configs
+   within 4% in throughput), reaching 0.97 means drawing the one the references ranked first.
 2. Default space (conf/tune/default.yaml on this machine: batch 8..512, workers 0..2 x cores,
    accumulation 1..8, prefetch 1..8 with workers; ~1,800 configs): guided with 12 trials vs random
    with 48, seeds 0..2, default settings otherwise (confirmation on; patience off for random so it
@@ -58,6 +61,7 @@ SPACES: Dict[str, Dict[str, Any]] = {
 SAMPLERS = ("guided", "tpe", "random")
 GRID_TRIALS = 12
 TARGET_NEEDED = 6
+NEAR_QUALITY = 0.95  # also reported: the settled references of one config spread +-4% between runs here
 DEFAULT_TRIALS = {"guided": 12, "random": 48}
 NOISE = 0.03
 
@@ -106,13 +110,15 @@ def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: P
                                                         f"tune.study_name={name}-grid-{sampler}-{seed}"], tmp)
             curve = needed(r["trials"], steady, floor)
             first = next((k + 1 for k, q in enumerate(curve) if q >= TARGET_QUALITY), GRID_TRIALS + 1)
-            runs[sampler].append({"needed": first, "wall_s": r["wall_s"], "curve": curve})
+            near = next((k + 1 for k, q in enumerate(curve) if q >= NEAR_QUALITY), GRID_TRIALS + 1)
+            runs[sampler].append({"needed": first, "near": near, "wall_s": r["wall_s"], "curve": curve})
             path = " ".join(f"{fmt(point_of(t.user_attrs['values']))}"
                             + ("*" if t.user_attrs.get("proposed_by") == "diagnosis" else "")
                             for t in sorted(r["trials"], key=lambda t: t.number) if "values" in t.user_attrs)
             print(f"    {sampler:6s} seed {seed}: reaches {TARGET_QUALITY} after {first if first <= GRID_TRIALS else '>12'}"
-                  f" trials, final {curve[-1] if curve else 0:.3f}, study {r['wall_s']:.0f}s;  path (*: diagnosis) {path}",
-                  flush=True)
+                  f" trials ({NEAR_QUALITY} after {near if near <= GRID_TRIALS else '>12'}), final "
+                  f"{curve[-1] if curve else 0:.3f}, study {r['wall_s']:.0f}s;  path (*: diagnosis) {path};  pick's "
+                  f"score after each trial {' '.join(f'{q:.2f}' for q in curve)}", flush=True)
     return {"runs": runs}
 
 
@@ -189,9 +195,12 @@ def main() -> int:
             runs = r["grid"]["runs"]
             for sampler in SAMPLERS:
                 n = [x["needed"] for x in runs[sampler]]
+                near = [x["near"] for x in runs[sampler]]
                 med: Optional[float] = statistics.median(n)
                 res.row(f"small grid: trials to {TARGET_QUALITY}", f"{name} {sampler}",
-                        f"median {med:g} ({', '.join(str(x) if x <= GRID_TRIALS else '>12' for x in n)}); study "
+                        f"median {med:g} ({', '.join(str(x) if x <= GRID_TRIALS else '>12' for x in n)}); to "
+                        f"{NEAR_QUALITY}: median {statistics.median(near):g} "
+                        f"({', '.join(str(x) if x <= GRID_TRIALS else '>12' for x in near)}); study "
                         + ", ".join(f"{x['wall_s']:.0f}s" for x in runs[sampler]),
                         f"<= {TARGET_NEEDED}" if sampler == "guided" else "report",
                         med <= TARGET_NEEDED if sampler == "guided" else None)

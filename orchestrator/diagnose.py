@@ -128,9 +128,16 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
                                                 f"of the step (>= {_pct(COMM_BOUND)})", _fsdp_comm_moves(cfg, comm, step))
 
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1:
-        moves = [Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
-                      f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
-                      f"samples divides it by 4 per sample; {_global_note(cfg, 4)}")]
+        moves = []
+        if mem_share and mem_share * 4 < MEMORY_FULL:  # 4x the activations fit: the larger batch first
+            moves.append(Move({"data.batch_size": d.batch_size * 4},
+                              f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per "
+                              f"4x the samples divides it by 4 per sample, and unlike accumulation the larger batch also "
+                              f"runs larger kernels and pays the per-step overheads once per 4x the samples (peak memory "
+                              f"is {_pct(mem_share)} of the device); {_global_note(cfg, 4)}"))
+        moves.append(Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
+                          f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
+                          f"samples divides it by 4 per sample, at the same memory; {_global_note(cfg, 4)}"))
         if cfg.backend.name is BackendName.horovod and not cfg.backend.fp16_compression:
             moves.append(Move({"backend.fp16_compression": True}, "half the bytes on the wire, the same model math up to "
                                                                   "fp16 rounding of the gradients"))
