@@ -361,6 +361,36 @@ def test_guided_search_follows_the_diagnosis(make_cfg, tmp_path):
     assert all(t.user_attrs["proposed_by"] != "diagnosis" for t in study_of(tpe).trials)
 
 
+def test_a_diagnosis_chain_climbs_while_it_pays(make_cfg, tmp_path):
+    """A proposed trial that beat its proposer proposes the next move (batch 16 -> 32 -> 64); one
+    that did not ends the chain (no batch 128)."""
+    from orchestrator.tune.proposals import Proposals
+
+    cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16,32,64,128]",
+                   "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1", "tune.n_trials=10")
+    space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(storage=storage, study_name="chain", direction="maximize")
+    proposals = Proposals(space, cfg.tune, storage, "chain", lambda line: None)
+    study.enqueue_trial(space.params_of({"data.batch_size": 16}), user_attrs={"proposed_by": "baseline"})
+
+    def run(batch: int, throughput: float, to: int) -> bool:
+        """Run the next queued trial with these figures; its compute-bound diagnosis moves to batch `to`."""
+        trial = study.ask()
+        assert space.sample(trial)["data.batch_size"] == batch
+        for k, v in {"throughput": throughput, "utilization": 0.9, "throughput_hi": throughput * 1.02}.items():
+            trial.set_user_attr(k, v)
+        study.tell(trial, throughput)
+        move = {"verdict": "compute-bound", "moves": [{"set": {"data.batch_size": to}, "why": "a larger batch"}]}
+        proposals.diagnosis(study, trial, {"data.batch_size": batch}, move)
+        return any(t.state.name == "WAITING" for t in study.get_trials(deepcopy=False))
+
+    assert run(16, 100.0, 32)  # the baseline proposes
+    assert run(32, 150.0, 64)  # beat its proposer (100 +- 2%): climbs on
+    assert not run(64, 151.0, 128)  # within 32's noise: the chain ends
+    chain = study.get_trials(deepcopy=False)
+    assert [t.user_attrs.get("parent") for t in chain] == [None, 0, 1]
+
+
 def test_a_trial_carries_its_owner_from_birth_and_orphans_are_known(tmp_path):
     """The owner is written with the trial (a fresh one) or as it leaves the queue (an enqueued
     one), so a tuner that dies between ask() and its first write leaves no trial that looks alive."""

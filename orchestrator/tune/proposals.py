@@ -2,7 +2,8 @@
 study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within the budget.
 
 - `diagnosis` (tune.sampler=guided): the move a completed trial's diagnosis points to, or for a
-  trial that ran out of memory half the batch with twice the accumulation;
+  trial that ran out of memory half the batch with twice the accumulation; a proposed trial
+  proposes again while it beats the trial that proposed it (a chain that climbs);
 - `edges` (tune.extend_edges): the best on the top of a dimension its verdict points past widens
   that dimension one step and is tried there (edges.py);
 - `memory_ceiling`: no batch larger than one that ran out of memory is launched at all.
@@ -14,7 +15,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..schema import SamplerName, TuneConfig
 from .edges import apply_extensions, edges_of, next_step, workers_cap
-from .rules import best_trials, counted, out_of_memory
+from .rules import best_trials, counted, improves, out_of_memory
 from .space import BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace
 from .storage import study_lock
 
@@ -39,10 +40,14 @@ class Proposals:
 
     def diagnosis(self, study: Any, trial: Any, values: Dict[str, Any], diagnosis: Dict[str, Any]) -> None:
         """tune.sampler=guided: enqueue the neighbour this trial's diagnosis points to, its first
-        move that stays in the space and has not been tried. Proposals come only from the
-        sampler's (and the baseline's) trials, so they interleave with the sampler's own and the
-        search still explores."""
-        if self.t.sampler is not SamplerName.guided or trial.user_attrs.get("proposed_by") == "diagnosis":
+        move that stays in the space and has not been tried. A proposed trial proposes again only
+        while it climbs: when it beat the trial that proposed it by more than that trial's noise
+        (rules.improves), or ran out of memory. So a chain of moves follows the diagnosis as far as
+        it pays (a compute-bound batch 16 -> 32 -> 64), ends at the first move that does not, and
+        the sampler's own trials, each of which may start a chain, keep the search exploring."""
+        if self.t.sampler is not SamplerName.guided:
+            return
+        if trial.user_attrs.get("proposed_by") == "diagnosis" and not self._climbing(study, trial, diagnosis):
             return
         here = {d.key: values[d.key] for d in self.space.dims if values.get(d.key) is not None}
         with study_lock(self.storage, self.name):  # the budget: a queued proposal must be run by someone
@@ -64,10 +69,26 @@ class Proposals:
                 if params in seen:
                     continue
                 reason = f"trial {trial.number} is {diagnosis['verdict']}: {move['why']}"
-                study.enqueue_trial(params, user_attrs={"proposed_by": "diagnosis", "reason": reason[:480]})
+                study.enqueue_trial(params, user_attrs={"proposed_by": "diagnosis", "reason": reason[:480],
+                                                        "parent": trial.number})
                 self._say(f"[tune] trial {trial.number} is {diagnosis['verdict']}: proposes "
                           + " ".join(f"{k.split('.')[-1]}={v}" for k, v in changes.items()))
                 return
+
+    def _climbing(self, study: Any, trial: Any, diagnosis: Dict[str, Any]) -> bool:
+        """A proposed trial that beat its proposer beyond the noise, or ran out of memory."""
+        if diagnosis.get("verdict") == "out of memory":
+            return True
+        number = trial.user_attrs.get("parent")
+        if number is None:
+            return False
+        parent = next((tr for tr in study.get_trials(deepcopy=False) if tr.number == number), None)
+        if parent is None:
+            return False
+        mine, theirs = trial.user_attrs, parent.user_attrs
+        if parent.state.name != "COMPLETE" or "throughput" not in theirs or "throughput" not in mine:
+            return False
+        return improves(mine, theirs, self.t)
 
     def edges(self, study: Any, last: Any) -> None:
         """tune.extend_edges: the best so far sits on the top of a dimension its verdict points
