@@ -88,8 +88,8 @@ def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, t
     workers and says when and why; each rank trained on its own shard's samples in the sampler's
     order, nothing twice or skipped across the switches, and ended with the parameters of the same
     run without autotune."""
-    same = ["backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=200",
-            "data.args.size=512", "trainer.window_steps=10", "trainer.warmup_steps=1", "trainer.log_every=20",
+    same = ["backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=300",
+            "data.args.size=512", "trainer.window_steps=8", "trainer.warmup_steps=1", "trainer.log_every=20",
             "data.latency_jump_at=30", "data.latency_after_ms=3", "tune.max_workers=4"]
     cfg = make_cfg(*same, f"+model.args.record_dir={tmp_path}", "trainer.loader_autotune=true",
                    "trainer.loader_autotune_every=10")
@@ -108,7 +108,7 @@ def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, t
     tried = next(e for e in tuned["events"] if e["action"] == "try")
     assert tried["step"] > 30 and "input-bound" in tried["reason"] and "hand" in tried["reason"]
     for rank in (0, 1):
-        assert ids(tmp_path / f"rank{rank}.txt") == sampler_order(cfg, rank, 2, 200)
+        assert ids(tmp_path / f"rank{rank}.txt") == sampler_order(cfg, rank, 2, 300)
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1
     run_dir = tmp_path / "run"
     report = (run_dir / "load_report.md").read_text()
