@@ -199,6 +199,19 @@ def test_loop_warmup_is_steady_and_epochs_rewarm():
     assert all(not (10 <= x["first_step"] < 15 or 20 <= x["first_step"] < 25) for x in measured)
 
 
+def test_a_one_step_epoch_of_many_micro_batches_is_measured():
+    # 64 samples, batch 8 x accumulation 8: one optimizer step an epoch, 8 micro-batches, a queue of
+    # 2 (1 worker); re-warming at every epoch would never leave a step to measure
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=64", "data.batch_size=8",
+                                         "data.num_workers=1", "trainer.accumulation_steps=8", "trainer.epochs=12",
+                                         "trainer.window_steps=2", "trainer.warmup_steps=1"]))
+    a = Adapter(cfg)
+    a.setup()
+    res = train(cfg, a)
+    assert res.steps == 12 and not res.meter["warmup"]["epochs_rewarm"]
+    assert len([w for w in res.windows if not w["warmup"] and not w["partial"]]) >= 4
+
+
 def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
     from orchestrator.runtime import loop
 

@@ -280,6 +280,18 @@ def item_bytes(dataset: Dataset) -> int:
     return sum(x.element_size() * x.nelement() if isinstance(x, torch.Tensor) else 8 for x in parts)
 
 
+def rewarms_epochs(cfg: Config, loader: DataLoader) -> bool:
+    """A new epoch's iterator refills the loader's queue: warm up again at each epoch, unless the
+    epoch is too short to get past it, counted in optimizer steps (at least twice the steps that
+    read the queue + 1 micro-batches); then epoch restarts are part of the steady state. Counted
+    in micro-batches instead, a 1-step epoch of 8 micro-batches (batch 512 x accumulation 8 on a
+    small dataset) re-warmed at every epoch and never measured a window: its trial ran to the
+    trial timeout."""
+    accum = cfg.trainer.accumulation_steps
+    rewarm_steps = math.ceil((loader_queue(cfg) + 1) / accum)
+    return steps_per_epoch(loader, accum) >= 2 * rewarm_steps
+
+
 def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:
     """Optimizer steps in one epoch: every N micro-batches and once more for a remainder."""
     return math.ceil(len(loader) / accumulation)
@@ -472,9 +484,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     adapter.install_comm_hook(model, meter)
     accum = t.accumulation_steps
     per_epoch = steps_per_epoch(loader, accum)
-    # a new epoch's iterator refills the queue: warm up again, unless the epoch is too short to
-    # get past it (less than twice the queue); then epoch restarts are part of the steady state
-    rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
+    rewarm_epochs = rewarms_epochs(cfg, loader)
     total = per_epoch * t.epochs if t.max_steps == 0 else min(per_epoch * t.epochs, t.max_steps)
     events.write(StartEvent(type="start", total_steps=total, steps_per_epoch=per_epoch, device=str(device),
                             utilization_source=meter.source))
@@ -599,7 +609,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     new = tuner.at_step(step)
                     if new is not None:  # every rank switches here, at the same batch of the epoch
                         cfg, loader, it = switch_loader(cfg, new, loader, it, generator, epoch_generator, b, device)
-                        rewarm_epochs = len(loader) >= 2 * (loader_queue(cfg) + 1)
+                        rewarm_epochs = rewarms_epochs(cfg, loader)
                         meter.queue = loader_queue(cfg)
                         meter.set_round(loader_round(cfg))
                         partial = meter.rewarm("loader")  # the new workers fill their queue: warm up again
