@@ -212,6 +212,34 @@ def test_a_one_step_epoch_of_many_micro_batches_is_measured():
     assert len([w for w in res.windows if not w["warmup"] and not w["partial"]]) >= 4
 
 
+def test_short_epochs_without_workers_do_not_rewarm():
+    # 64 samples / batch 16 = 4 steps an epoch, no workers (no queue to re-read): re-warming at every
+    # epoch left 3 steps, every 4-step window was cut short and none entered the estimate
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=64", "data.batch_size=16",
+                                         "data.num_workers=0", "trainer.epochs=10", "trainer.window_steps=4",
+                                         "trainer.warmup_steps=1"]))
+    a = Adapter(cfg)
+    a.setup()
+    res = train(cfg, a)
+    assert res.steps == 40 and not res.meter["warmup"]["epochs_rewarm"] and not res.meter["warmup"].get("rewarmed")
+    full = [w for w in res.windows if not w["warmup"] and not w["partial"]]
+    assert len(full) == 9 and all(w["steps"] == 4 for w in full)
+
+
+def test_windows_fit_in_what_a_rewarming_epoch_leaves():
+    # 160 / 16 = 10 steps an epoch, 1 worker x prefetch 2: each epoch re-reads its queue for
+    # ceil(3 / 1) = 3 steps and leaves 7; windows of 20 steps would all be cut short by the next epoch
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=160", "data.batch_size=16",
+                                         "data.num_workers=1", "data.prefetch_factor=2", "trainer.epochs=4",
+                                         "trainer.window_steps=20", "trainer.warmup_steps=1"]))
+    a = Adapter(cfg)
+    a.setup()
+    res = train(cfg, a)
+    assert res.meter["warmup"]["epochs_rewarm"]
+    full = [w for w in res.windows if not w["warmup"] and not w["partial"]]
+    assert [(w["first_step"], w["steps"]) for w in full] == [(3, 7), (13, 7), (23, 7), (33, 7)]
+
+
 def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
     from orchestrator.runtime import loop
 

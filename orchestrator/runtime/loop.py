@@ -281,15 +281,29 @@ def item_bytes(dataset: Dataset) -> int:
 
 
 def rewarms_epochs(cfg: Config, loader: DataLoader) -> bool:
-    """A new epoch's iterator refills the loader's queue: warm up again at each epoch, unless the
-    epoch is too short to get past it, counted in optimizer steps (at least twice the steps that
-    read the queue + 1 micro-batches); then epoch restarts are part of the steady state. Counted
-    in micro-batches instead, a 1-step epoch of 8 micro-batches (batch 512 x accumulation 8 on a
-    small dataset) re-warmed at every epoch and never measured a window: its trial ran to the
-    trial timeout."""
-    accum = cfg.trainer.accumulation_steps
-    rewarm_steps = math.ceil((loader_queue(cfg) + 1) / accum)
-    return steps_per_epoch(loader, accum) >= 2 * rewarm_steps
+    """A new epoch's iterator refills the loader's queue: warm up again at each epoch, unless there
+    is no queue (no workers: an epoch restart is only a reshuffle) or the epoch is too short to get
+    past it, counted in optimizer steps: the steps left after the re-warmup (`epoch_measured_steps`)
+    must be at least as many as the re-warmup and hold a whole round of the loader's workers. Then
+    epoch restarts are part of the steady state. Counted in micro-batches instead, a 1-step epoch of
+    8 micro-batches (batch 512 x accumulation 8 on a small dataset) re-warmed at every epoch and
+    never measured a window: its trial ran to the trial timeout."""
+    if loader_queue(cfg) == 0:
+        return False
+    left = epoch_measured_steps(cfg, loader)
+    return left >= rewarm_steps(cfg) and left >= loader_round(cfg)
+
+
+def rewarm_steps(cfg: Config) -> int:
+    """Optimizer steps that read the loader's pre-filled queue (+ 1 micro-batch) after an iterator starts."""
+    return math.ceil((loader_queue(cfg) + 1) / cfg.trainer.accumulation_steps)
+
+
+def epoch_measured_steps(cfg: Config, loader: DataLoader) -> int:
+    """Steps of an epoch after its re-warmup: when epochs re-warm, a measured window must fit in
+    them (StepMeter.epoch_steps), else every window is cut short by the next epoch, none enters the
+    estimate and a trial's stop rule never stops it (a 4-step epoch with windows of 10 steps)."""
+    return steps_per_epoch(loader, cfg.trainer.accumulation_steps) - rewarm_steps(cfg)
 
 
 def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:
@@ -439,6 +453,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
                       memory_cap_mb=t.memory_cap_mb,
                       warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiler is not None else 0))
+    meter.fit_epoch(epoch_measured_steps(cfg, loader) if rewarms_epochs(cfg, loader) else 0)
     # tuning trials: measure until precise enough (every rank sees the same all-reduced figures)
     rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
     collective = adapter.world_size > 1 and (rule is not None or t.window_s > 0 or t.loader_autotune)
@@ -612,6 +627,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                         rewarm_epochs = rewarms_epochs(cfg, loader)
                         meter.queue = loader_queue(cfg)
                         meter.set_round(loader_round(cfg))
+                        meter.fit_epoch(epoch_measured_steps(cfg, loader) if rewarm_epochs else 0)
                         partial = meter.rewarm("loader")  # the new workers fill their queue: warm up again
                         stop = partial is not None and on_window(partial)
                     logged = True

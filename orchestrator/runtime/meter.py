@@ -329,6 +329,7 @@ class StepMeter:
     warmup_steps: int = 5  # at least this many steps of warmup
     queue: int = 0  # micro-batches the loader pre-fills (num_workers x prefetch_factor), read before measuring
     round_steps: int = 1  # windows last a multiple of this many steps: one round of the loader's workers
+    epoch_steps: int = 0  # windows fit in this many steps: an epoch's after its re-warmup (0: no limit)
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
     windows: List[Window] = field(default_factory=list)
@@ -355,6 +356,7 @@ class StepMeter:
         self._events: List[Any] = []
         self._warming = True
         self._micro = 0  # micro-batches read since the iterator (re)started
+        self._window_want = self.window_steps  # steps asked for; windows last whole_rounds() of it
         self._window_len = self.whole_rounds(self.window_steps)
         self._warm_why = "start"
         self.warmups: List[Dict[str, Any]] = []  # one per warmup: where it ended and why
@@ -433,17 +435,26 @@ class StepMeter:
         rounds of the loader's workers in both cases, so `at_most` may be passed by less than a round)."""
         if window_s > 0 and step_time_s > 0:
             steps = max(1, math.ceil(window_s / step_time_s))
-            self._window_len = self.whole_rounds(min(steps, at_most) if at_most else steps)
+            self._window_want = min(steps, at_most) if at_most else steps
+            self._window_len = self.whole_rounds(self._window_want)
 
     def whole_rounds(self, steps: int) -> int:
-        """`steps` rounded up to whole rounds of the loader's workers (`round_steps`)."""
+        """`steps` rounded up to whole rounds of the loader's workers (`round_steps`), and down to
+        the whole rounds that fit in `epoch_steps` when that is set."""
         r = max(1, self.round_steps)
-        return max(r, math.ceil(steps / r) * r)
+        n = max(r, math.ceil(steps / r) * r)
+        return min(n, self.epoch_steps // r * r) if self.epoch_steps >= r else n
 
     def set_round(self, round_steps: int) -> None:
         """The loader changed (loader_autotune): windows of whole rounds of the new one."""
         self.round_steps = round_steps
-        self._window_len = self.whole_rounds(self._window_len)
+        self._window_len = self.whole_rounds(self._window_want)
+
+    def fit_epoch(self, steps: int) -> None:
+        """Each epoch re-warms and leaves `steps` steps to measure (0: epochs do not re-warm):
+        windows fit in them, so a short epoch's window is not always cut short by the next one."""
+        self.epoch_steps = steps
+        self._window_len = self.whole_rounds(self._window_want)
 
     def check_memory(self) -> None:
         """Raise when this job's resident high-water passed the cap (CPU; checked per window)."""
