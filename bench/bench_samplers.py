@@ -157,6 +157,10 @@ def default_part(name: str, spec: Dict[str, Any], seeds: int, tmp: Path) -> Dict
               for i, runs in enumerate(measured.values())}
     index = {key: i for i, key in enumerate(measured)}
     floor = cfg.tune.throughput_floor
+    for i, (p, runs) in enumerate(zip(distinct, measured.values())):  # the evidence behind the scores
+        vals = " ".join(f"{k.split('.')[-1]}={v}" for k, v in p["values"].items() if v is not None)
+        print(f"    steady {vals}: throughput {steady[i]['throughput']:.1f}/s, utilization "
+              f"{steady[i]['utilization']:.3f} (median of {len(runs)} runs)", flush=True)
     for sampler, ps in picks.items():
         for p in ps:
             p["score"] = quality(steady, index[repr(sorted(p["values"].items()))], floor) if p["values"] else 0.0

@@ -177,6 +177,7 @@ def settle(name: str, cfg: Config, space: SearchSpace, steady: Dict[Point, Figur
     near = [p for p in steady if steady[p].get("runs", 1) < SETTLE_RUNS and quality(steady, p, floor) >= SETTLE_NEAR]
     if not near:
         return
+    keep = stored is not None and cache is not None  # the settled figures go to the cache file
     runs: Dict[Point, List[Figures]] = {p: [steady[p]] for p in near}
     for r in range(SETTLE_RUNS - 1):
         order = near[r % len(near):] + near[:r % len(near)]
@@ -194,10 +195,10 @@ def settle(name: str, cfg: Config, space: SearchSpace, steady: Dict[Point, Figur
         print(f"    settled {fmt(p):12s} {f['runs']} runs: throughput {f['throughput']:8.1f}/s "
               f"({f['throughput_range'][0]:.0f}-{f['throughput_range'][1]:.0f})  utilization {f['utilization']:.3f} "
               f"({f['utilization_range'][0]:.2f}-{f['utilization_range'][1]:.2f})", flush=True)
-        if stored is not None and cache is not None:
-            stored.setdefault(f"{name} x{factor:g}", {}).setdefault(fmt(p), {})["steady"] = f
-    if stored is not None and cache is not None:
-        cache.write_text(json.dumps(stored, indent=1))
+        if keep:
+            stored.setdefault(f"{name} x{factor:g}", {}).setdefault(fmt(p), {})["steady"] = f  # type: ignore[union-attr]
+    if keep:
+        cache.write_text(json.dumps(stored, indent=1))  # type: ignore[union-attr]
 
 
 def study_time(name: str, cfg_overrides: List[str], seed: int, tmp: Path, old: bool) -> Dict[str, Any]:
