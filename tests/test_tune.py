@@ -563,7 +563,6 @@ def test_the_edge_rules(make_cfg):
     fixed = SearchSpace(make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64]"))
     assert edges_of(trial(0, "compute-bound"), fixed) == []  # a single value: the user fixed it
 
-@pytest.mark.slow
 def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_path, capsys):
     """Batch 64 of a 64-sample dataset trains one optimizer step per epoch: not a pick, whatever it
     measures; the pick changes the base config's global batch (32), and the summary says by how much."""
