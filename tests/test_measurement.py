@@ -199,45 +199,43 @@ def test_loop_warmup_is_steady_and_epochs_rewarm():
     assert all(not (10 <= x["first_step"] < 15 or 20 <= x["first_step"] < 25) for x in measured)
 
 
+def train_tiny(*overrides):
+    """The tiny job with these overrides, trained in this process, no tracking: its result."""
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.warmup_steps=1", *overrides]))
+    a = Adapter(cfg)
+    a.setup()
+    return train(cfg, a)
+
+
+def full_windows(res):
+    return [w for w in res.windows if not w["warmup"] and not w["partial"]]
+
+
 def test_a_one_step_epoch_of_many_micro_batches_is_measured():
     # 64 samples, batch 8 x accumulation 8: one optimizer step an epoch, 8 micro-batches, a queue of
     # 2 (1 worker); re-warming at every epoch would never leave a step to measure
-    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=64", "data.batch_size=8",
-                                         "data.num_workers=1", "trainer.accumulation_steps=8", "trainer.epochs=12",
-                                         "trainer.window_steps=2", "trainer.warmup_steps=1"]))
-    a = Adapter(cfg)
-    a.setup()
-    res = train(cfg, a)
+    res = train_tiny("data.args.size=64", "data.batch_size=8", "data.num_workers=1", "trainer.accumulation_steps=8",
+                     "trainer.epochs=12", "trainer.window_steps=2")
     assert res.steps == 12 and not res.meter["warmup"]["epochs_rewarm"]
-    assert len([w for w in res.windows if not w["warmup"] and not w["partial"]]) >= 4
+    assert len(full_windows(res)) >= 4
 
 
 def test_short_epochs_without_workers_do_not_rewarm():
     # 64 samples / batch 16 = 4 steps an epoch, no workers (no queue to re-read): re-warming at every
     # epoch left 3 steps, every 4-step window was cut short and none entered the estimate
-    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=64", "data.batch_size=16",
-                                         "data.num_workers=0", "trainer.epochs=10", "trainer.window_steps=4",
-                                         "trainer.warmup_steps=1"]))
-    a = Adapter(cfg)
-    a.setup()
-    res = train(cfg, a)
+    res = train_tiny("data.args.size=64", "data.batch_size=16", "data.num_workers=0", "trainer.epochs=10",
+                     "trainer.window_steps=4")
     assert res.steps == 40 and not res.meter["warmup"]["epochs_rewarm"] and not res.meter["warmup"].get("rewarmed")
-    full = [w for w in res.windows if not w["warmup"] and not w["partial"]]
-    assert len(full) == 9 and all(w["steps"] == 4 for w in full)
+    assert len(full_windows(res)) == 9 and all(w["steps"] == 4 for w in full_windows(res))
 
 
 def test_windows_fit_in_what_a_rewarming_epoch_leaves():
     # 160 / 16 = 10 steps an epoch, 1 worker x prefetch 2: each epoch re-reads its queue for
     # ceil(3 / 1) = 3 steps and leaves 7; windows of 20 steps would all be cut short by the next epoch
-    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=160", "data.batch_size=16",
-                                         "data.num_workers=1", "data.prefetch_factor=2", "trainer.epochs=4",
-                                         "trainer.window_steps=20", "trainer.warmup_steps=1"]))
-    a = Adapter(cfg)
-    a.setup()
-    res = train(cfg, a)
+    res = train_tiny("data.args.size=160", "data.batch_size=16", "data.num_workers=1", "data.prefetch_factor=2",
+                     "trainer.epochs=4", "trainer.window_steps=20")
     assert res.meter["warmup"]["epochs_rewarm"]
-    full = [w for w in res.windows if not w["warmup"] and not w["partial"]]
-    assert [(w["first_step"], w["steps"]) for w in full] == [(3, 7), (13, 7), (23, 7), (33, 7)]
+    assert [(w["first_step"], w["steps"]) for w in full_windows(res)] == [(3, 7), (13, 7), (23, 7), (33, 7)]
 
 
 def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
