@@ -13,8 +13,8 @@ from .runtime.autotune import LoaderSettings
 from .runtime.meter import PHASES
 from .schema import Config
 
-# The breakdown is that of the window of median step time, whose phases tile its wall time; the
-# only gap is the few microseconds between closing one window and starting the next.
+# The breakdown is that of the measured time (the full windows' phases summed), which tile its wall
+# time; the only gap is the few microseconds between closing one window and starting the next.
 SHARE_TOLERANCE = 0.01
 
 
@@ -88,7 +88,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
                      f"{1000 * r['step_time_s']:.2f} | " + " | ".join(f"{100 * r['shares'][p]:.1f}%" for p in PHASES)
                      + f" | {r['peak_mem_mb']:.0f} |"
                      + (f" {100 * r['share']:.1f}% | {_num(r['speed'], '.1f')} |" if bal else ""))
-    lines += ["", "Phases are those of each rank's window of median step time (warmup excluded); they add up to "
+    lines += ["", "Phases are those of each rank's measured time per step (warmup excluded); they add up to "
                   f"its step time within {100 * report['share_check']['tolerance']:.0f}%."]
     lines += _autotune_markdown(report.get("loader_autotune"))
     prof = report.get("profile")
@@ -194,7 +194,7 @@ def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
         vals = [1000 * r["phase_s"][phase] for r in ranks]
         ax.bar(labels, vals, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("ms per step (median over windows)")
+    ax.set_ylabel("ms per step (over the measured time)")
     ax.set_title("Step-time breakdown per rank")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -179,6 +179,33 @@ def test_windows_span_whole_rounds_of_a_bursty_loader():
     assert loader_round(cfg) == 2  # 2 steps of 2 micro-batches hand over one batch from each of 4 workers
 
 
+def test_figures_are_those_of_the_measured_time_not_of_the_median_window():
+    # A bursty loader: windows alternate between batches ready (20 ms compute a step) and waiting
+    # (60 ms for data, then 20 ms compute). 3 ready windows of 5: a median reads utilization 1 and no
+    # data wait; over the measured time the device is busy 200 of 440 ms and waits 240.
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1)
+    m.start()
+    _steps(m, 1)  # warmup
+    for k in range(5):
+        for _ in range(2):
+            if k % 2:
+                time.sleep(0.06)
+            m.mark(DATA)
+            time.sleep(0.02)
+            m.mark(COMPUTE)
+            m.mark(OPTIMIZER)
+            m.end_step(samples=4)
+    m.flush()
+    s = m.summary()
+    assert [w.steps for w in m.windows] == [2] * 5
+    assert s["utilization_spread"][1] == pytest.approx(1.0, abs=0.05)  # the ready windows
+    assert s["utilization"] == pytest.approx(200 / 440, rel=0.15)
+    assert s["data_wait_frac"] == pytest.approx(240 / 440, rel=0.15)
+    assert s["throughput"] == pytest.approx(40 / 0.44, rel=0.15)
+    assert s["step_time_s"] == pytest.approx(0.044, rel=0.15)
+    assert sum(s["phase_s"].values()) == pytest.approx(s["step_time_s"], rel=0.02)
+
+
 def test_loop_warmup_is_steady_and_epochs_rewarm():
     # 2 workers x prefetch 4 = 8 queued micro-batches; accumulation 2: ceil(9 / 2) = 5 warmup steps
     cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=320", "data.batch_size=16",

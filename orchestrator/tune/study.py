@@ -562,17 +562,16 @@ def _is_oom(err: str) -> bool:
 
 
 def trial_metrics(result: Dict[str, Any]) -> Dict[str, float]:
-    """A measured job's figures for the study: METRICS, with `throughput` its estimate (the mean
-    over the measured windows, report.merge), the 95% intervals of the throughput's and the
-    utilization's means, the throughput's relative standard error, windows and measured seconds
+    """A measured job's figures for the study: METRICS, with `throughput` and `utilization` their
+    estimates (means over the measured time, report.merge, as the confirmation runs combine them),
+    the 95% intervals of those means, the throughput's relative standard error, windows and measured seconds
     (the rest of a trial's wall time is overhead)."""
     out = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
     for name, key in (("throughput", "estimate"), ("utilization", "utilization_estimate")):
         est = result.get(key) or {}
         if est.get("mean") is None:
             continue
-        if name == "throughput":  # utilization stays the median over windows (robust to a stall elsewhere)
-            out[name] = float(est["mean"])
+        out[name] = float(est["mean"])  # over the measured time (windows weighted by their length)
         if est.get("interval"):
             out[f"{name}_lo"], out[f"{name}_hi"] = map(float, est["interval"])
         if name == "throughput":
