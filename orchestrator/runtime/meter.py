@@ -556,10 +556,10 @@ class StepMeter:
         per_step = {p: totals[p] / steps for p in PHASES}
         step_time = wall / steps
         shares = {p: totals[p] / tiled if tiled > 0 else 0.0 for p in PHASES}
-        util = _time_weighted([w.utilization for w in used], used)
+        util = estimate([w.utilization for w in used], weights=[w.wall_s for w in used])["mean"]
         utils = [w.utilization for w in wins]
         thr = [w.throughput for w in wins]
-        sm = [w.sm_active for w in used if w.sm_active is not None]
+        sm_wins = [w for w in used if w.sm_active is not None]
         return {
             "measured_steps": sum(w.steps for w in wins),
             "warmup_excluded": bool(self.windows),
@@ -580,17 +580,12 @@ class StepMeter:
             # the three device figures side by side (README, "What is measured")
             "nvml_util": util if self.source == "nvml" else None,
             "nvml_util_source": "nvml utilization.gpu" if self.source == "nvml" else "absent: no NVML device",
-            "sm_active": _time_weighted(sm, [w for w in used if w.sm_active is not None]) if sm else None,
+            "sm_active": estimate([w.sm_active for w in sm_wins], weights=[w.wall_s for w in sm_wins])["mean"]
+            if sm_wins else None,
             "sm_active_source": self.sampler.sm_source if self.sampler is not None else "absent: no NVML device",
             "estimate": estimate_of(self.windows),
             **base,
         }
-
-
-def _time_weighted(values: List[float], windows: List[Window]) -> float:
-    """The mean of a per-window figure over the windows' time (each weighs its wall time)."""
-    total = sum(w.wall_s for w in windows)
-    return sum(v * w.wall_s for v, w in zip(values, windows)) / total if total > 0 else statistics.fmean(values)
 
 
 def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
