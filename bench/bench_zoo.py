@@ -1,0 +1,428 @@
+"""The tuner on a zoo of user-like tasks: every pick judged by steady-state figures of the whole
+grid, per task, per sampler, per seed; on CPU.
+
+Tasks (bench/zoo/: the user's own code in zoo/tasks.py, loaded by `_target_` with `model=custom
+data=custom`; the user's config and the searched space in zoo/__init__.py), each with another
+bottleneck:
+  storage_0p1, storage_1, storage_5  each item sleeps 0.1 / 1 / 5 ms (storage latency), tiny MLP;
+                                     workers [0,2,4,8]: sleeping workers cost no CPU
+  cpu_transform   per-item numpy augmentation (~1.3 ms of CPU), small convnet; workers [0,1,2,4]
+  storage_cpu     1 ms sleep plus a lighter augmentation (~0.5 ms); the user's workers=1 is off-grid
+  comm_ddp        backend=ddp, 2 ranks, a 10M-parameter embedding bag: the all-reduce dominates
+  compute         a small transformer encoder on in-memory sequences
+  short_epochs    300 items: large batches leave few steps per epoch, and every epoch re-warms
+  memory_cap      activations grow with the batch; trainer.memory_cap_mb=850 fails batch 512
+                  (measured peaks: b64 460 MB, b128 530, b256 695, b512 1040)
+  already_best    compute-bound MLP on in-memory data; the user's b64 w0 a1 is (near) the best
+Each space is categorical, 24 points (batch x workers x accumulation); the tasks' modules are found
+through PYTHONPATH, which this script extends with bench/ (the ranks inherit it).
+
+Parts (--part, any subset, in this order; all of them by default):
+  grid     every grid point as a trial and by a steady-state reference run of the same config
+           (bench_trials.validity: 3x the steady warmup, then >= --factor x the trial's samples;
+           the references near the steady best are then settled: 3 runs, interleaved, averaged).
+           Points already in the cache are not measured again.
+  studies  per task, per sampler (--samplers), per seed (--seeds): `run_study` with 6 trials on
+           the task's space, tune.baseline=true when the user's config is a grid point, the
+           product's defaults otherwise (confirm_top, pruner, patience; only extend_edges is off:
+           a pick outside the grid could not be scored). Stored: the pick, the study's wall time,
+           its measured seconds (trials + confirmation runs) and their share of the wall time,
+           launched trials, the path of configs tried. A stored (label, task, sampler, seed) is
+           not run again.
+  default  per task, a 12-trial guided study on the DEFAULT space (conf/tune/default.yaml, no
+           space overrides); its pick and the task's steady grid-best are then run side by side in
+           steady state (2 interleaved rounds, the same reference runs): ratio = the pick's score
+           against the grid-best by the objective's rule (bench_trials.quality; > 1 is shown as 1).
+  score    reads the cache and prints one table: per task and label, each sampler's median / worst
+           seed score, the default-space ratio, the guided studies' median wall time and measured
+           share, the load averages. Score of a pick = bench_trials.quality(steady grid, pick,
+           floor) (the utilization objective's rule: its steady utilization / the grid-best's
+           when its steady throughput is within tune.throughput_floor of the best, else its
+           throughput / the best's); "thr" beside it: its steady throughput / the grid's best.
+           Targets: guided median >= 0.97 on every task and worst seed >= 0.90; guided's median
+           >= tpe's and >= random's on every task; default-space ratio >= 0.97; measured share >= 50%.
+
+Cache (--cache, JSON, default outputs/bench_zoo.json; --smoke: outputs/bench_zoo_smoke.json):
+"<task> x<factor>" holds the grid (bench_trials' layout, per point "trial" and "steady"); "grid",
+"studies" and "default" hold the rest, the last two under --label (default "current"), so the
+code before a change ("--label before") and after it ("--label after") are scored from one
+file, against the same references (score prints every label present).
+
+Time, on 2 cores: a trial takes 1-6 s (the --smoke run, load 2-5: 1.2-5.1 s), a reference run
+2-4 s at --factor 1 and about 8-15 s at the default 5, so part grid takes about 6-10 minutes per
+task (24 points, then ~2 more runs of each near-best one): ~1-1.5 hours for the ten; part studies
+30-60 s per study (6 trials, up to 3 confirmed in 2 rounds), 90 studies (3 samplers x 3 seeds x
+10 tasks): ~1-1.5 hours per label; part default 3-4 minutes per task (12 trials, then 4 reference
+runs): ~35 minutes; score, seconds. All four parts: about 3-4 hours. Other work on the machine
+slows every figure and makes it noisier (torch's 2 intra-op threads wait on a busy core: a tiny
+step can take 10x longer); the load average is printed with each task's figures and stored.
+
+--smoke shrinks every space to 4 points (first and last batch, first and last workers, first
+accumulation) and the default study to 4 trials, for a check that everything runs:
+
+    .venv/bin/python bench/bench_zoo.py --only storage_1 --part grid studies score --seeds 1 \\
+        --samplers guided --factor 1 --smoke
+
+Full run, then the same after a change to the tuner, then the comparison:
+
+    .venv/bin/python bench/bench_zoo.py --label before
+    .venv/bin/python bench/bench_zoo.py --label after --part studies default score
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+BENCH = Path(__file__).resolve().parent
+# the tasks' package (zoo) must import in the rank processes too: they inherit the environment
+os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+import optuna  # noqa: E402
+from bench_samplers import study  # noqa: E402
+from bench_trials import Jobs, figures, quality, reference_config, validity  # noqa: E402
+from bench_tune import (KNOBS, Point, compose_cfg, fmt, objective_best, point_of, prepare,  # noqa: E402
+                        run_workloads, space_overrides, table, values_of)
+from zoo import TASKS  # noqa: E402
+
+from orchestrator.schema import Config  # noqa: E402
+from orchestrator.tune.rules import not_launched  # noqa: E402
+from orchestrator.tune.space import SearchSpace  # noqa: E402
+from orchestrator.tune.study import trial_config  # noqa: E402
+
+ROOT = BENCH.parent
+SAMPLERS = ("guided", "tpe", "random")
+PARTS = ("grid", "studies", "default", "score")
+STUDY_TRIALS = 6
+DEFAULT_TRIALS = {False: 12, True: 4}  # by --smoke
+DEFAULT_ROUNDS = 2
+TARGET_MEDIAN, TARGET_WORST, TARGET_DEFAULT, TARGET_SHARE = 0.97, 0.90, 0.97, 0.50
+NOT_LAUNCHED = {"duplicate_of": "=", "predicted_below": "~", "over_memory_of": "^"}  # marks in a study's path:
+# measured already, predicted below the floor by the job model, a batch above one that ran out of memory
+CHECKS = ("guided median", "guided worst seed", "guided >= tpe", "guided >= random", "default-space ratio",
+          "measured share")
+
+Figures = Dict[str, float]
+
+
+# -- the cache file ---------------------------------------------------------------------------
+def load(cache: Path) -> Dict[str, Any]:
+    return json.loads(cache.read_text()) if cache.exists() else {}
+
+
+def store(cache: Path, keys: Sequence[str], value: Any) -> None:
+    """Set [keys...] = value in the file, read again first (validity writes it too)."""
+    data = load(cache)
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = value
+    part = cache.with_suffix(".part")
+    part.write_text(json.dumps(data, indent=1))
+    part.replace(cache)
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+# -- tasks ------------------------------------------------------------------------------------
+def space_of(spec: Dict[str, Any], smoke: bool) -> Dict[str, List[int]]:
+    s = spec["space"]
+    if not smoke:
+        return s
+    return {"batch_size": [s["batch_size"][0], s["batch_size"][-1]],
+            "num_workers": [s["num_workers"][0], s["num_workers"][-1]], "accumulation_steps": s["accumulation_steps"][:1]}
+
+
+def grid_of(space: Dict[str, List[int]]) -> List[Point]:
+    return list(itertools.product(*(space[k] for k in KNOBS)))  # type: ignore[arg-type]
+
+
+def base(spec: Dict[str, Any], tmp: Path) -> List[str]:
+    return [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db"]
+
+
+def steady_of(data: Dict[str, Any], name: str, factor: float, grid: List[Point]) -> Dict[Point, Figures]:
+    rows = data.get(f"{name} x{factor:g}", {})
+    return {p: rows[fmt(p)]["steady"] for p in grid if "steady" in rows.get(fmt(p), {})}
+
+
+def score(steady: Dict[Point, Figures], pick: Optional[Point], floor: float) -> Tuple[float, float]:
+    """(the objective's score, the throughput-only score) of `pick` against the steady grid."""
+    if pick is None or pick not in steady:
+        return 0.0, 0.0
+    top = max(r["throughput"] for r in steady.values())
+    return quality(steady, pick, floor), (steady[pick]["throughput"] / top if top else 0.0)
+
+
+# -- part grid --------------------------------------------------------------------------------
+def grid_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
+    space_spec = space_of(spec, args.smoke)
+    grid = grid_of(space_spec)
+    cfg = compose_cfg([*base(spec, tmp), *space_overrides(space_spec)])
+    load0, t0 = load_avg(), time.monotonic()
+    print(f"\n== {name} grid: {len(grid)} points, reference x{args.factor:g}, load average {load0:.2f}", flush=True)
+    v = validity(name, cfg, SearchSpace(cfg), grid, args.factor, tmp, args.cache)
+    floor = cfg.tune.throughput_floor
+    best = objective_best(v["steady"], floor)
+    wall = time.monotonic() - t0
+    print(f"  steady grid-best {fmt(best)}: util {v['steady'][best]['utilization']:.3f} thr "
+          f"{v['steady'][best]['throughput']:.1f}/s  ({wall:.0f}s, load average {load0:.2f} -> {load_avg():.2f})", flush=True)
+    prev = load(args.cache).get("grid", {}).get(f"{name} x{args.factor:g}", {})
+    store(args.cache, ["grid", f"{name} x{args.factor:g}"],
+          {"load": [*prev.get("load", []), load0, load_avg()], "wall_s": prev.get("wall_s", 0.0) + wall})
+
+
+# -- part studies -----------------------------------------------------------------------------
+def record(r: Dict[str, Any]) -> Dict[str, Any]:
+    """What a study is judged by: pick, wall and measured time, launched trials, path (configs in
+    the order proposed; *: a diagnosis proposal; = ~ ^: not launched, see NOT_LAUNCHED; pruned, fail)."""
+    summary, trials = r["summary"], sorted(r["trials"], key=lambda t: t.number)
+    confirmed = summary.get("confirmed") or {}
+    measured = (sum(t.user_attrs.get("measured_s") or 0.0 for t in trials)
+                + sum(c.get("measured_s") or 0.0 for c in confirmed.values()))
+    path = []
+    for t in trials:
+        if "values" not in t.user_attrs:
+            continue
+        mark = "*" if t.user_attrs.get("proposed_by") == "diagnosis" else ""
+        why = next((m for k, m in NOT_LAUNCHED.items() if k in t.user_attrs), None)
+        state = "" if t.state.name == "COMPLETE" else (why or f" {t.state.name.lower()}")
+        path.append(f"{fmt(point_of(t.user_attrs['values']))}{mark}{state}")
+    best = summary.get("best")
+    return {"pick": list(point_of(best["values"])) if best else None, "wall_s": r["wall_s"], "measured_s": measured,
+            "launched": sum(not not_launched(t) for t in trials if "values" in t.user_attrs),
+            "confirmed": sorted(map(int, confirmed)), "path": path, "states": summary["states"],
+            "stopped": (summary.get("stopped") or {}).get("by"), "load": load_avg()}
+
+
+def run(sname: str, overrides: List[str], tmp: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """(record, best trial's summary) of one study; a study that raises (e.g. too many failed
+    trials) is recorded with its error and no pick: the user gets nothing from it either."""
+    t0 = time.monotonic()
+    try:
+        r = study(sname, overrides, tmp)
+    except Exception as exc:  # noqa: BLE001 -- judged, not fatal to the benchmark
+        print(f"    study {sname} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return {"pick": None, "wall_s": time.monotonic() - t0, "measured_s": 0.0, "launched": 0, "confirmed": [],
+                "path": [], "states": {}, "stopped": None, "load": load_avg(), "error": str(exc)[:500]}, None
+    return record(r), r["summary"].get("best")
+
+
+def studies_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
+    space_spec = space_of(spec, args.smoke)
+    grid = grid_of(space_spec)
+    common = [*base(spec, tmp), *space_overrides(space_spec), f"tune.n_trials={STUDY_TRIALS}"]
+    cfg = compose_cfg(common)
+    user = point_of(SearchSpace(cfg).baseline())
+    common.append(f"tune.baseline={str(user in grid).lower()}")
+    data = load(args.cache)
+    steady, floor = steady_of(data, name, args.factor, grid), cfg.tune.throughput_floor
+    done = data.get("studies", {}).get(args.label, {}).get(name, {})
+    print(f"\n== {name} studies ({args.label}): user's config {fmt(user)}{'' if user in grid else ' (off the grid)'}, "
+          f"load average {load_avg():.2f}", flush=True)
+    for sampler in args.samplers:
+        for seed in range(args.seeds):
+            if str(seed) in done.get(sampler, {}):
+                continue
+            sname = f"zoo-{name}-{args.label}-{sampler}-{seed}-{time.time_ns()}"
+            rec, _ = run(sname, [*common, f"tune.sampler={sampler}", f"tune.seed={seed}", f"tune.study_name={sname}"],
+                         tmp)
+            store(args.cache, ["studies", args.label, name, sampler, str(seed)], rec)
+            pick = tuple(rec["pick"]) if rec["pick"] else None
+            q, thr = score(steady, pick, floor) if steady else (float("nan"), float("nan"))
+            print(f"    {sampler:6s} seed {seed}: pick {fmt(pick) if pick else 'none'} (score {q:.3f}, thr {thr:.3f}); "
+                  f"study {rec['wall_s']:.0f}s, measured {100 * rec['measured_s'] / rec['wall_s']:.0f}%, "
+                  f"{rec['launched']} launched; load {rec['load']:.2f}; path {', '.join(rec['path'])}", flush=True)
+
+
+# -- part default -----------------------------------------------------------------------------
+def side_by_side(jobs: Jobs, arms: Dict[str, Tuple[Config, Figures]], rounds: int, factor: float) -> Dict[str, Figures]:
+    """Each arm's reference run once per round, order rotated every round; mean figures of the
+    runs that did not fail."""
+    names = list(arms)
+    runs: Dict[str, List[Figures]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            runs[n].append(figures(jobs.run(reference_config(*arms[n], factor))))
+    out: Dict[str, Figures] = {}
+    for n, fs in runs.items():
+        got = [f for f in fs if f["throughput"]] or fs[:1]  # a failed run (zeros) counts only when all failed
+        out[n] = {k: statistics.fmean(f[k] for f in got) for k in ("throughput", "utilization")}
+    return out
+
+
+def default_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
+    if name in load(args.cache).get("default", {}).get(args.label, {}):
+        return
+    space_spec = space_of(spec, args.smoke)
+    grid = grid_of(space_spec)
+    grid_cfg = compose_cfg([*base(spec, tmp), *space_overrides(space_spec)])
+    steady, floor = steady_of(load(args.cache), name, args.factor, grid), grid_cfg.tune.throughput_floor
+    if len(steady) < len(grid):
+        print(f"\n== {name} default: the grid is not measured yet ({len(steady)}/{len(grid)}): run --part grid first")
+        return
+    n = DEFAULT_TRIALS[args.smoke]
+    sname = f"zoo-{name}-{args.label}-default-{time.time_ns()}"
+    overrides = [*base(spec, tmp), "tune.sampler=guided", f"tune.n_trials={n}", f"tune.study_name={sname}"]
+    cfg = compose_cfg(overrides)
+    print(f"\n== {name} default space ({args.label}): {SearchSpace(cfg).grid_size()} configs, {n} guided trials, "
+          f"load average {load_avg():.2f}", flush=True)
+    rec, best = run(sname, overrides, tmp)
+    gbest = objective_best(steady, floor)
+    out: Dict[str, Any] = {**rec, "values": None, "grid_best": list(gbest), "ratio": 0.0}
+    if best:
+        values = best["values"]
+        gvalues = values_of(SearchSpace(grid_cfg), gbest)
+        arms = {"grid": (trial_config(grid_cfg, gvalues), {"throughput": steady[gbest]["throughput"],
+                                                           "measured_s": steady[gbest]["measured_s"] / args.factor})}
+        if values != gvalues:
+            arms["pick"] = (trial_config(cfg, values), {"throughput": best.get("throughput") or 0.0,
+                                                        "measured_s": best.get("measured_s") or 1.0})
+        jobs = Jobs(tmp, f"{name}-default-steady")
+        try:
+            measured = side_by_side(jobs, arms, DEFAULT_ROUNDS, args.factor)
+        finally:
+            jobs.close()
+        measured.setdefault("pick", measured["grid"])
+        ratio = quality(measured, "pick", floor)  # type: ignore[arg-type]
+        out.update(values=values, steady=measured, ratio=ratio,
+                   thr_ratio=measured["pick"]["throughput"] / measured["grid"]["throughput"]
+                   if measured["grid"]["throughput"] else 0.0)
+        knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items() if v is not None)
+        print(f"    pick {knobs}: "
+              f"steady thr {measured['pick']['throughput']:.1f}/s util {measured['pick']['utilization']:.3f}; grid-best "
+              f"{fmt(gbest)}: thr {measured['grid']['throughput']:.1f}/s util {measured['grid']['utilization']:.3f}; "
+              f"ratio {ratio:.3f}; study {rec['wall_s']:.0f}s; load {load_avg():.2f}; path {', '.join(rec['path'])}", flush=True)
+    store(args.cache, ["default", args.label, name], out)
+
+
+# -- part score -------------------------------------------------------------------------------
+def med_worst(xs: List[float]) -> str:
+    return f"{statistics.median(xs):.3f}/{min(xs):.3f}" if xs else "-"
+
+
+def score_part(args: argparse.Namespace, names: List[str]) -> bool:
+    data = load(args.cache)
+    labels = list(dict.fromkeys([*data.get("studies", {}), *data.get("default", {})]))  # in the order stored
+    rows = [["task", "label", *(f"{s} score med/worst (thr)" for s in SAMPLERS), "default ratio", "guided wall",
+             "measured", "load grid/studies"]]
+    fails: Dict[str, List[str]] = {f"{label}: {what}": [] for label in labels for what in CHECKS}
+    missing: Dict[str, List[str]] = {key: [] for key in fails}  # no figures to judge
+    judged = dict.fromkeys(fails, 0)
+    overall: Dict[str, Dict[str, float]] = {label: {} for label in labels}
+    for name, label in itertools.product(names, labels):
+        spec = TASKS[name]
+        grid = grid_of(space_of(spec, args.smoke))
+        steady = steady_of(data, name, args.factor, grid)
+        studies = data.get("studies", {}).get(label, {}).get(name, {})
+        dflt = data.get("default", {}).get(label, {}).get(name)
+        if not steady or not (studies or dflt):
+            continue
+        floor = compose_cfg(spec["overrides"]).tune.throughput_floor
+        cells, med, worst = [], {}, {}
+        for s in SAMPLERS:
+            recs = list(studies.get(s, {}).values())
+            scores = [score(steady, tuple(r["pick"]) if r["pick"] else None, floor) for r in recs]
+            q, t = [x[0] for x in scores], [x[1] for x in scores]
+            cells.append(f"{med_worst(q)} ({med_worst(t)})" if recs else "-")
+            if recs:
+                med[s], worst[s] = statistics.median(q), min(q)
+        guided = list(studies.get("guided", {}).values())
+        share = statistics.median(r["measured_s"] / r["wall_s"] for r in guided) if guided else None
+        gload = data.get("grid", {}).get(f"{name} x{args.factor:g}", {}).get("load", [])
+        sload = [r["load"] for recs in studies.values() for r in recs.values()]
+        partial = "" if len(steady) == len(grid) else f" [grid {len(steady)}/{len(grid)}]"
+        rows.append([name + partial, label, *cells, f"{dflt['ratio']:.3f}" if dflt else "-",
+                     f"{statistics.median(r['wall_s'] for r in guided):.0f}s" if guided else "-",
+                     f"{100 * share:.0f}%" if share is not None else "-",
+                     f"{max(gload, default=float('nan')):.1f}/{statistics.median(sload) if sload else float('nan'):.1f}"])
+        g = med.get("guided")
+        overall[label][name] = g if g is not None else float("nan")
+        verdicts = {  # what -> (met, what to print when not), or None: nothing to judge
+            "guided median": None if g is None else (g >= TARGET_MEDIAN, f"{g:.3f}"),
+            "guided worst seed": None if g is None else (worst["guided"] >= TARGET_WORST, f"{worst['guided']:.3f}"),
+            **{f"guided >= {s}": None if g is None or s not in med else (g >= med[s], f"guided {g:.3f} < {s} {med[s]:.3f}")
+               for s in ("tpe", "random")},
+            "default-space ratio": None if not dflt else (dflt["ratio"] >= TARGET_DEFAULT, f"{dflt['ratio']:.3f}"),
+            "measured share": None if share is None else (share >= TARGET_SHARE, f"{100 * share:.0f}%"),
+        }
+        for what, verdict in verdicts.items():
+            judged[f"{label}: {what}"] += verdict is not None
+            if verdict is None:
+                missing[f"{label}: {what}"].append(name)
+            elif not verdict[0]:
+                fails[f"{label}: {what}"].append(f"{name} {verdict[1]}")
+    print(f"\n== bench_zoo scores (cache {args.cache}, references x{args.factor:g}); score = the objective's rule on "
+          "steady-state figures vs the steady grid-best, (thr) = steady throughput / the grid's best")
+    if len(rows) == 1:
+        print("nothing to score: run --part grid and studies (or default) first")
+        return False
+    print(table(rows))
+    for label, per in overall.items():
+        known = {n: q for n, q in per.items() if q == q}
+        if known:
+            low = min(known, key=lambda n: known[n])
+            print(f"{label}: guided median over tasks {statistics.median(known.values()):.3f}, worst task {low} "
+                  f"{known[low]:.3f}")
+    print(f"targets: guided median >= {TARGET_MEDIAN} and worst seed >= {TARGET_WORST} on every task; guided >= tpe "
+          f"and >= random; default-space ratio >= {TARGET_DEFAULT}; measured share >= {100 * TARGET_SHARE:.0f}%")
+    for what, bad in fails.items():
+        unknown = f" (not measured: {', '.join(missing[what])})" if missing[what] else ""
+        status = "NOT met: " + ", ".join(bad) if bad else ("met" if judged[what] else "-")
+        print(f"  {what}: {status}{unknown}")
+    return not any(fails.values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(TASKS), nargs="*", default=None, help="run only these tasks")
+    ap.add_argument("--part", choices=PARTS, nargs="*", default=list(PARTS))
+    ap.add_argument("--cache", type=Path, default=None, help="JSON file (default outputs/bench_zoo.json)")
+    ap.add_argument("--label", default="current", help="studies are stored under this name (e.g. before / after)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--samplers", choices=SAMPLERS, nargs="*", default=list(SAMPLERS))
+    ap.add_argument("--factor", type=float, default=5.0, help="reference length: x the trial's measured samples")
+    ap.add_argument("--smoke", action="store_true", help="4-point spaces, a 4-trial default study: a check that all runs")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args()
+    args.cache = (args.cache or ROOT / "outputs" / f"bench_zoo{'_smoke' if args.smoke else ''}.json").resolve()
+    args.cache.parent.mkdir(parents=True, exist_ok=True)
+    names = [n for n in TASKS if args.only is None or n in args.only]
+
+    measure = [p for p in PARTS[:-1] if p in args.part]
+    start = time.monotonic()
+    if measure:
+        tmp = prepare("bench_zoo-")
+        print(f"bench_zoo: parts {' '.join(measure)}, label {args.label}, {args.seeds} seeds, samplers "
+              f"{' '.join(args.samplers)}, reference x{args.factor:g}{', smoke' if args.smoke else ''}; {os.cpu_count()} "
+              f"CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cache {args.cache}; output {tmp}",
+              flush=True)
+        parts = {"grid": grid_part, "studies": studies_part, "default": default_part}
+
+        def bench(name: str, spec: Dict[str, Any]) -> Dict[str, Any]:
+            for p in measure:
+                parts[p](name, spec, args, tmp)
+            return {}
+
+        run_workloads(args.only, args.keep, tmp, bench, TASKS)
+        print(f"\nmeasured in {time.monotonic() - start:.0f}s, load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    else:
+        os.chdir(ROOT)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if "score" in args.part:
+        return 0 if score_part(args, names) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
