@@ -58,6 +58,8 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "compute_frac": mean("compute_frac"),
         "comm_frac": mean("comm_frac"),
         "optimizer_frac": mean("optimizer_frac"),
+        "busy_frac": statistics.fmean(r.get("busy_frac", r["compute_frac"] + r["optimizer_frac"]) for r in measured),
+        "input_cost": _input_cost(measured),
         "other_frac": mean("other_frac"),
         "peak_mem_mb": max(r["peak_mem_mb"] for r in measured),
         "measured_steps": min(r["measured_steps"] for r in measured),
@@ -81,6 +83,13 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "straggler_rank": slowest if own_spread > STRAGGLER_SPREAD else None,
     }
     return job
+
+
+def _input_cost(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The ranks' per-item input costs averaged (every rank loads its own share the same way)."""
+    costs = [r.get("input_cost") or {} for r in measured]
+    keys = {k for c in costs for k, v in c.items() if isinstance(v, (int, float))}
+    return {k: statistics.fmean(c[k] for c in costs if isinstance(c.get(k), (int, float))) for k in sorted(keys)}
 
 
 def _device_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -125,6 +125,8 @@ class RankResult(TypedDict, total=False):
     nvml_util_source: str
     sm_active: Optional[float]
     sm_active_source: str
+    busy_frac: float  # (compute + optimizer) / wall: the busy share by wall time
+    input_cost: Dict[str, Any]  # per item: loader CPU, data wait, process CPU (StepMeter._input_cost)
 
 _RANK_FILE = re.compile(r"^rank(\d+)$")
 

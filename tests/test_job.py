@@ -24,7 +24,7 @@ def test_job_writes_result_and_mlflow_run(make_cfg, tmp_path):
     on_disk = json.loads((tmp_path / "result.json").read_text())
     assert RESULT_KEYS <= on_disk.keys()
     assert on_disk["status"] == "FINISHED" and on_disk["steps"] == 12
-    assert on_disk["utilization_source"] == "cpu-busy" and 0 < on_disk["utilization"] <= 1
+    assert on_disk["utilization_source"] == "cpu-time" and 0 < on_disk["utilization"] <= 1
     assert len(on_disk["per_rank"]) == 1 and RESULT_KEYS - {"status", "per_rank", "mlflow_run_id"} <= on_disk["per_rank"][0].keys()
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "model.pt").exists()
     assert result["mlflow_run_id"] == on_disk["mlflow_run_id"]
@@ -34,7 +34,7 @@ def test_job_writes_result_and_mlflow_run(make_cfg, tmp_path):
     assert run.data.params["data.batch_size"] == "32"
     assert run.data.params["model._target_"] == "tasks.models.Linear"
     tags = run.data.tags
-    assert (tags["backend"], tags["world_size"], tags["utilization_source"], tags["device"]) == ("single", "1", "cpu-busy", "cpu")
+    assert (tags["backend"], tags["world_size"], tags["utilization_source"], tags["device"]) == ("single", "1", "cpu-time", "cpu")
     for key in ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "mfu"):
         assert key in run.data.metrics, key
     assert 0 < on_disk["mfu"] <= 1 and on_disk["per_rank"][0]["mfu"] == on_disk["mfu"]

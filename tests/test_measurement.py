@@ -46,7 +46,7 @@ def test_injected_latency_is_data_wait(latency_runs):
     # the share is that wait over the measured step, and it lands near the expected share
     expected_share = expected_s / slow["step_time_s"]
     assert slow["data_wait_frac"] == pytest.approx(expected_share, abs=0.08)
-    assert slow["utilization_source"] == "cpu-busy"
+    assert slow["utilization_source"] == "cpu-time"
 
 
 def test_no_latency_no_wait(latency_runs):
@@ -182,8 +182,15 @@ def test_windows_span_whole_rounds_of_a_bursty_loader():
 def test_figures_are_those_of_the_measured_time_not_of_the_median_window():
     # A bursty loader: windows alternate between batches ready (20 ms compute a step) and waiting
     # (60 ms for data, then 20 ms compute). 3 ready windows of 5: a median reads utilization 1 and no
-    # data wait; over the measured time the device is busy 200 of 440 ms and waits 240.
+    # data wait; over the measured time the device is busy 200 of 440 ms and waits 240. The compute
+    # spins (utilization on CPU counts the CPU time the training process got, one thread here).
+    def spin(s: float) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < s:
+            pass
+
     m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1)
+    m.threads = 1
     m.start()
     _steps(m, 1)  # warmup
     for k in range(5):
@@ -191,7 +198,7 @@ def test_figures_are_those_of_the_measured_time_not_of_the_median_window():
             if k % 2:
                 time.sleep(0.06)
             m.mark(DATA)
-            time.sleep(0.02)
+            spin(0.02)
             m.mark(COMPUTE)
             m.mark(OPTIMIZER)
             m.end_step(samples=4)

@@ -15,8 +15,16 @@ Phases of a step (they tile the step's wall time, so the shares add up to 1):
   optimizer  optimizer step and zero_grad
 
 utilization: on CUDA, the mean NVML `utilization.gpu` of this rank's device over the window
-(source `nvml`, sampled by a background thread); elsewhere the busy fraction
-(compute + optimizer) / wall (source `cpu-busy`).
+(source `nvml`, sampled by a background thread). On CPU the device is the rank's cores: the CPU
+time the training process spent in compute and optimizer phases over the window's wall time x
+its threads (source `cpu-time`). It cannot be raised by starving the step: a loader worker that
+takes a core from the training process stretches the busy phases' wall time, not their CPU time
+(4 workers on 2 cores read 85% "busy" by wall time at the same samples/s as 0 workers at 33%).
+The wall-time busy share (compute + optimizer) / wall stays in the breakdown.
+
+The input pipeline's cost is split into CPU and waiting (the job model, orchestrator/jobmodel.py):
+the loader workers' CPU time over the measured span (psutil, live and reaped workers), and with no
+workers the CPU time of the data phase itself, each per item delivered.
 
 Warmup ends in steady state: after `warmup_steps` steps and once the DataLoader's pre-filled queue
 (`queue` micro-batches: num_workers x prefetch_factor, filled while the model was built) has been
@@ -189,6 +197,36 @@ class MemorySampler:
         self._thread.join(timeout=1.0)
 
 
+def cpu_snapshot() -> Dict[str, float]:
+    """CPU seconds so far of this process and of its child processes (the loader's workers: the
+    live ones read through psutil, the ended ones from the kernel's reaped-children account)."""
+    import psutil
+
+    me = psutil.Process()
+    own = me.cpu_times()
+    workers = own.children_user + own.children_system
+    try:
+        children = me.children(recursive=True)
+    except psutil.Error:
+        children = []
+    for c in children:
+        try:
+            t = c.cpu_times()
+            workers += t.user + t.system
+        except psutil.Error:  # ended meanwhile: it is in the reaped account next time
+            pass
+    return {"process": time.process_time(), "workers": workers}
+
+
+def cores_per_rank() -> int:
+    """The cores this rank may use: its CPU affinity shared by the ranks on its node."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 # two-sided 95% Student t quantiles by degrees of freedom (1.96 past the table)
 _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
         2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
@@ -302,6 +340,7 @@ class Window:
     t_start: float  # perf_counter, for timelines
     t_end: float
     sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
+    phases_cpu_s: Optional[Dict[str, float]] = None  # CPU only: the process's CPU time in each phase
     warmup: bool = False
     partial: bool = False  # cut short (the run's end, a new epoch): left out of the estimate
 
@@ -318,7 +357,7 @@ class Window:
             "index": self.index, "first_step": self.first_step, "steps": self.steps, "samples": self.samples,
             "wall_s": self.wall_s, "throughput": self.throughput, "utilization": self.utilization,
             "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end, "sm_active": self.sm_active,
-            "warmup": self.warmup, "partial": self.partial,
+            "warmup": self.warmup, "partial": self.partial, "phases_cpu_s": self.phases_cpu_s,
         }
 
 
@@ -338,7 +377,7 @@ class StepMeter:
     def __post_init__(self) -> None:
         self.cuda = self.device.type == "cuda"
         self.sampler: Optional[NvmlSampler] = None
-        self.source = "cpu-busy"
+        self.source = "cuda-busy" if self.cuda else "cpu-time"
         if self.cuda and self.nvml:
             try:
                 self.sampler = NvmlSampler(self.device)
@@ -347,7 +386,15 @@ class StepMeter:
                 print(f"[meter] NVML unavailable ({exc}); utilization falls back to the busy fraction")
                 self.source = "cuda-busy"
         self._marks: List[tuple[int, Any]] = []  # (phase index, token)
-        self._step_ends: List[int] = []  # index into _marks where each step ended
+        self._cpu: List[float] = []  # CPU only: the process's CPU time at each mark (phases' CPU time)
+        # no loader workers: the loop's own thread loads the data, and its CPU time in the data phase
+        # is the loader's (the process's would add the compute threads' spin-waits meanwhile)
+        self._inproc = self.queue == 0
+        self._thread_cpu: List[float] = []
+        self._hook_cpu = 0.0
+        self.threads = max(1, torch.get_num_threads())
+        self._span0: Optional[Dict[str, float]] = None  # loader and process CPU when the measurement began
+        self._span_samples = 0  # samples since then (measured, re-warm and partial windows alike)
         self._samples = 0
         self._step = 0
         self._window_first = 0
@@ -378,6 +425,10 @@ class StepMeter:
         """Call once before the first step."""
         self._wall0 = time.perf_counter()
         self._marks.append((-1, self._token()))
+        if not self.cuda:
+            self._cpu.append(time.process_time())
+        if self._inproc:
+            self._thread_cpu.append(time.thread_time())
 
     def mark(self, phase: int) -> None:
         """Phase `phase` (DATA, COMPUTE, ...) ended now; it began at the previous mark."""
@@ -386,18 +437,29 @@ class StepMeter:
             # DDP: the last gradient bucket was handed to the all-reduce at _hook_token; the rest
             # of backward was waiting for communication.
             self._marks.append((COMPUTE, self._hook_token))
+            if not self.cuda:
+                self._cpu.append(self._hook_cpu)
+            if self._inproc:
+                self._thread_cpu.append(self._thread_cpu[-1])
             self._hook_token = None
             phase = COMM
         self._marks.append((phase, tok))
+        if not self.cuda:
+            self._cpu.append(time.process_time())
+        if self._inproc:
+            self._thread_cpu.append(time.thread_time())
 
     def comm_hook_fired(self) -> None:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
         self._hook_token = self._token()
+        if not self.cuda:
+            self._hook_cpu = time.process_time()
 
     def end_step(self, samples: int, micro: int = 1) -> Optional[Window]:
         """Close a step of `micro` micro-batches; returns the window it completed, if any (a
         warmup window when this step ended the warmup: `window.warmup`)."""
         self._samples += samples
+        self._span_samples += samples
         self._step += 1
         if self._warming:
             self._micro += micro
@@ -410,6 +472,9 @@ class StepMeter:
 
     def _end_warmup(self) -> Window:
         win = self._close_window(warmup=True)
+        if self._span0 is None:  # the loader's cost is read over the steady span from here
+            self._span0 = cpu_snapshot()
+            self._span_samples = 0
         start = win.first_step if self.warmups else 0
         # what held the warmup this long: the loader's queue when it outlasted warmup_steps
         binding = "queue" if self.warmups or self._step > max(self.warmup_steps, 1) else "warmup_steps"
@@ -467,6 +532,7 @@ class StepMeter:
         wall1 = time.perf_counter()
         marks = self._marks
         phases = dict.fromkeys(PHASES, 0.0)
+        cpu = dict.fromkeys(PHASES, 0.0)
         if self.cuda:
             marks[-1][1].synchronize()
             for (_, a), (p, b) in zip(marks[:-1], marks[1:]):
@@ -475,6 +541,13 @@ class StepMeter:
         else:
             for (_, a), (p, b) in zip(marks[:-1], marks[1:]):
                 phases[PHASES[p]] += b - a
+            for (p, _), a, b in zip(marks[1:], self._cpu[:-1], self._cpu[1:]):
+                cpu[PHASES[p]] += b - a
+            self._cpu = self._cpu[-1:]
+        if self._inproc:
+            cpu["data"] = sum(b - a for (p, _), a, b in zip(marks[1:], self._thread_cpu[:-1], self._thread_cpu[1:])
+                              if p == DATA)
+            self._thread_cpu = self._thread_cpu[-1:]
         wall = wall1 - self._wall0
         busy = sum(phases[p] for p in BUSY)
         total = sum(phases.values())
@@ -484,13 +557,15 @@ class StepMeter:
             util = self.sampler.mean(self._wall0, wall1)
             if self.sampler.gpm:
                 sm = self.sampler.mean(self._wall0, wall1, self.sampler.sm_samples)
+        if util is None and not self.cuda:  # the cores' share the training work got
+            util = min(1.0, sum(cpu[p] for p in BUSY) / (wall * self.threads)) if wall > 0 else 0.0
         if util is None:
             util = busy / total if total > 0 else 0.0
         steps = self._step - self._window_first
         win = Window(
             index=len(self.windows), first_step=self._window_first, steps=steps, samples=self._samples,
             wall_s=wall, phases_s=phases, utilization=util, t_start=self._wall0, t_end=wall1, sm_active=sm,
-            warmup=warmup, partial=partial,
+            warmup=warmup, partial=partial, phases_cpu_s=cpu if not self.cuda or self._inproc else None,
         )
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
@@ -537,6 +612,31 @@ class StepMeter:
             out["rewarm_steps"] = sum(w["steps"] for w in rewarms)
         return out
 
+    def _input_cost(self, used: List[Window]) -> Dict[str, Any]:
+        """Per item delivered: the loader's CPU seconds (its workers', or with none the data
+        phase's own CPU time), the data phase's wall seconds, the training process's CPU seconds
+        and the busy phases' CPU seconds; with the cores and threads the rank runs on. What the
+        job model (orchestrator/jobmodel.py) predicts other loader settings from."""
+        samples = sum(w.samples for w in used)
+        out: Dict[str, Any] = {"cores": cores_per_rank(), "threads": self.threads, "workers_cpu_s": None,
+                               "data_wall_s": sum(w.phases_s["data"] for w in used) / samples if samples else None}
+        if self._span0 is not None and self._span_samples:
+            now = cpu_snapshot()
+            out["workers_cpu_s"] = max(0.0, now["workers"] - self._span0["workers"]) / self._span_samples
+            out["process_cpu_s"] = max(0.0, now["process"] - self._span0["process"]) / self._span_samples
+        cpu_wins = [w for w in used if w.phases_cpu_s is not None]
+        n = sum(w.samples for w in cpu_wins)
+        if n:
+            out["data_cpu_s"] = sum(w.phases_cpu_s["data"] for w in cpu_wins) / n  # type: ignore[index]
+            if not self.cuda:
+                out["busy_cpu_s"] = sum(w.phases_cpu_s[p] for w in cpu_wins for p in BUSY) / n  # type: ignore[index]
+                # the training process's CPU outside the data wait (its threads' spin-waits during the
+                # wait are left out: they yield to workers that need the cores)
+                out["consume_cpu_s"] = sum(w.phases_cpu_s[p] for w in cpu_wins for p in PHASES  # type: ignore[index]
+                                           if p != "data") / n
+                out["busy_wall_s"] = sum(w.phases_s[p] for w in cpu_wins for p in BUSY) / n
+        return out
+
     def summary(self) -> Dict[str, Any]:
         base = {"warmup": self.warmup_summary(), **memory_stats(self.device, self.memory)}
         wins = self.windows or self.warmup_windows  # a run shorter than its warmup: say so
@@ -561,6 +661,8 @@ class StepMeter:
         thr = [w.throughput for w in wins]
         sm_wins = [w for w in used if w.sm_active is not None]
         return {
+            "busy_frac": shares["compute"] + shares["optimizer"],
+            "input_cost": self._input_cost(used),
             "measured_steps": sum(w.steps for w in wins),
             "warmup_excluded": bool(self.windows),
             "windows": len(wins),
