@@ -23,11 +23,12 @@ fastest rank's by more than STRAGGLER_SPREAD is named as the straggler.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from .jobmodel import JobModel, Run
 from .schema import BackendName, Config
-from .tune.space import default_max_workers
 
 INPUT_BOUND = 0.30
 COMM_BOUND = 0.30
@@ -209,19 +210,28 @@ def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, 
         diag.notes.append("host-to-device copies dominate the input time: keep inputs compact (uint8 images, "
                           "converted on the device)")
         return
-    cap = cfg.tune.max_workers if cfg.tune.max_workers is not None else default_max_workers(cfg)
     bigger = Move({"data.batch_size": d.batch_size * 4}, "")
     batch_bytes = int(job.get("item_bytes") or 0) * d.batch_size
     cost = handoff(batch_bytes, d.batch_size) if batch_bytes else {"seconds": 1e-3, "source": "an estimate"}
+    model = _job_model(job, cfg, handoff)
+    cap = cfg.tune.max_workers if cfg.tune.max_workers is not None else \
+        workers_cap(cfg, (job.get("input_cost") or {}).get("cores") or (os.cpu_count() or 1))
     if d.num_workers == 0:
         if wait > WORKERS_WORTH_IT * cost["seconds"]:
-            n = min(cap, max(2, math.ceil(wait / max(other, cost["seconds"]))))
-            diag.moves.append(Move(
-                {"data.num_workers": n, "data.persistent_workers": True},
-                f"building a batch takes {_ms(wait)} in the training process, and handing one over from a worker costs "
-                f"about {_ms(cost['seconds'])} ({cost['source']}); {n} workers build batches while the step computes "
-                f"({_ms(other)} of other work per batch)"))
-            return
+            if model is not None:
+                n = model.best_workers(d.batch_size, t.accumulation_steps, cap)
+                if n > 0:
+                    diag.moves.append(Move({"data.num_workers": n, "data.persistent_workers": True},
+                                           _workers_why(model, cfg, n, cost)))
+                    return
+            else:
+                n = min(cap, max(2, math.ceil(wait / max(other, cost["seconds"]))))
+                diag.moves.append(Move(
+                    {"data.num_workers": n, "data.persistent_workers": True},
+                    f"building a batch takes {_ms(wait)} in the training process, and handing one over from a worker "
+                    f"costs about {_ms(cost['seconds'])} ({cost['source']}); {n} workers build batches while the step "
+                    f"computes ({_ms(other)} of other work per batch)"))
+                return
         bigger.why = (f"building a batch takes only {_ms(wait)} in the training process, less than the "
                       f"{_ms(cost['seconds'])} a worker hand-off costs here ({cost['source']}), so workers would make "
                       f"this job slower; the per-batch overhead dominates and a 4x batch amortizes it; "
@@ -236,17 +246,57 @@ def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, 
         diag.notes.append(f"or try data.num_workers=0 if building a batch in process takes less than "
                           f"{_ms(cost['seconds'])}")
         return
-    if d.num_workers < cap:
-        more = min(cap, 2 * d.num_workers)
-        move = {"data.num_workers": more}
+    n = model.best_workers(d.batch_size, t.accumulation_steps, cap) if model is not None else min(cap, 2 * d.num_workers)
+    if n != d.num_workers:
+        move = {"data.num_workers": n}
         if not d.persistent_workers:
             move["data.persistent_workers"] = True
-        diag.moves.append(Move(move, f"{d.num_workers} workers do not keep up: the step still waits {_ms(wait)} per "
-                                     f"batch, more than the {_ms(cost['seconds'])} hand-off ({cost['source']})"))
+        diag.moves.append(Move(move, _workers_why(model, cfg, n, cost) if model is not None else
+                               f"{d.num_workers} workers do not keep up: the step still waits {_ms(wait)} per "
+                               f"batch, more than the {_ms(cost['seconds'])} hand-off ({cost['source']})"))
+        if n < d.num_workers:  # fewer workers is the fix: the queue is not the problem
+            return
     if (d.prefetch_factor or 2) < 4:
         diag.moves.append(Move({"data.prefetch_factor": 4}, "a deeper queue per worker absorbs slow batches"))
     bigger.why = f"per-batch overheads amortize; {_global_note(cfg, 4)}"
     diag.moves.append(bigger)
+
+
+def workers_cap(cfg: Config, cores: float) -> int:
+    """How many loader workers advice may ask for: tune.max_workers_cap, else 4 x the rank's cores
+    (workers that wait on storage pay beyond the cores; the job model says how many)."""
+    if cfg.tune.max_workers_cap is not None:
+        return cfg.tune.max_workers_cap
+    return max(2, 4 * int(cores))
+
+
+def _job_model(job: Dict[str, Any], cfg: Config, handoff: Handoff) -> Optional[JobModel]:
+    """The job model fitted to this run alone (jobmodel.py), when it measured its input cost."""
+    if not job.get("input_cost"):
+        return None
+    values = {"data.batch_size": cfg.data.batch_size, "data.num_workers": cfg.data.num_workers,
+              "trainer.accumulation_steps": cfg.trainer.accumulation_steps}
+    run = Run.of(values, {**job, "rel_se": (job.get("estimate") or {}).get("rel_se")}, job.get("world_size", 1))
+    if run is None:
+        return None
+    item = int(job.get("item_bytes") or 0)
+    cost = job["input_cost"]
+    return JobModel.fit([run], job.get("world_size", 1), cores=float(cost.get("cores") or 1),
+                        threads=float(cost.get("threads") or 1),
+                        handoff=(lambda b: handoff(item * b, b)["seconds"]) if item else None)
+
+
+def _workers_why(model: JobModel, cfg: Config, n: int, cost: Dict[str, Any]) -> str:
+    """The evidence for a worker count: what the loader and the training process cost per item,
+    and the rates the job model predicts now and with `n` workers."""
+    d, t = cfg.data, cfg.trainer
+    now = model.predict(d.batch_size, d.num_workers, t.accumulation_steps)
+    then = model.predict(d.batch_size, n, t.accumulation_steps)
+    kind = ("it mostly waits, so workers beyond the cores pay" if (model.load_wait or 0) > (model.load_cpu or 0)
+            else "it mostly computes, so its workers share the cores with the training process")
+    return (f"the job model ({model.explain()}; a worker hand-off {_ms(cost['seconds'])}, {cost['source']}): "
+            f"{kind}; it predicts {then.throughput:.0f} samples/s with {n} workers vs {now.throughput:.0f} with "
+            f"{d.num_workers} ({then.bound}-bound then)")
 
 
 def straggler_note(job: Dict[str, Any]) -> Optional[str]:

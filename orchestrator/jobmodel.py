@@ -1,0 +1,247 @@
+"""A measured model of the job's throughput over batch size, loader workers and accumulation.
+
+Every run measures, per item it delivers (runtime/meter.py, `input_cost`): the loader's CPU time
+(its workers', or with no workers the data phase's own), the data phase's wall time, and the
+training process's time outside the data wait (its compute, communication and optimizer). From one
+or more such runs this module fits, per rank:
+
+  load_cpu    CPU seconds a loader spends on an item (reads, decoding, transforms, collate)
+  load_wait   seconds a loader waits per item without using a CPU (storage, network, sleeps)
+  consume     the training process's seconds per item at batch b and accumulation a:
+              beta + alpha / b + gamma / (a b)  (per item, per micro-batch, per optimizer step:
+              all-reduce and optimizer), non-negative least squares over the runs
+  consume_cpu the CPU it burns meanwhile (threads x that, as measured)
+  handoff     what handing one batch from a worker to the training process costs (costs.py)
+
+and predicts the per-rank item rate of any config as the slowest of three rates (Plumber,
+MLSys 2022: the pipeline's rate is bounded by each stage's parallelism and by the host's CPU
+budget; tf.data's AUTOTUNE sizes parallelism the same way):
+
+  workers = 0   1 / (load_cpu + load_wait + consume)            the loop does both in turn
+  producers     w / (load_cpu + load_wait)                       w workers in parallel
+  consumer      1 / (consume + handoff / b)
+  cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and the training
+                                                                  process share the rank's cores
+
+combined as a soft minimum (two rates close to each other lose a little to queueing). A loader
+that waits (storage) gets workers beyond the cores, as many as its wait asks for; one that computes
+gets what the cores leave to it. Each prediction has a relative uncertainty: the runs' own noise,
+the fit's residuals, and how far the config lies from what was measured (in doublings of batch,
+of workers, and whether the loader's wait was ever seen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import numpy as np
+
+SOFTMIN_P = 4.0  # the soft minimum's power: two equal rates give 0.84 of either
+BASE_NOISE = 0.05  # the least relative uncertainty of any prediction
+PER_DOUBLING = 0.12  # added per doubling of batch away from the nearest measured batch
+UNSEEN_WAIT = 0.25  # workers predicted with no measurement of the loader's wait
+CORES_FULL = 0.8  # a run whose loader and training process kept this share of the cores busy was cpu-bound
+
+
+@dataclass
+class Run:
+    """One measured config, per rank."""
+
+    batch: int
+    workers: int
+    accum: int
+    rate: float  # items per second per rank
+    rel_se: float
+    consume: float  # training process seconds per item (outside the data wait)
+    consume_cpu: Optional[float]  # its CPU seconds per item
+    busy_cpu: Optional[float]  # CPU seconds per item in compute + optimizer (cpu-time utilization)
+    load_cpu: Optional[float]
+    load_wait: Optional[float]  # None: not seen (workers that kept up hide it)
+    data_wait: float  # seconds per item the training process waited for data
+
+    @classmethod
+    def of(cls, values: Dict[str, Any], figures: Dict[str, Any], world: int) -> Optional["Run"]:
+        """From a trial's values and its measured job figures (merge.merge / trial_metrics)."""
+        cost = figures.get("input_cost") or {}
+        thr, step = figures.get("throughput"), figures.get("step_time_s")
+        if not thr or not step:
+            return None
+        b, w = int(values["data.batch_size"]), int(values.get("data.num_workers") or 0)
+        a = int(values.get("trainer.accumulation_steps") or 1)
+        rate = thr / max(1, world)
+        data_frac = figures.get("data_wait_frac") or 0.0
+        per_item = 1.0 / rate
+        consume = per_item * (1 - data_frac)
+        data_wall = cost.get("data_wall_s", per_item * data_frac)
+        if w == 0:
+            # in process the data phase is the loader itself: one thread, so its CPU is at most its wall
+            load_cpu = min(cost.get("data_cpu_s", data_wall), data_wall) if "data_cpu_s" in cost else None
+            load_wait = max(0.0, data_wall - load_cpu) if load_cpu is not None else None
+        else:
+            load_cpu = cost.get("workers_cpu_s")
+            # workers that kept the step waiting ran flat out: w items per (cpu + wait) each; unless
+            # the cores were busy throughout, when what they waited for was a core (cpu-bound)
+            load_wait = None
+            cores_busy = rate * ((load_cpu or 0.0) + (cost.get("consume_cpu_s") or consume)) / (cost.get("cores") or 1)
+            if load_cpu is not None and data_frac >= 0.15 and cores_busy < CORES_FULL:
+                load_wait = max(0.0, w * per_item - load_cpu)
+        return cls(b, w, a, rate, float(figures.get("rel_se") or BASE_NOISE), consume, cost.get("consume_cpu_s"),
+                   cost.get("busy_cpu_s"), load_cpu, load_wait, per_item * data_frac)
+
+
+@dataclass
+class Prediction:
+    throughput: float  # job samples/s
+    rel_unc: float  # relative uncertainty (about one standard error)
+    utilization: Optional[float]  # cpu-time utilization, when the runs measured it
+    bound: str  # which rate binds: loader, loop, consumer, cpu
+
+    @property
+    def hi(self) -> float:
+        return self.throughput * (1 + 2 * self.rel_unc)
+
+    @property
+    def lo(self) -> float:
+        return self.throughput * max(0.0, 1 - 2 * self.rel_unc)
+
+
+@dataclass
+class JobModel:
+    runs: List[Run]
+    world: int = 1
+    cores: float = 1.0
+    threads: float = 1.0
+    handoff: Callable[[int], float] = lambda b: 1e-3  # seconds per batch of b items
+    coef: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    cpu_ratio: float = 1.0
+    busy_ratio: Optional[float] = None
+    residual: float = 0.0
+
+    @classmethod
+    def fit(cls, runs: Iterable[Run], world: int = 1, cores: float = 1.0, threads: float = 1.0,
+            handoff: Optional[Callable[[int], float]] = None) -> Optional["JobModel"]:
+        runs = [r for r in runs if r is not None]
+        if not runs:
+            return None
+        m = cls(runs, world, cores, threads, handoff or (lambda b: 1e-3))
+        m._fit_consume()
+        return m
+
+    # -- the fit --------------------------------------------------------------------------------
+    @staticmethod
+    def _features(b: float, a: float, used: List[int]) -> List[float]:
+        full = [1.0, 1.0 / b, 1.0 / (a * b)]
+        return [full[i] for i in used]
+
+    def _fit_consume(self) -> None:
+        """consume(b, a) = beta + alpha / b + gamma / (a b), with only the terms the runs can tell
+        apart (one batch: a per-item cost; two: plus a per-micro-batch cost; accumulation varied at
+        one batch: plus a per-step cost)."""
+        from scipy.optimize import nnls
+
+        batches = {r.batch for r in self.runs}
+        steps = {(r.batch, r.accum) for r in self.runs}
+        used = [0] + ([1] if len(batches) > 1 else []) + ([2] if len(steps) > len(batches) else [])
+        if len(used) == 1 and len(steps) > 1:  # one batch, several accumulations
+            used = [0, 2]
+        x = np.array([self._features(r.batch, r.accum, used) for r in self.runs])
+        y = np.array([r.consume for r in self.runs])
+        scale = y.mean()
+        sol, _ = nnls(x / scale, y / scale)
+        self.coef = np.zeros(3)
+        self.coef[used] = sol
+        pred = np.array([self.consume(r.batch, r.accum) for r in self.runs])
+        self.residual = float(np.sqrt(np.mean(((pred - y) / y) ** 2))) if len(self.runs) > len(used) else 0.0
+        ratios = [r.consume_cpu / r.consume for r in self.runs if r.consume_cpu is not None and r.consume > 0]
+        self.cpu_ratio = float(np.median(ratios)) if ratios else 1.0
+        busy = [r.busy_cpu / r.consume for r in self.runs if r.busy_cpu is not None and r.consume > 0]
+        self.busy_ratio = float(np.median(busy)) if busy else None
+
+    def consume(self, b: int, a: int) -> float:
+        return float(np.dot(self.coef, [1.0, 1.0 / b, 1.0 / (a * b)]))
+
+    def _loader(self, name: str) -> Optional[float]:
+        """A loader figure as workers see it: from runs with workers when there are (a worker runs
+        torch with one thread; in the training process the same transform may run on several
+        threads, or wait for them, and cost another amount), else from the in-process runs."""
+        seen = [getattr(r, name) for r in self.runs if r.workers > 0 and getattr(r, name) is not None]
+        seen = seen or [getattr(r, name) for r in self.runs if getattr(r, name) is not None]
+        return float(np.median(seen)) if seen else None
+
+    @property
+    def load_cpu(self) -> Optional[float]:
+        return self._loader("load_cpu")
+
+    @property
+    def load_wait(self) -> Optional[float]:
+        return self._loader("load_wait")
+
+    @property
+    def inproc_load(self) -> Optional[float]:
+        """Seconds per item the loop itself spent loading, in runs without workers."""
+        seen = [r.data_wait for r in self.runs if r.workers == 0]
+        return float(np.median(seen)) if seen else None
+
+    # -- predictions ----------------------------------------------------------------------------
+    def rates(self, b: int, w: int, a: int) -> Dict[str, float]:
+        """Per-rank item rates of each stage at this config (items/s)."""
+        consume = max(self.consume(b, a), 1e-9)
+        load_cpu = self.load_cpu or 0.0
+        load_wait = self.load_wait
+        if load_wait is None:  # workers always kept up: assume the loader's time is what was seen waiting
+            load_wait = max([r.data_wait for r in self.runs if r.workers == 0] + [0.0])
+            load_wait = max(0.0, load_wait - load_cpu)
+        load = max(load_cpu + load_wait, 1e-9)
+        if w == 0:
+            inproc = self.inproc_load
+            return {"loop": 1.0 / ((inproc if inproc is not None else load) + consume)}
+        hand = self.handoff(b) / b
+        return {"loader": w / load, "consumer": 1.0 / (consume + hand),
+                "cpu": self.cores / max(load_cpu + self.cpu_ratio * consume + hand, 1e-9)}
+
+    def predict(self, b: int, w: int, a: int) -> Prediction:
+        rates = self.rates(b, w, a)
+        rate = sum(r ** -SOFTMIN_P for r in rates.values()) ** (-1 / SOFTMIN_P)
+        bound = min(rates, key=rates.__getitem__)
+        unc = max(BASE_NOISE, float(np.median([r.rel_se for r in self.runs])), self.residual)
+        unc += PER_DOUBLING * min(abs(math.log2(b / r.batch)) for r in self.runs)
+        if w > 0 and self.load_wait is None and not any(r.workers == 0 for r in self.runs):
+            unc += UNSEEN_WAIT
+        if w not in {r.workers for r in self.runs}:
+            unc += 0.05 * min(abs(math.log2((w + 1) / (r.workers + 1))) for r in self.runs)
+        util = None
+        if self.busy_ratio is not None:
+            util = min(1.0, rate * self.busy_ratio * self.consume(b, a) / self.threads)
+        return Prediction(rate * self.world, unc, util, bound)
+
+    def best_workers(self, b: int, a: int, top: int) -> int:
+        """The fewest workers (0..top) within 2% of the best predicted rate at this batch."""
+        preds = {w: self.predict(b, w, a).throughput for w in range(top + 1)}
+        best = max(preds.values())
+        return min(w for w, p in preds.items() if p >= 0.98 * best)
+
+    def explain(self) -> str:
+        """One line of what the model rests on, for advice and reasons."""
+        parts = []
+        if self.load_cpu is not None:
+            parts.append(f"loader CPU {1e3 * self.load_cpu:.3f} ms/item")
+        if self.load_wait is not None:
+            parts.append(f"loader wait {1e3 * self.load_wait:.3f} ms/item")
+        parts.append(f"training process {1e3 * self.consume(self.runs[-1].batch, self.runs[-1].accum):.3f} ms/item")
+        parts.append(f"{self.cores:g} core(s) per rank")
+        return ", ".join(parts)
+
+
+def runs_of(trials: Iterable[Any], world: int) -> List[Run]:
+    """The measured runs of a study's completed trials (their values and stored figures)."""
+    out = []
+    for tr in trials:
+        a = tr.user_attrs
+        if tr.state.name != "COMPLETE" or "values" not in a or "throughput" not in a:
+            continue
+        run = Run.of(a["values"], a, world)
+        if run is not None:
+            out.append(run)
+    return out

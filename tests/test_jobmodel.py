@@ -1,0 +1,109 @@
+"""The job model (orchestrator/jobmodel.py) on synthetic measurements, the advice that reads from
+it, and the cpu-time utilization it rests on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator.diagnose import diagnose
+from orchestrator.jobmodel import JobModel, Run
+from orchestrator.runtime.meter import COMPUTE, DATA, OPTIMIZER, StepMeter
+
+HANDOFF = lambda b: 1e-3  # noqa: E731  seconds per batch
+
+
+def _run(b: int, w: int, rate: float, data_frac: float, cost: dict, a: int = 1) -> Run:
+    values = {"data.batch_size": b, "data.num_workers": w, "trainer.accumulation_steps": a}
+    run = Run.of(values, {"throughput": rate, "step_time_s": b * a / rate, "data_wait_frac": data_frac,
+                          "input_cost": cost, "rel_se": 0.03}, world=1)
+    assert run is not None
+    return run
+
+
+def test_a_loader_that_waits_gets_workers_beyond_the_cores():
+    """5 ms of storage wait and 0.1 ms of CPU per item, 0.1 ms of training per item, 2 cores: one
+    run without workers. Sleeping workers cost no CPU, so the model asks for as many as the cap
+    allows (the loader's rate grows with each), and predicts about 8x the rate with 8 of them."""
+    per_item = 5.1e-3 + 0.1e-3
+    run = _run(32, 0, 1 / per_item, 5.1 / 5.2, {"data_wall_s": 5.1e-3, "data_cpu_s": 0.1e-3,
+                                              "consume_cpu_s": 0.1e-3, "cores": 2, "threads": 2})
+    model = JobModel.fit([run], cores=2, threads=2, handoff=HANDOFF)
+    assert model.load_wait == pytest.approx(5.0e-3) and model.load_cpu == pytest.approx(0.1e-3)
+    assert model.best_workers(32, 1, top=8) == 8
+    now, then = model.predict(32, 0, 1), model.predict(32, 8, 1)
+    assert now.throughput == pytest.approx(1 / per_item, rel=0.01)
+    assert 6 < then.throughput / now.throughput < 9 and then.bound == "loader"
+
+
+def test_a_loader_that_computes_gets_what_the_cores_leave():
+    """4 workers on 2 cores, each item 2 ms of worker CPU and 1 ms of training CPU: the cores, not
+    the workers, bound the job (2 cores / 3 ms = 667 items/s), so fewer workers do as well."""
+    run = _run(32, 4, 600.0, 0.3, {"workers_cpu_s": 2e-3, "consume_cpu_s": 1.1e-3, "data_wall_s": 0.5e-3,
+                                   "cores": 2, "threads": 2})
+    model = JobModel.fit([run], cores=2, threads=2, handoff=HANDOFF)
+    assert model.predict(32, 4, 1).bound == "cpu"
+    assert model.best_workers(32, 1, top=8) < 4
+    assert model.predict(32, 8, 1).throughput < 1.05 * model.predict(32, 4, 1).throughput  # more do not pay
+
+
+def test_the_fit_separates_per_batch_from_per_item_cost():
+    """Training time per item = 0.1 ms + 2 ms per micro-batch: runs at batch 16 and 64 recover it,
+    and the prediction at batch 256 (never measured) is within 5% of the truth."""
+    truth = lambda b: 1e-4 + 2e-3 / b  # noqa: E731
+    runs = [_run(b, 0, 1 / truth(b), 0.0, {"data_wall_s": 0.0, "data_cpu_s": 0.0}) for b in (16, 64)]
+    model = JobModel.fit(runs, cores=2, threads=2, handoff=HANDOFF)
+    assert model.predict(256, 0, 1).throughput == pytest.approx(1 / truth(256), rel=0.05)
+    assert model.predict(256, 0, 1).rel_unc > model.predict(64, 0, 1).rel_unc  # farther from what was measured
+
+
+def test_advice_reads_the_job_model(make_cfg):
+    """The diagnosis sizes workers from the model: beyond the cores for a loader that waits, fewer
+    than now for one whose workers take the training process's cores."""
+    step = 32 * 5.2e-3
+    waits = {"data_wait_frac": 5.1 / 5.2, "h2d_frac": 0.0, "comm_frac": 0.0, "compute_frac": 0.1 / 5.2,
+             "optimizer_frac": 0.0, "peak_mem_mb": 100.0, "world_size": 1, "step_time_s": step, "throughput": 32 / step,
+             "item_bytes": 4000, "per_rank": [{"device": "cpu"}],
+             "input_cost": {"data_wall_s": 5.1e-3, "data_cpu_s": 0.1e-3, "consume_cpu_s": 0.1e-3, "cores": 2,
+                            "threads": 2}}
+    handoff = lambda n, b: {"seconds": 1e-3, "source": "test"}  # noqa: E731
+    d = diagnose(waits, make_cfg(), device_mem_mb=None, handoff=handoff)
+    assert d.verdict == "input-bound" and d.moves[0].set["data.num_workers"] == 8, d.moves
+    assert "mostly waits" in d.moves[0].why and "job model" in d.moves[0].why
+    computes = {**waits, "data_wait_frac": 0.35, "compute_frac": 0.65, "step_time_s": 32 / 600, "throughput": 600.0,
+                "input_cost": {"workers_cpu_s": 2e-3, "consume_cpu_s": 1.1e-3, "data_wall_s": 0.5e-3, "cores": 2,
+                               "threads": 2}}
+    d = diagnose(computes, make_cfg("data.num_workers=4"), device_mem_mb=None, handoff=handoff)
+    assert d.verdict == "input-bound" and d.moves[0].set["data.num_workers"] < 4, d.moves
+    assert "share the cores" in d.moves[0].why
+
+
+def _meter_window(busy: callable) -> object:
+    import torch
+
+    meter = StepMeter(torch.device("cpu"), window_steps=4, warmup_steps=1, nvml=False)
+    meter.start()
+    win = None
+    for _ in range(5):
+        meter.mark(DATA)
+        busy()
+        meter.mark(COMPUTE)
+        meter.mark(OPTIMIZER)
+        win = meter.end_step(1) or win
+    meter.close()
+    return win
+
+
+def test_cpu_utilization_counts_the_cpu_the_training_process_got():
+    """A compute phase that waits (its core taken by someone else, here a sleep) is busy by wall
+    time but got no CPU: its cpu-time utilization is near 0, a spinning one near 1 per thread."""
+    def spin():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.005:
+            pass
+
+    waited, worked = _meter_window(lambda: time.sleep(0.005)), _meter_window(spin)
+    assert waited.share("compute") > 0.9 and worked.share("compute") > 0.9  # both busy by wall time
+    threads = worked.phases_cpu_s and __import__("torch").get_num_threads()
+    assert waited.utilization < 0.1 and worked.utilization > 0.8 / threads
