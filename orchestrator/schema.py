@@ -318,6 +318,7 @@ class ParamType(str, Enum):
 
 
 class PrunerName(str, Enum):
+    interval = "interval"  # stop a trial once its throughput interval lies below the floor of the fastest's
     median = "median"
     none = "none"
 
@@ -378,7 +379,7 @@ class TuneConfig:
     global_batch: Optional[int] = None  # batch x accumulation x world held at this value
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5
-    pruner: PrunerName = PrunerName.median
+    pruner: PrunerName = PrunerName.interval
     sampler: SamplerName = SamplerName.guided
     seed: int = 0
     baseline: bool = True  # trial 0 runs the config as given, for comparison

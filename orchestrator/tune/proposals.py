@@ -1,9 +1,14 @@
 """Where the tuner's next trials come from besides its sampler: proposals it enqueues into the
 study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within the budget.
 
-- `diagnosis` (tune.sampler=guided): the move a completed trial's diagnosis points to, or for a
-  trial that ran out of memory half the batch with twice the accumulation; a proposed trial
-  proposes again while it beats the trial that proposed it (a chain that climbs);
+- `model` (tune.sampler=guided): after every measured trial the job model (orchestrator/jobmodel.py)
+  is fitted to all of them and the untried config with the highest predicted throughput (the top of
+  its interval, so what was never measured gets its chance) is tried next, while that top lies
+  above the best measured; a sampler's trial the model shows cannot reach the objective's floor
+  of the fastest is not launched (`predicted_below`);
+- `diagnosis`: for a trial that ran out of memory, half the batch with twice the accumulation
+  (and with tune.sampler=guided and no model figures, the move a trial's diagnosis points to; a
+  proposed trial proposes again while it beats the trial that proposed it);
 - `edges` (tune.extend_edges): the best on the top of a dimension its verdict points past widens
   that dimension one step and is tried there (edges.py);
 - `memory_ceiling`: no batch larger than one that ran out of memory is launched at all.
@@ -11,19 +16,145 @@ study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import itertools
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..schema import SamplerName, TuneConfig
+from ..jobmodel import JobModel, Prediction, runs_of
+from ..schema import Config, Objective, SamplerName, TuneConfig
 from .edges import apply_extensions, edges_of, next_step, workers_cap
 from .rules import best_trials, counted, improves, out_of_memory
-from .space import BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace
+from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace
+
+MODEL_KEYS = (BATCH_KEY, WORKERS_KEY, ACCUM_KEY)
 from .storage import study_lock
 
 
 class Proposals:
-    def __init__(self, space: SearchSpace, t: TuneConfig, storage: str, name: str, say: Callable[[str], None]) -> None:
+    def __init__(self, space: SearchSpace, t: TuneConfig, storage: str, name: str, say: Callable[[str], None],
+                 cfg: Optional[Config] = None) -> None:
         self.space, self.t, self.storage, self.name, self._say = space, t, storage, name, say
+        self.cfg = cfg or space.base
         self.capped: Dict[str, str] = {}  # dimension -> why extend_edges did not widen it
+
+    # -- the job model ----------------------------------------------------------------------------
+    def _others(self, values: Dict[str, Any]) -> tuple:
+        """The values of the knobs the job model does not model (a model's args, a backend, fp16
+        compression): it predicts only among trials that share them."""
+        return tuple((d.key, values.get(d.key)) for d in self.space.dims
+                     if d.key not in MODEL_KEYS and d.key not in NEEDS_WORKERS and d.key != "data.pin_memory")
+
+    def job_model(self, study: Any, values: Dict[str, Any]) -> Optional[JobModel]:
+        """The job model fitted to the study's measured trials that share `values`' other knobs
+        (None before the first)."""
+        from ..costs import handoff_s
+
+        mine = self._others(values)
+        trials = [tr for tr in study.get_trials(deepcopy=False)
+                  if self._others(tr.user_attrs.get("values") or {}) == mine]
+        runs = runs_of(trials, self.cfg.world_size)
+        if not runs:
+            return None
+        last = next(tr.user_attrs.get("input_cost") for tr in reversed(trials) if tr.user_attrs.get("input_cost"))  \
+            if any(tr.user_attrs.get("input_cost") for tr in trials) else {}
+        item = next((tr.user_attrs.get("item_bytes") for tr in trials if tr.user_attrs.get("item_bytes")), 0) or 0
+        hand = (lambda b: handoff_s(int(item) * b, b)["seconds"]) if item else None
+        return JobModel.fit(runs, self.cfg.world_size, cores=float(last.get("cores") or 1),
+                            threads=float(last.get("threads") or 1), handoff=hand)
+
+    def _candidates(self, study: Any, here: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Every config of the space over batch, workers and accumulation (the other knobs as
+        `here`), less those tried or queued, over a batch that ran out of memory, or training one
+        step per epoch of the dataset (a different training: rules.refused)."""
+        dims = {d.key: d for d in self.space.dims if d.key in MODEL_KEYS}
+        if not dims or any(d.choices is None and d.type.value == "float" for d in dims.values()):
+            return []
+        trials = study.get_trials(deepcopy=False)
+        seen = [tr.params or tr.system_attrs.get("fixed_params") or {} for tr in trials]
+        ceiling = self.memory_ceiling(study)
+        items = max([tr.user_attrs["steps_per_epoch"] * tr.user_attrs["values"].get(BATCH_KEY, 1)
+                     * (tr.user_attrs["values"].get(ACCUM_KEY) or 1) for tr in trials
+                     if tr.user_attrs.get("steps_per_epoch") and "values" in tr.user_attrs] + [0])
+        out = []
+        for combo in itertools.product(*(dims[k].values() for k in dims)):
+            point = {**here, **dict(zip(dims, combo))}
+            if ACCUM_KEY not in dims and self.space.global_batch:
+                point[ACCUM_KEY] = self.space.global_batch // (self.space.world * int(point[BATCH_KEY]))
+            b, a = int(point.get(BATCH_KEY) or self.cfg.data.batch_size), int(point.get(ACCUM_KEY) or 1)
+            if ceiling is not None and b > ceiling[0]:
+                continue
+            if items and not self.t.allow_large_global_batch and items // (b * a) <= 1:
+                continue
+            point = self._with_queue(point, here)
+            if not all(self.space.contains(k, v) for k, v in point.items() if k in self.space.keys):
+                continue
+            if self.space.params_of(point) in seen:
+                continue
+            out.append(point)
+        return out
+
+    def _with_queue(self, point: Dict[str, Any], here: Dict[str, Any]) -> Dict[str, Any]:
+        if point.get(WORKERS_KEY) == 0:
+            return {k: v for k, v in point.items() if k not in NEEDS_WORKERS}
+        if PREFETCH_KEY in self.space.keys and point.get(PREFETCH_KEY) is None:
+            return {**point, PREFETCH_KEY: here.get(PREFETCH_KEY) or 2}  # torch's default queue depth
+        return point
+
+    def predict(self, model: JobModel, point: Dict[str, Any]) -> Prediction:
+        return model.predict(int(point.get(BATCH_KEY) or self.cfg.data.batch_size),
+                             int(point.get(WORKERS_KEY) if point.get(WORKERS_KEY) is not None else self.cfg.data.num_workers),
+                             int(point.get(ACCUM_KEY) or self.cfg.trainer.accumulation_steps))
+
+    def cannot_win(self, study: Any, values: Dict[str, Any]) -> Optional[str]:
+        """Why a sampler's config is not worth a launch: the top of its predicted throughput lies
+        below the objective's floor of the fastest trial's measured interval (under the
+        utilization objective a trial below that floor ranks under every trial that keeps up)."""
+        if self.t.sampler is not SamplerName.guided or self.t.objective is Objective.both:
+            return None
+        model = self.job_model(study, values)
+        done = [tr for tr in study.get_trials(deepcopy=False) if tr.state.name == "COMPLETE" and "throughput" in tr.user_attrs]
+        if model is None or not done or not all(k in values for k in (BATCH_KEY,)):
+            return None
+        fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
+        lo = fastest.user_attrs.get("throughput_lo") or fastest.user_attrs["throughput"]
+        floor = self.t.throughput_floor if self.t.objective is Objective.utilization else 1.0
+        pred = self.predict(model, values)
+        if pred.hi >= floor * lo:
+            return None
+        return (f"predicted {pred.throughput:.0f}/s (at most {pred.hi:.0f}; {pred.bound}-bound: {model.explain()}), "
+                f"below {floor:g} x trial {fastest.number}'s measured {lo:.0f}/s")
+
+    def model(self, study: Any, trial: Any, values: Dict[str, Any]) -> bool:
+        """tune.sampler=guided: enqueue the untried config whose predicted throughput has the
+        highest top of its interval, when that top lies above the best measured throughput (the
+        config may beat it); True when one was queued."""
+        if self.t.sampler is not SamplerName.guided or self.t.objective is Objective.both:
+            return False
+        model = self.job_model(study, values)
+        if model is None:
+            return False
+        here = {d.key: values[d.key] for d in self.space.dims if values.get(d.key) is not None}
+        with study_lock(self.storage, self.name):
+            trials = study.get_trials(deepcopy=False)
+            if not self._budget_left(trials):
+                return False
+            candidates = self._candidates(study, here)
+            if not candidates:
+                return False
+            preds = [(self.predict(model, p), p) for p in candidates]
+            pred, point = max(preds, key=lambda x: (x[0].hi, x[0].throughput))
+            done = [tr.user_attrs["throughput"] for tr in trials if tr.state.name == "COMPLETE"
+                    and "throughput" in tr.user_attrs]
+            best = max(done) if done else 0.0
+            if pred.hi <= best:
+                return False
+            knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in point.items() if k in MODEL_KEYS)
+            reason = (f"the job model predicts {pred.throughput:.0f}/s (up to {pred.hi:.0f}; {pred.bound}-bound) at "
+                      f"{knobs}, vs the best measured {best:.0f}/s; it rests on {model.explain()}")
+            study.enqueue_trial(self.space.params_of(point), user_attrs={"proposed_by": "model", "reason": reason[:480],
+                                                                         "parent": trial.number,
+                                                                         "predicted": pred.throughput})
+        self._say(f"[tune] after trial {trial.number}: {reason}")
+        return True
 
     def _budget_left(self, trials: Any) -> bool:
         """A queued proposal must be run by someone: the counted and waiting trials stay within

@@ -59,7 +59,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
             row = conf.get(str(tr.number), {})
             w.writerow([tr.number, tr.state.name, a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
                         *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
-                        score, a.get("verdict", ""), a.get("reason", ""), a.get("error", "")])
+                        score, a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""), a.get("error", "")])
     artifacts.append(str(csv_path))
 
     summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
@@ -196,8 +196,17 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         print(f"[tune] not picked: trial(s) {', '.join(str(r['trial']) for r in summary['refused'])} train one optimizer "
               "step per epoch (the global batch covers the dataset); allow with tune.allow_large_global_batch=true")
     if summary["pruning"]:
-        print(f"[tune] pruning stopped {summary['pruning']['pruned']} trials early, saving about "
-              f"{summary['pruning']['saved_s']:.0f}s of trial time")
+        near = summary["pruning"].get("within_noise_of_best") or []
+        print(f"[tune] pruning ({summary['pruning'].get('pruner', 'median')}) stopped {summary['pruning']['pruned']} "
+              f"trials early, saving about {summary['pruning']['saved_s']:.0f}s of trial time"
+              + (f"; trial(s) {', '.join(map(str, near))} had a last window within the best's interval" if near else ""))
+    if summary.get("not_launched"):
+        print(f"[tune] not launched: trial(s) {', '.join(str(r['trial']) for r in summary['not_launched'])}, which the "
+              "job model predicts cannot reach the objective's floor (trials.csv: reason)")
+    share = summary.get("measured_share") or {}
+    if share.get("wall_s"):
+        print(f"[tune] measuring took {share['measured_s']:.1f}s of the study's {share['wall_s']:.1f}s "
+              f"({100 * share['share']:.0f}%)")
     for edge in summary["edges"]:
         print(f"[tune] edge: {advice(edge, t.extend_edges)}")
     if summary["global_batch"]:

@@ -17,9 +17,10 @@ def counted(trials: List[Any]) -> int:
 
 
 def not_launched(trial: Any) -> bool:
-    """A proposal answered without a launch: a config already measured (`duplicate_of`), or a
-    batch larger than one that ran out of memory (`over_memory_of`)."""
-    return "duplicate_of" in trial.user_attrs or "over_memory_of" in trial.user_attrs
+    """A proposal answered without a launch: a config already measured (`duplicate_of`), a
+    batch larger than one that ran out of memory (`over_memory_of`), or one the job model shows
+    cannot reach the objective's floor (`predicted_below`)."""
+    return any(k in trial.user_attrs for k in ("duplicate_of", "over_memory_of", "predicted_below"))
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:

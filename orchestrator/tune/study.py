@@ -20,13 +20,14 @@ from typing import Any, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, run_job
 from ..runtime.loop import steady_warmup_steps
+from ..runtime.meter import MIN_WINDOWS, estimate
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from .report import write_outputs
-from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, stale_streak,
-                    utilization_score)
+from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, refused,
+                    stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
@@ -35,7 +36,7 @@ from .storage import is_storage_error, orphaned, study_lock, study_storage
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
 CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
 CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
-METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu")
+METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac")
 
 
 class StudyFailed(RuntimeError):
@@ -73,7 +74,7 @@ class Tuner:
                                          f"{datetime.now():%Y%m%d-%H%M%S}"
         self.multi = self.t.objective is Objective.both
         self.tracker = Tracker(cfg.tracking)
-        self.proposals = Proposals(self.space, self.t, self.storage, self.name, self._say)
+        self.proposals = Proposals(self.space, self.t, self.storage, self.name, self._say, cfg)
         self.pool = RankPool(self.run_dir / "pools") if self.t.reuse_ranks else None
 
     # -- setup -----------------------------------------------------------------------------------
@@ -81,7 +82,7 @@ class Tuner:
         optuna = self.optuna
         if self.storage.startswith("sqlite:///"):
             Path(self.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
+        pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)  # interval: decided in _run_trial
                   if self.t.pruner is PrunerName.median and not self.multi else optuna.pruners.NopPruner())
         # the store lock covers the first use of a fresh store (Optuna creates its tables)
         try:
@@ -162,6 +163,7 @@ class Tuner:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
+        self.started, self.launched, self.confirmed_here = time.monotonic(), set(), False
         study = self._study()
         self.tracker.check()
         parent = self.tracker.start(
@@ -199,7 +201,8 @@ class Tuner:
                 duplicates_in_a_row = duplicates_in_a_row + 1 if not_launched(trial) else 0
                 if duplicates_in_a_row >= MAX_DUPLICATES:  # a small space is covered
                     self.stopped = {"by": "covered", "why": f"{MAX_DUPLICATES} proposals in a row were already "
-                                                            "measured: the space looks covered"}
+                                                            "measured or predicted below the objective's floor: the "
+                                                            "space looks covered"}
                     break
                 if self.t.extend_edges and not self.multi:
                     self.proposals.edges(study, trial)
@@ -249,6 +252,7 @@ class Tuner:
         t0 = time.monotonic()
         values = self.space.sample(trial)
         rec = TrialRecord(trial.number, "RUNNING", values)
+        self.launched.add(trial.number)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
         trial.set_user_attr("values", values)
         if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
@@ -268,6 +272,13 @@ class Tuner:
             study.tell(trial, state=TrialState.PRUNED)
             self._record(rec, t0)
             return
+        below = self.proposals.cannot_win(study, values) if rec.proposed_by == "sampler" else None
+        if below is not None:  # the job model shows it cannot be the pick: no launch
+            rec.state, rec.error = "PRUNED", f"not launched: {below}"
+            trial.set_user_attr("predicted_below", below[:480])
+            study.tell(trial, state=TrialState.PRUNED)
+            self._record(rec, t0)
+            return
         try:
             cfg = trial_config(self.cfg, values)
         except ConfigError as exc:  # an invalid combination: recorded, never launched
@@ -279,18 +290,30 @@ class Tuner:
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
         best_thr = self._best_throughput(study)
+        bar = self._interval_bar(study)
+        window_thr: List[float] = []
 
         def monitor(window: int, job: Dict[str, float]) -> bool:
             """Report each measured window's score (the objective's, not raw utilization) to the pruner."""
             if self.multi or self.t.objective is Objective.both:
                 return False
+            if self.t.pruner is PrunerName.interval:
+                window_thr.append(job["throughput"])
+                est = estimate(window_thr) if len(window_thr) >= MIN_WINDOWS and bar is not None else {}
+                if est.get("interval") and est["interval"][1] < bar[0]:
+                    pruned.update(flag=True, window=window, job=job, reason=(
+                        f"throughput {est['mean']:.1f}/s over {len(window_thr)} windows, at most "
+                        f"{est['interval'][1]:.1f}/s (95%): below {bar[1]}"))
+                return pruned["flag"]
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
             value = (job["throughput"] if self.t.objective in (Objective.throughput, Objective.mfu) else
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
             trial.report(value, window)
             if trial.should_prune():
-                pruned.update(flag=True, window=window, score=value, job=job,
-                              median=self._median_at(study, trial.number, window))
+                bar_ = self._median_at(study, trial.number, window)
+                pruned.update(flag=True, window=window, score=value, job=job, reason=(
+                    f"score {value:.3f} below the median " + (f"{bar_:.3f} " if bar_ is not None else "")
+                    + "of earlier trials at that window"))
             return pruned["flag"]
 
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
@@ -304,13 +327,14 @@ class Tuner:
             rec.mlflow_run_id = result.get("mlflow_run_id")
             self._log_estimate(rec.mlflow_run_id, rec.metrics)
             for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
-                         "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch")}.items():
+                         "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch"),
+                         "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes")}.items():
                 trial.set_user_attr(k, v)
             if result.get("diagnosis"):
                 trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
             study.tell(trial, self._score(study, rec))
             rec.state = "COMPLETE"
-            if result.get("diagnosis"):
+            if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
                 self.proposals.diagnosis(study, trial, values, result["diagnosis"])
         except JobStopped as exc:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
@@ -337,6 +361,20 @@ class Tuner:
         self._tag(rec.mlflow_run_id, trial_state_tags)
         self._record(rec, t0)
 
+    def _interval_bar(self, study: Any) -> Optional[tuple]:
+        """tune.pruner=interval: (throughput, why) below which a trial cannot be the pick: the
+        objective's floor (1 for throughput and mfu) of the lower end of the fastest measured trial's
+        95% interval. A trial whose own interval lies wholly below it ranks under that trial, whatever
+        its remaining windows read."""
+        done = [tr for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
+                if "throughput" in tr.user_attrs and not refused(tr, self.t)]
+        if not done:
+            return None
+        fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
+        lo = fastest.user_attrs.get("throughput_lo") or fastest.user_attrs["throughput"]
+        floor = self.t.throughput_floor if self.t.objective is Objective.utilization else 1.0
+        return floor * lo, f"{floor:g} x trial {fastest.number}'s {lo:.1f}/s, the low end of its interval"
+
     def _median_at(self, study: Any, number: int, window: int) -> Optional[float]:
         """The median pruner's bar at `window`: the median of the earlier trials' scores there."""
         scores = [tr.intermediate_values[window] for tr in study.get_trials(
@@ -348,12 +386,11 @@ class Tuner:
         the console line, the MLflow tag prune_reason)."""
         if not pruned.get("job"):
             return
-        job, bar = pruned["job"], pruned.get("median")
+        job = pruned["job"]
         trial.set_user_attr("last_window_throughput", float(job["throughput"]))
         trial.set_user_attr("last_window_utilization", float(job["utilization"]))
         rec.error = (f"last window {pruned['window']}: utilization {100 * job['utilization']:.1f}%, throughput "
-                     f"{job['throughput']:.1f}/s; score {pruned['score']:.3f} below the median "
-                     + (f"{bar:.3f} " if bar is not None else "") + "of earlier trials at that window")
+                     f"{job['throughput']:.1f}/s; {pruned['reason']}")
         trial.set_user_attr("prune_reason", rec.error)
 
     def _confirm(self, study: Any, parent: Optional[str]) -> None:
@@ -400,6 +437,7 @@ class Tuner:
                 self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
                           f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
         study.set_user_attr("confirmed", out)
+        self.confirmed_here = True
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
@@ -485,7 +523,15 @@ class Tuner:
         pruned = [tr for tr in trials if tr.state == TrialState.PRUNED and "prune_reason" in tr.user_attrs]
         if pruned and done:  # each pruned trial would have run about as long as a completed one
             spent = sum(tr.duration.total_seconds() for tr in pruned if tr.duration)
-            notes["pruning"] = {"pruned": len(pruned), "saved_s": max(0.0, len(pruned) * statistics.median(done) - spent)}
+            notes["pruning"] = {"pruner": self.t.pruner.value, "pruned": len(pruned),
+                                "saved_s": max(0.0, len(pruned) * statistics.median(done) - spent)}
+            if best and not self.multi:  # a pruned trial whose last window reached the best's interval
+                lo = figures(best[0], confirmed(study)).get("throughput_lo") or best[0].user_attrs["throughput"]
+                notes["pruning"]["within_noise_of_best"] = [
+                    tr.number for tr in pruned if tr.user_attrs.get("last_window_throughput", 0.0) >= lo]
+        notes["not_launched"] = [{"trial": tr.number, "why": tr.user_attrs["predicted_below"]} for tr in trials
+                                 if "predicted_below" in tr.user_attrs]
+        notes["measured_share"] = self._measured_share(study)
         if not best or self.multi:
             return notes
         b = best[0]
@@ -499,6 +545,16 @@ class Tuner:
                         f"rank(s)) where the base config trains {base} ({mine / base:.3g}x): different optimization "
                         f"math (learning rate, steps per epoch); hold it with tune.global_batch={base}"}
         return notes
+
+    def _measured_share(self, study: Any) -> Dict[str, float]:
+        """This process's study time spent measuring: the measured seconds of its trials and
+        confirmation runs over its wall time (the rest: starting ranks, warmups, model building,
+        the database, plots)."""
+        wall = time.monotonic() - self.started
+        mine = [tr for tr in study.get_trials(deepcopy=False) if tr.number in self.launched]
+        measured = sum(tr.user_attrs.get("measured_s") or 0.0 for tr in mine)
+        measured += sum(m.get("measured_s") or 0.0 for m in confirmed(study).values()) if self.confirmed_here else 0.0
+        return {"measured_s": measured, "wall_s": wall, "share": measured / wall if wall > 0 else 0.0}
 
     def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
 
