@@ -7,7 +7,6 @@ job (exit 130/143).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -54,7 +53,8 @@ def main(dcfg: DictConfig) -> None:
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
-    from .app import JobFailed, NothingToResume, print_summary, run_job
+    from .app import JobFailed, NothingToResume, RecordFailed, print_summary, run_job
+    from .rundir import RecordError, write_json
     from .tune.study import StudyFailed
 
     try:
@@ -73,10 +73,19 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print(f"error: {exc}", file=sys.stderr)
         out = run_dir / "result.json"
         if not out.exists():  # a refused resume runs in the run it names: leave its records alone
-            out.write_text(json.dumps({"status": "INVALID", "error": str(exc)}))
+            try:
+                write_json(out, {"status": "INVALID", "error": str(exc)})
+            except RecordError:
+                pass  # the config error is the one to read
         return EXIT_CONFIG
     except StudyFailed as exc:
         print(f"error: tune: study stopped: {exc} (run dir: {run_dir})", file=sys.stderr)
+        return EXIT_FAILED
+    except RecordFailed as exc:  # the job's record could not be written (a full disk): one line
+        print(f"error: {exc}; the run ended FAILED (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        return EXIT_FAILED
+    except RecordError as exc:  # before launch (config.yaml), or a study's outputs
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except JobFailed as exc:
         print(exc.result.get("error", str(exc)), file=sys.stderr)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, run_job
+from ..rundir import RecordError
 from ..runtime.loop import steady_warmup_steps
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_lock
@@ -225,6 +226,11 @@ class Tuner:
                 self.pool.close()
             try:
                 summary = self._finish(study, parent, status)
+            except RecordError as exc:  # a full disk: the study's MLflow run ends FAILED, the error is one line
+                self.tracker.end("FAILED")
+                if status == "FINISHED":
+                    raise
+                print(f"[tune] {exc}")
             except Exception as exc:
                 if status == "FINISHED" or not is_storage_error(exc):
                     raise
