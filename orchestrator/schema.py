@@ -8,6 +8,7 @@ an error at compose time. Choices are Enums so the error lists the allowed value
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .stores import redact
 
 
 class ConfigError(ValueError):
@@ -444,7 +447,7 @@ class TrackingConfig:
         scheme = self.uri.split(":", 1)[0].split("+", 1)[0] if ":" in self.uri else ""
         _require(
             scheme in _TRACKING_SCHEMES,
-            f"tracking.uri: unsupported '{self.uri}'; allowed schemes: {', '.join(_TRACKING_SCHEMES)} "
+            f"tracking.uri: unsupported '{redact(self.uri)}'; allowed schemes: {', '.join(_TRACKING_SCHEMES)} "
             "(MLflow's file store is gone: use sqlite:///outputs/mlflow.db)",
         )
         _require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
@@ -541,8 +544,18 @@ def to_config(cfg: DictConfig | dict) -> Config:
         raise ConfigError(str(exc).splitlines()[0]) from None
 
 
+def shown(cfg: Config) -> Config:
+    """`cfg` as it is written down (config.yaml, MLflow params): the passwords of the store URLs
+    (tune.storage, tracking.uri) masked. Nothing reads them back: ranks never connect to a store,
+    and a tuner or job takes its URLs from its own command line or environment (README, "Passwords")."""
+    out = copy.copy(cfg)
+    out.tune, out.tracking = copy.copy(cfg.tune), copy.copy(cfg.tracking)
+    out.tune.storage, out.tracking.uri = redact(cfg.tune.storage), redact(cfg.tracking.uri)
+    return out
+
+
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.structured(shown(cfg)))
 
 
 def load_config(path: str) -> Config:
@@ -551,7 +564,7 @@ def load_config(path: str) -> Config:
 
 
 def flatten(cfg: Config) -> Dict[str, Any]:
-    """Dotted keys -> scalar values, for MLflow params."""
+    """Dotted keys -> scalar values, for MLflow params (passwords masked: `shown`)."""
     out: Dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -563,7 +576,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
         else:
             out[prefix] = node
 
-    walk("", OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    walk("", OmegaConf.to_container(OmegaConf.structured(shown(cfg)), enum_to_str=True))
     return out
 
 

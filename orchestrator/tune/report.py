@@ -14,6 +14,7 @@ import yaml
 from ..commands import orchestrator_command
 from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
+from ..stores import redact
 from .edges import advice
 from .rules import completed, confirmed, counted, figures, ranked, refused, separation
 
@@ -64,7 +65,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     write_atomic(csv_path, rows.getvalue())
     artifacts.append(str(csv_path))
 
-    summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
+    summary: Dict[str, Any] = {"study_name": name, "storage": redact(storage), "objective": t.objective.value,
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
                                "pareto_front": [], **notes}
     for tr in trials:
