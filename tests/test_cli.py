@@ -83,3 +83,16 @@ def test_passwords_in_store_urls_are_masked_everywhere(tmp_path):
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: tracking.uri: no MLflow server answers at http://u:***@"), lines
     assert secret not in bad.stdout + bad.stderr and leaks(tmp_path, secret) == []
+
+
+def test_cli_unknown_group_option_is_one_line_exit_2(tmp_path):
+    """A typo in a group option never runs the default job: one line listing the options."""
+    for group, options in [("experiment", "comm_heavy, input_bound, linear_classifier, linear_regression, "
+                                          "mlp_accumulation, transformer_lm"),
+                           ("model", "convnet, custom, linear, linear_regression, many_small, mlp, transformer"),
+                           ("data", "custom, dummy, images, random_classification, regression, small_features, tokens"),
+                           ("backend", "ddp, dp, fsdp, horovod, single")]:
+        out = run_cli([f"{group}=nope", f"hydra.run.dir={tmp_path / group}"])
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and lines == [f"error: {group}: unknown choice 'nope'; allowed: {options}"], out.stderr
+        assert not (tmp_path / group).exists()  # nothing launched, no run dir
