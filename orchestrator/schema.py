@@ -9,8 +9,10 @@ an error at compose time. Choices are Enums so the error lists the allowed value
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -296,6 +298,21 @@ class TrainerConfig:
                  f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
 
 
+def _refuse_non_finite(node: Any, where: str) -> None:
+    """Every float of the schema (the search space's too) is a finite number: YAML and OmegaConf
+    take nan and inf, which no check of a range refuses (inf > 0)."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{where}.{f.name}" if where else f.name
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"{key}: must be a finite number, got {value}")
+        elif dataclasses.is_dataclass(value):
+            _refuse_non_finite(value, key)
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                if dataclasses.is_dataclass(item):
+                    _refuse_non_finite(item, f"{key}.{name}")
+
+
 def _measure_rule(where: str, window_s: float, rel_precision: float, min_s: float, max_s: float) -> None:
     """The measurement's stop rule, shared by trainer.* and tune.*."""
     _require(window_s >= 0, f"{where}.window_s: must be >= 0 seconds (0 = windows of window_steps), got {window_s}")
@@ -466,6 +483,7 @@ class Config:
     tags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _refuse_non_finite(self, "")
         _require(
             not self.single_process or self.parallelism.nnodes == 1,
             f"parallelism.nnodes: backend={self.backend.name.value} runs one process on one machine; "

@@ -247,3 +247,18 @@ def test_resume_skips_an_unreadable_record(make_cfg, tmp_path, capsys):
     assert found == run_dir.resolve() and meta["step"] == 5
     notes = [line for line in capsys.readouterr().out.splitlines() if "result.json" in line]
     assert len(notes) == 1 and "unreadable" in notes[0] and str(run_dir.resolve() / "result.json") in notes[0]
+
+
+def test_non_finite_weights_are_never_checkpointed(make_cfg, tmp_path):
+    """The weights diverge between logged steps (checkpoint_every < log_every): the run fails at
+    the first checkpoint that would hold NaN/inf, and the finite checkpoints before it are kept."""
+    from orchestrator.app import JobFailed, run_job
+
+    cfg = make_cfg("experiment=linear_regression", "trainer.lr=1e6", "trainer.log_every=100",
+                   "trainer.checkpoint_every=1", "trainer.max_steps=12")
+    with pytest.raises(JobFailed) as info:
+        run_job(cfg, tmp_path, echo=False)
+    assert "weights are not finite" in info.value.result["error"]
+    kept = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
+    assert kept and all(torch.isfinite(v).all() for p in kept for v in checkpoint.load(p)["model"].values())
+    assert checkpoint.find_latest(tmp_path) == kept[-1]
