@@ -7,7 +7,6 @@ job (exit 130/143).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import format_error
 from .schema import Config, ConfigError, Mode, register_configs, to_config
+from .stores import redact, redact_files
 
 register_configs()
 
@@ -43,6 +43,11 @@ def main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
+    # Hydra wrote the overrides and the composed config before this: a password in a store URL
+    # given on the command line is masked there too (README, "Passwords")
+    redact_files([*(run_dir / hc.output_subdir).glob("*.yaml")] if hc.output_subdir else [])
+    if multirun:
+        redact_files([Path(hc.sweep.dir) / "multirun.yaml"])
     tags = {"sweep_id": hc.sweep.dir, "sweep_job": str(hc.job.num)} if multirun else {}
     # the user's own overrides, for the tuner's "rerun the best" line
     overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith(("mode=", "tune.", "hydra."))]
@@ -54,7 +59,8 @@ def main(dcfg: DictConfig) -> None:
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
-    from .app import JobFailed, NothingToResume, print_summary, run_job
+    from .app import JobFailed, NothingToResume, RecordFailed, print_summary, run_job
+    from .rundir import RecordError, write_json
     from .tune.study import StudyFailed
 
     try:
@@ -70,16 +76,25 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print(f"[orchestrator] {exc}")
         return 0
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         out = run_dir / "result.json"
         if not out.exists():  # a refused resume runs in the run it names: leave its records alone
-            out.write_text(json.dumps({"status": "INVALID", "error": str(exc)}))
+            try:
+                write_json(out, {"status": "INVALID", "error": redact(str(exc))})
+            except RecordError:
+                pass  # the config error is the one to read
         return EXIT_CONFIG
     except StudyFailed as exc:
-        print(f"error: tune: study stopped: {exc} (run dir: {run_dir})", file=sys.stderr)
+        print(f"error: tune: study stopped: {redact(str(exc))} (run dir: {run_dir})", file=sys.stderr)
+        return EXIT_FAILED
+    except RecordFailed as exc:  # the job's record could not be written (a full disk): one line
+        print(f"error: {exc}; the run ended FAILED (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        return EXIT_FAILED
+    except RecordError as exc:  # before launch (config.yaml), or a study's outputs
+        print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except JobFailed as exc:
-        print(exc.result.get("error", str(exc)), file=sys.stderr)
+        print(redact(exc.result.get("error", str(exc))), file=sys.stderr)
         print(f"error: job failed: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
@@ -132,7 +147,7 @@ def cli() -> None:
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors
-        print(f"error: {format_error(exc, Config)}", file=sys.stderr)
+        print(f"error: {redact(format_error(exc, Config))}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
 
 

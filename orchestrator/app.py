@@ -7,7 +7,6 @@ only glue around it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import socket
 import sys
@@ -18,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import WINDOW_KEYS, Event, ranks_dir, write_job
+from .rundir import (WINDOW_KEYS, Event, RecordError, note_unreadable, ranks_dir, read_json, write_atomic, write_job,
+                     write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
 from .supervise import FreshRanks, Outcome, Ranks
@@ -35,6 +35,11 @@ class JobFailed(RuntimeError):
 
 class NothingToResume(Exception):
     """trainer.resume names a run that finished, and the new config trains no further."""
+
+
+class RecordFailed(JobFailed):
+    """A record of the job could not be written (a full disk): the MLflow run ends FAILED and the
+    message is one line naming the file and the cause."""
 
 
 class JobStopped(JobFailed):
@@ -131,8 +136,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
               f"parallelism.nproc_per_node={cfg.parallelism.nproc_per_node} does not apply")
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(to_yaml(cfg))
+    cfg_path = write_atomic(run_dir / "config.yaml", to_yaml(cfg))
 
     world = launch.world_size
     # node 0's rank 0 gathers every rank's result; another node's parent sees its own ranks only
@@ -146,7 +150,6 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         run_id = tracker.reopen(resumed["mlflow_run_id"], {"resumed_from_step": resumed["step"]})
     else:
         run_id = tracker.start(name, flatten(cfg), tags)
-    write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
     result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
                               "run_dir": str(run_dir)}
     status = "FAILED"
@@ -154,6 +157,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     t0 = time.monotonic()
     progress = _progress() if echo else None
     try:
+        write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
         live = LiveLog(tracker, world, progress, monitor)
         if progress is not None:
             progress.start()
@@ -182,16 +186,34 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
         if status == "FAILED":
             result["error"] = f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
+    except RecordError as exc:  # a full disk while writing the job's records
+        status = "FAILED"
+        result["error"] = str(exc)
+        raise RecordFailed(str(exc), result) from None
     except KeyboardInterrupt:
         status = "KILLED"
         result["error"] = "interrupted"
         raise
     finally:
-        result["status"] = status
         out = run_dir / "result.json"
-        out.write_text(json.dumps(result, indent=2, default=str))
-        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), status)
+        unwritten = _write_result(out, result, status)
+        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), result["status"])
+        if unwritten is not None and status == "FINISHED":  # else the job's own failure is on its way
+            raise RecordFailed(str(unwritten), result)
     return result
+
+
+def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[RecordError]:
+    """result.json, written atomically; when it cannot be (a full disk), the job ends FAILED (an
+    interrupted one stays KILLED) with the write error added to its own, which is returned."""
+    result["status"] = status
+    try:
+        write_json(out, result, indent=2)
+        return None
+    except RecordError as exc:
+        result["status"] = "KILLED" if status == "KILLED" else "FAILED"
+        result["error"] = "\n".join(filter(None, [result.get("error"), str(exc)]))
+        return exc
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path) -> tuple:
@@ -238,17 +260,15 @@ def resume_point(cfg: Config) -> tuple:
     if meta["world_size"] != cfg.world_size:
         raise ConfigError(f"trainer.resume: the checkpoint was written by {meta['world_size']} ranks and this job has "
                           f"{cfg.world_size}; resume with the same world size (parallelism.nproc_per_node / nnodes)")
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.exists():
+    saved = _saved_config(run_dir / "config.yaml")
+    if saved is None:
         return run_dir, meta
-    saved = load_config(str(saved_path))
     changed = checkpoint.changed_keys(flatten(saved), flatten(cfg))
     if changed:
         listed = ", ".join(f"{k} ({old} -> {new})" for k, old, new in changed)
         raise ConfigError(f"trainer.resume: a resume continues the same run, but these keys differ from its config.yaml: "
                           f"{listed}; pass the run's own values (README, 'Long runs', lists what may change)")
-    result_path = run_dir / "result.json"
-    previous = json.loads(result_path.read_text()) if result_path.exists() else {}
+    previous = read_json(run_dir / "result.json", {})  # one left empty by a full disk: skipped, with a note
     if previous.get("status") == "FINISHED" and not checkpoint.trains_further(
             saved.trainer, cfg.trainer, int(previous.get("steps") or 0), previous.get("steps_per_epoch")):
         raise NothingToResume(
@@ -256,6 +276,24 @@ def resume_point(cfg: Config) -> tuple:
             f"(trainer.max_steps={saved.trainer.max_steps}, trainer.epochs={saved.trainer.epochs}); raise "
             "trainer.max_steps or trainer.epochs to train further. Its records are unchanged.")
     return run_dir, meta
+
+
+def _saved_config(path: Path) -> Optional[Config]:
+    """The run's own config.yaml; None when it is missing, or empty or cut short (written before
+    records were atomic): then with a one-line note, and the resume goes on without comparing."""
+    import yaml
+
+    if not path.exists():
+        return None
+    try:
+        if path.read_text().strip():
+            return load_config(str(path))
+        raise ValueError("empty")
+    except (ValueError, yaml.YAMLError) as exc:
+        if isinstance(exc, ConfigError):  # it reads, and says something the schema refuses
+            raise
+        note_unreadable(path, exc)
+        return None
 
 
 def _archive_attempt(run_dir: Path) -> None:

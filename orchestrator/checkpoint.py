@@ -19,7 +19,6 @@ checkpoint to be complete.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -28,18 +27,12 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from .rundir import write_atomic, write_json
+
 __all__ = ["MAY_CHANGE", "changed_keys", "find_latest", "load", "load_sharded", "meta_of", "resolve_resume", "save"]
 
 DIR = "checkpoints"
 KEEP = 2  # checkpoints kept on disk (the newest and the one before it)
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def rng_state() -> Dict[str, Any]:
@@ -113,9 +106,9 @@ def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any],
         meta = {**meta, "sharded": True}
     if rank != 0:
         return None
-    _atomic_write(pt, lambda p: torch.save({**state, "meta": meta}, p))
-    _atomic_write(d / f"{name}.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
-    _atomic_write(d / "latest", lambda p: p.write_text(name))
+    write_atomic(pt, lambda p: torch.save({**state, "meta": meta}, p))
+    write_json(d / f"{name}.json", meta)
+    write_atomic(d / "latest", name)
     for old in sorted(d.glob("step_*.pt"))[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)

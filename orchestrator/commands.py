@@ -11,6 +11,8 @@ import shlex
 import sys
 from typing import Iterable
 
+from .stores import redact
+
 
 def python() -> str:
     """This interpreter, relative to the working directory when it lives below it (.venv/bin/python)."""
@@ -23,5 +25,6 @@ def python() -> str:
 
 
 def orchestrator_command(args: Iterable[str]) -> str:
-    """`<python> -m orchestrator ARGS`, shell-quoted."""
-    return " ".join([shlex.quote(python()), "-m", "orchestrator", *map(shlex.quote, args)])
+    """`<python> -m orchestrator ARGS`, shell-quoted, URL passwords masked (README, "Passwords": pass
+    them through the environment, and the line runs as printed)."""
+    return redact(" ".join([shlex.quote(python()), "-m", "orchestrator", *map(shlex.quote, args)]))

@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .rundir import write_json
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("ORCHESTRATOR_CACHE", Path.home() / ".cache" / "orchestrator"))
@@ -76,9 +78,7 @@ def _cached(key: str, measure: Callable[[], float]) -> Dict[str, Any]:
     cached[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)  # concurrent writers: the last one wins, each file is whole
+        write_json(path, cached)  # concurrent writers: the last one wins, each file is whole
     except OSError:
         pass  # a read-only home: measure again next time
     return {"value": value, "source": "measured on this host"}

@@ -4,13 +4,13 @@ operators, memory; as `load_report.json`, `load_report.md` and PNG plots in the 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Dict, List
 
 from .diagnose import diagnose, straggler_note
 from .runtime.autotune import LoaderSettings
 from .runtime.meter import PHASES
+from .rundir import write_atomic, write_json
 from .schema import Config
 
 # The breakdown is that of the measured time (the full windows' phases summed), which tile its wall
@@ -134,7 +134,7 @@ def write_loader_override(tuned: Dict[str, Any], run_dir: Path) -> Path:
     out.mkdir(exist_ok=True)
     path = out / "loader.yaml"
     final = tuned["final"]
-    path.write_text("# @package _global_\n"
+    write_atomic(path, "# @package _global_\n"
                     f"# The loader settings trainer.loader_autotune ended with ({LoaderSettings(**tuned['initial']).text} "
                     "at the start).\n"
                     f"# Use: {orchestrator_command(['--config-dir', str(run_dir), '+tuned=loader'])} and the run's overrides\n"
@@ -209,11 +209,8 @@ def write(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
           plots: bool = True) -> tuple:
     """Writes the report files (and, with `plots`, the PNGs); returns (report, [paths])."""
     report = build(result, cfg, rank_results)
-    js = run_dir / "load_report.json"
-    js.write_text(json.dumps(report, indent=2, default=str))
-    md = run_dir / "load_report.md"
-    md.write_text(to_markdown(report))
-    paths = [js, md]
+    paths = [write_json(run_dir / "load_report.json", report, indent=2),
+             write_atomic(run_dir / "load_report.md", to_markdown(report))]
     if not plots:
         return report, paths
     try:

@@ -16,7 +16,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .rundir import pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir, read_job, write_json
+from .rundir import (pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir, read_job,
+                     write_atomic, write_json)
 
 
 def _early_rank() -> int:
@@ -79,9 +80,7 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
     if state is not None:
         import torch
 
-        tmp_model = root / "model.pt.tmp"
-        torch.save(state, tmp_model)
-        tmp_model.replace(root / "model.pt")
+        write_atomic(root / "model.pt", lambda p: torch.save(state, p))
     result = {
         "param_digest": res.param_digest,
         "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
@@ -103,7 +102,7 @@ def _fail(root: Path, rank: int, exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         return 130
     ranks_dir(root).mkdir(parents=True, exist_ok=True)
-    rank_paths(root, rank)["error"].write_text(traceback.format_exc())
+    write_atomic(rank_paths(root, rank)["error"], traceback.format_exc())
     traceback.print_exc()
     return 1
 

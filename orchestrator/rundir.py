@@ -14,9 +14,10 @@ defined here and nowhere else.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TypedDict, Union
+from typing import Any, Callable, Dict, List, Optional, TypedDict, Union
 
 RANKS_DIR = "ranks"
 JOB_FILE = "job.json"
@@ -149,11 +150,65 @@ def rank_of(path: Path) -> int:
     return int(m.group(1))
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write to a temporary name and rename: a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)
+class RecordError(OSError):
+    """A record could not be written (a full disk, no permission): one line naming the file and
+    the cause. The file is as it was before the write (absent, or its previous content)."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        super().__init__(exc.errno, f"{path}: cannot write ({exc.strerror or exc})")
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def write_atomic(path: Path, data: Union[str, bytes, Callable[[Path], Any]]) -> Path:
+    """Every record the product writes goes through here: `data` (text, bytes, or a function that
+    writes the path it is given, e.g. torch.save) goes to a temporary name beside `path`, reaches
+    the disk (fsync), and is renamed over `path`. A reader sees the old file or the new one, whole,
+    never an empty or half-written one. On failure the temporary file is removed, `path` is left
+    as it was, and RecordError names it and the cause. The temporary name is this process's own,
+    so concurrent writers of one path each rename a whole file (the last one wins)."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        if callable(data):
+            data(tmp)
+        elif isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise RecordError(path, exc) from None
+    return path
+
+
+def write_json(path: Path, obj: Any, indent: int = 1) -> Path:
+    return write_atomic(path, json.dumps(obj, indent=indent, default=str))
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    """The JSON record at `path`; `default` when it is missing, or unreadable (empty, cut short:
+    written before records were atomic, or a damaged disk), then with a one-line note that says
+    so and that it is skipped."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as exc:
+        note_unreadable(path, exc)
+        return default
+
+
+def note_unreadable(path: Path, exc: Exception) -> None:
+    """The one-line note for a record that is skipped because it does not read."""
+    why = "empty" if path.exists() and not path.read_bytes().strip() else (str(exc).splitlines() or [repr(exc)])[0]
+    print(f"[orchestrator] note: {path} is unreadable ({why}); skipped")
 
 
 def write_job(run_dir: Path, mlflow_run_id: Optional[str]) -> None:

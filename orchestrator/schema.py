@@ -8,14 +8,19 @@ an error at compose time. Choices are Enums so the error lists the allowed value
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .stores import redact
 
 
 class ConfigError(ValueError):
@@ -293,6 +298,21 @@ class TrainerConfig:
                  f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
 
 
+def _refuse_non_finite(node: Any, where: str) -> None:
+    """Every float of the schema (the search space's too) is a finite number: YAML and OmegaConf
+    take nan and inf, which no check of a range refuses (inf > 0)."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{where}.{f.name}" if where else f.name
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"{key}: must be a finite number, got {value}")
+        elif dataclasses.is_dataclass(value):
+            _refuse_non_finite(value, key)
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                if dataclasses.is_dataclass(item):
+                    _refuse_non_finite(item, f"{key}.{name}")
+
+
 def _measure_rule(where: str, window_s: float, rel_precision: float, min_s: float, max_s: float) -> None:
     """The measurement's stop rule, shared by trainer.* and tune.*."""
     _require(window_s >= 0, f"{where}.window_s: must be >= 0 seconds (0 = windows of window_steps), got {window_s}")
@@ -445,7 +465,7 @@ class TrackingConfig:
         scheme = self.uri.split(":", 1)[0].split("+", 1)[0] if ":" in self.uri else ""
         _require(
             scheme in _TRACKING_SCHEMES,
-            f"tracking.uri: unsupported '{self.uri}'; allowed schemes: {', '.join(_TRACKING_SCHEMES)} "
+            f"tracking.uri: unsupported '{redact(self.uri)}'; allowed schemes: {', '.join(_TRACKING_SCHEMES)} "
             "(MLflow's file store is gone: use sqlite:///outputs/mlflow.db)",
         )
         _require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
@@ -464,6 +484,7 @@ class Config:
     tags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _refuse_non_finite(self, "")
         _require(
             not self.single_process or self.parallelism.nnodes == 1,
             f"parallelism.nnodes: backend={self.backend.name.value} runs one process on one machine; "
@@ -542,8 +563,18 @@ def to_config(cfg: DictConfig | dict) -> Config:
         raise ConfigError(str(exc).splitlines()[0]) from None
 
 
+def shown(cfg: Config) -> Config:
+    """`cfg` as it is written down (config.yaml, MLflow params): the passwords of the store URLs
+    (tune.storage, tracking.uri) masked. Nothing reads them back: ranks never connect to a store,
+    and a tuner or job takes its URLs from its own command line or environment (README, "Passwords")."""
+    out = copy.copy(cfg)
+    out.tune, out.tracking = copy.copy(cfg.tune), copy.copy(cfg.tracking)
+    out.tune.storage, out.tracking.uri = redact(cfg.tune.storage), redact(cfg.tracking.uri)
+    return out
+
+
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.structured(shown(cfg)))
 
 
 def load_config(path: str) -> Config:
@@ -552,7 +583,7 @@ def load_config(path: str) -> Config:
 
 
 def flatten(cfg: Config) -> Dict[str, Any]:
-    """Dotted keys -> scalar values, for MLflow params."""
+    """Dotted keys -> scalar values, for MLflow params (passwords masked: `shown`)."""
     out: Dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -564,7 +595,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
         else:
             out[prefix] = node
 
-    walk("", OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    walk("", OmegaConf.to_container(OmegaConf.structured(shown(cfg)), enum_to_str=True))
     return out
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
+import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 SQLITE = "sqlite:///"
 
@@ -27,16 +29,34 @@ def resolve_uri(uri: str) -> str:
     return uri
 
 
-def redact(uri: str) -> str:
-    """The URL with its password masked, for messages, logs and MLflow params."""
-    if "@" not in uri or "://" not in uri:
-        return uri
-    try:
-        from sqlalchemy.engine import make_url
+# `scheme://user:password@` in any text, the colons possibly escaped as Hydra logs overrides; an
+# OmegaConf `${oc.env:VAR}` in the password's place is no secret and is kept (it says where it comes from)
+_PASSWORD = re.compile(r"(\\?://[^/@:\s'\"\\]*\\?:)(?!\$\{)([^/@\s'\"]+)(@)")
 
-        return make_url(uri).render_as_string(hide_password=True)
-    except Exception:
-        return uri
+
+def redact(text: str) -> str:
+    """`text` (a URL, a message, a command line, a file's content) with the password of every URL
+    in it masked as `***`: for messages, logs, MLflow params and every file written."""
+    return _PASSWORD.sub(r"\1***\3", text)
+
+
+def redact_files(paths: Iterable[Path]) -> None:
+    """Mask URL passwords in files someone else wrote (Hydra's .hydra/*.yaml, multirun.yaml)."""
+    from .rundir import write_atomic
+
+    for path in paths:
+        if path.is_file():
+            text = path.read_text()
+            if redact(text) != text:
+                write_atomic(path, redact(text))
+
+
+class RedactPasswords(logging.Filter):
+    """A logging filter masking URL passwords (Hydra logs a sweep's overrides; conf/config.yaml)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), None
+        return True
 
 
 def sqlite_path(uri: str) -> Optional[Path]:

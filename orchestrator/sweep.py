@@ -3,13 +3,14 @@ end, one table of all jobs. A failing job does not stop the others; the sweep ex
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from .rundir import RecordError, read_json, write_json
 
 COLUMNS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck")
 
@@ -20,8 +21,7 @@ def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         if not overrides_file.exists():
             continue
-        result_file = job_dir / "result.json"
-        result = json.loads(result_file.read_text()) if result_file.exists() else {"status": "NOT RUN"}
+        result = read_json(job_dir / "result.json", {"status": "NOT RUN"})
         rows.append({"job": job_dir.name, "overrides": " ".join(OmegaConf.load(overrides_file)),
                      **{k: result.get(k) for k in ("status", "mlflow_run_id", *COLUMNS)},
                      "error": (result.get("error") or "").strip().splitlines()[:1]})
@@ -35,7 +35,10 @@ class SweepSummary(Callback):
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = collect(sweep_dir)
-        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2))
+        try:
+            write_json(sweep_dir / "sweep_summary.json", rows, indent=2)
+        except RecordError as exc:  # the table below is still printed
+            print(f"error: {exc}", file=sys.stderr)
         table = Table(title=f"sweep {sweep_dir}")
         for col in ("job", "overrides", "status", "utilization", "throughput", "data wait", "comm", "bottleneck"):
             table.add_column(col)

@@ -34,6 +34,7 @@ class Tracker:
     def __init__(self, cfg: TrackingConfig, enabled: bool = True) -> None:
         self.cfg = cfg
         self.uri = resolve_uri(cfg.uri)
+        self.shown = redact(self.uri)  # what messages show: the password masked
         self.enabled = cfg.enabled and enabled
         self.client: Any = None
         self.run_id: Optional[str] = None
@@ -53,10 +54,12 @@ class Tracker:
                 raise ConfigError(f"tracking.uri: {db.parent} is not writable")
         elif self.uri.startswith(("http://", "https://")):
             try:
-                urllib.request.urlopen(self.uri.rstrip("/") + "/health", timeout=5).read()
+                parts = urllib.parse.urlsplit(self.uri)  # /health needs no credentials, and urllib takes none in the URL
+                health = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl().rstrip("/") + "/health"
+                urllib.request.urlopen(health, timeout=5).read()
             except (urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
-                raise ConfigError(f"tracking.uri: no MLflow server answers at {self.uri} ({reason})") from None
+                raise ConfigError(f"tracking.uri: no MLflow server answers at {self.shown} ({reason})") from None
         from mlflow.tracking import MlflowClient
 
         try:
@@ -66,7 +69,7 @@ class Tracker:
                 exp = self._get_or_create_experiment()
             if exp.lifecycle_stage == "deleted":
                 raise ConfigError(
-                    f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.uri}; restore it or pick another name"
+                    f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.shown}; restore it or pick another name"
                 )
             self.experiment_id = exp.experiment_id
             if "mlflow.experimentKind" not in exp.tags:  # older experiments: show them as training runs
@@ -75,7 +78,7 @@ class Tracker:
             raise
         except Exception as exc:  # driver missing, auth, schema...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"tracking.uri: cannot use {redact(self.uri)}: {first[:300]}") from None
+            raise ConfigError(f"tracking.uri: cannot use {self.shown}: {redact(first[:300])}") from None
         self._check_artifact_home()
 
     def _check_artifact_home(self) -> None:
@@ -89,7 +92,7 @@ class Tracker:
         if served and scheme in ("", "file"):
             raise ConfigError(
                 f"tracking.experiment: '{name}' keeps its artifacts at {location}, a path on the server's machine that "
-                f"runs logged through {self.uri} cannot write; pick a new tracking.experiment (created through the "
+                f"runs logged through {self.shown} cannot write; pick a new tracking.experiment (created through the "
                 f"server, its artifacts go through it) or log on that machine with tracking.uri=sqlite:///<its DB>")
         if not served and scheme == "mlflow-artifacts":
             raise ConfigError(
@@ -153,7 +156,7 @@ class Tracker:
         try:
             self.client.get_run(run_id)
         except Exception:
-            raise ConfigError(f"trainer.resume: the checkpoint's MLflow run {run_id} is not in {self.uri}") from None
+            raise ConfigError(f"trainer.resume: the checkpoint's MLflow run {run_id} is not in {self.shown}") from None
         self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])

@@ -126,3 +126,15 @@ def test_flatten_gives_scalar_params():
     assert flat["backend.name"] == "single"
     assert flat["model.args.in_features"] == 1000
     assert all(not isinstance(v, dict) for v in flat.values())
+
+
+def test_non_finite_floats_are_refused():
+    for override, field in [("trainer.lr=inf", "trainer.lr"), ("trainer.timeout_s=inf", "trainer.timeout_s"),
+                            ("data.read_latency_ms=inf", "data.read_latency_ms"),
+                            ("tune.space.batch_size.high=inf", "tune.space.batch_size.high")]:
+        with pytest.raises(ConfigError) as info:
+            to_config(compose_dict([override]))
+        assert str(info.value).startswith(f"{field}: must be a finite number, got inf"), (override, str(info.value))
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"^trainer.lr: must be > 0, got nan$"):  # nan fails every range check
+        to_config(compose_dict(["trainer.lr=nan"]))

@@ -124,3 +124,31 @@ def test_own_model_and_data_without_inherited_args(make_cfg, tmp_path):
     assert cfg.model.args == {"width": 8} and cfg.data.args == {"items": 64}
     result = run_job(cfg, tmp_path, echo=False)
     assert result["status"] == "FINISHED" and result["steps"] == 6
+
+
+def test_full_disk_fails_the_run_in_one_line_and_keeps_no_empty_record(make_cfg, tmp_path, monkeypatch):
+    """The run dir's disk fills up while the parent writes result.json: the write leaves no empty
+    or half-written file, the MLflow run ends FAILED (not RUNNING), and the error is one line
+    naming the file and the cause."""
+    import errno
+    import os
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):
+        if self.name.startswith("result.json"):
+            self.open("w").close()  # what a full disk leaves of a file written in place
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    cfg = make_cfg("trainer.max_steps=4", "tracking.experiment=full-disk")
+    with pytest.raises(JobFailed) as info:
+        run_job(cfg, tmp_path, echo=False)
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path / "result.json") in message, message
+    assert "No space left on device" in message
+    assert not (tmp_path / "result.json").exists() and not list(tmp_path.glob("*.tmp"))
+    result = info.value.result
+    assert result["status"] == "FAILED" and mlflow_run(cfg, result["mlflow_run_id"]).info.status == "FAILED"

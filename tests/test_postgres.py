@@ -15,7 +15,7 @@ from orchestrator.schema import ConfigError
 from orchestrator.tune.rules import counted
 from orchestrator.tune.study import run_study
 
-from .conftest import ROOT, job_processes, mlflow_ui
+from .conftest import ROOT, job_processes, mlflow_ui, run_cli
 from .pg import PASSWORD, PostgresServer, pg_bin
 
 pytestmark = pytest.mark.skipif(pg_bin() is None, reason="PostgreSQL is not installed (make setup installs it)")
@@ -102,3 +102,35 @@ def test_database_restart_mid_study_loses_nothing(pg, tmp_path, mlflow_uri):
     assert counted(trials) == 6 and all(t.state.is_finished() for t in trials)
     assert before <= {t.number for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
     assert not any(job_processes(tmp_path / f"r{i}") for i in range(2))
+
+
+def test_store_passwords_stay_out_of_records_and_command_lines(pg, tmp_path):
+    """The password of tune.storage is in no file of the study's run dir (trials' config.yaml,
+    .hydra/, summary.json), not in the MLflow store and its artifacts, not in the output; a tuner
+    can take it from the environment instead (PGPASSWORD, or ${oc.env:VAR} in the URL); the MLflow
+    server of scripts/ui.sh has no password on its command line."""
+    import psutil
+
+    from .test_cli import leaks
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    common = [*TUNE, "tune.study_name=secret", f"tracking.uri={store}", "tracking.experiment=secret"]
+    nopw = pg.url("optuna").replace(f":{PASSWORD}@", "@")
+    for n, storage, env in [
+        (2, pg.url("optuna"), {}),  # in the URL, as given
+        (3, nopw, {"PGPASSWORD": PASSWORD}),  # libpq's own variable
+        (4, pg.url("optuna", password="${oc.env:OPTUNA_DB_PASSWORD}"), {"OPTUNA_DB_PASSWORD": PASSWORD}),
+    ]:
+        out = run_cli([*common, f"tune.n_trials={n}", f"tune.storage={storage}", f"hydra.run.dir={tmp_path / str(n)}"],
+                      timeout=300, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert PASSWORD not in out.stdout + out.stderr
+        assert (tmp_path / str(n) / "trials").exists()
+    assert leaks(tmp_path, PASSWORD) == []
+    study = optuna.load_study(study_name="secret", storage=pg.url("optuna"))
+    assert counted(study.trials) == 4
+
+    with mlflow_ui(pg.url("mlflow"), tmp_path / "artifacts", tmp_path / "ui.log"):
+        shown = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+        assert [c for c in shown if PASSWORD in c] == []
+    assert PASSWORD not in (tmp_path / "ui.log").read_text()

@@ -231,3 +231,34 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     assert counted(trials) == 4 and all(t.state.is_finished() for t in trials)
     assert completed_before <= {t.number for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
     assert os.path.exists(tmp_path / "second" / "trials.csv")
+
+
+def test_resume_skips_an_unreadable_record(make_cfg, tmp_path, capsys):
+    """A result.json left empty (a full disk, before records were written atomically) does not
+    block the resume: it is skipped with a one-line note."""
+    from orchestrator.app import resume_point
+    from orchestrator.schema import to_yaml
+
+    run_dir = tmp_path / "run"
+    checkpoint.save(run_dir, 5, {}, {"step": 5, "world_size": 1})
+    (run_dir / "config.yaml").write_text(to_yaml(make_cfg()))
+    (run_dir / "result.json").write_text("")
+    found, meta = resume_point(make_cfg(f"trainer.resume={run_dir}"))
+    assert found == run_dir.resolve() and meta["step"] == 5
+    notes = [line for line in capsys.readouterr().out.splitlines() if "result.json" in line]
+    assert len(notes) == 1 and "unreadable" in notes[0] and str(run_dir.resolve() / "result.json") in notes[0]
+
+
+def test_non_finite_weights_are_never_checkpointed(make_cfg, tmp_path):
+    """The weights diverge between logged steps (checkpoint_every < log_every): the run fails at
+    the first checkpoint that would hold NaN/inf, and the finite checkpoints before it are kept."""
+    from orchestrator.app import JobFailed, run_job
+
+    cfg = make_cfg("experiment=linear_regression", "trainer.lr=1e6", "trainer.log_every=100",
+                   "trainer.checkpoint_every=1", "trainer.max_steps=12")
+    with pytest.raises(JobFailed) as info:
+        run_job(cfg, tmp_path, echo=False)
+    assert "weights are not finite" in info.value.result["error"]
+    kept = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
+    assert kept and all(torch.isfinite(v).all() for p in kept for v in checkpoint.load(p)["model"].values())
+    assert checkpoint.find_latest(tmp_path) == kept[-1]

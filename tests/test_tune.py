@@ -622,3 +622,39 @@ def test_a_pruned_trial_shows_its_last_window_and_the_pruners_reason(make_cfg, t
         assert tags["prune_reason"] == a["prune_reason"]
     assert summary["pruning"]["pruned"] == len(pruned) and summary["pruning"]["saved_s"] >= 0
     assert "[tune] pruning (median) stopped" in out
+
+
+def test_unnamed_studies_started_together_are_two_studies(make_cfg, tmp_path, monkeypatch):
+    """Two studies without tune.study_name started in the same second get names of their own."""
+    from datetime import datetime
+
+    from orchestrator.tune import study
+    from orchestrator.tune.study import Tuner
+
+    class SameSecond(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 1, 2, 3, 4, 5, 0)
+
+    monkeypatch.setattr(study, "datetime", SameSecond)
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    first = Tuner(make_cfg(*SHORT, f"tune.storage={storage}", "trainer.lr=0.1"), tmp_path / "a", echo=False)
+    second = Tuner(make_cfg(*SHORT, f"tune.storage={storage}", "trainer.lr=0.5", "tune.space.batch_size.high=32"),
+                   tmp_path / "b", echo=False)
+    assert first.name != second.name
+    first._study(), second._study()
+    assert len(optuna.get_all_study_names(storage)) == 2
+
+
+def test_resuming_a_study_with_another_space_is_refused(make_cfg, tmp_path):
+    from orchestrator.tune.study import Tuner
+
+    common = [*SHORT, "tune.study_name=one-space", f"tune.storage=sqlite:///{tmp_path}/optuna.db"]
+    Tuner(make_cfg(*common), tmp_path / "a", echo=False)._study()
+    Tuner(make_cfg(*common, "tune.n_trials=30"), tmp_path / "b", echo=False)._study()  # the same space: resumes
+    with pytest.raises(ConfigError) as info:
+        Tuner(make_cfg(*common, "tune.space.batch_size.high=32", "~tune.space.prefetch_factor"), tmp_path / "c",
+              echo=False)._study()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("tune.space: study 'one-space' was made with another space"), message
+    assert "batch_size" in message and "prefetch_factor" in message and "tune.study_name" in message

@@ -237,6 +237,16 @@ class EventLog:
             self._f.close()
 
 
+def weights_finite(model: nn.Module, adapter: Adapter) -> bool:
+    """Every parameter is finite. Sharded weights (fsdp): every rank's part, agreed by all ranks
+    (a collective; each of them writes its part of a checkpoint)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    bad = float(not bool(torch.stack([torch.isfinite(p.detach()).all() for p in local]).all())) if local else 0.0
+    if adapter.sharded_state:
+        bad = adapter.all_reduce_sum([bad])[0]
+    return bad == 0
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DataParallel / DDP."""
     wrapped = isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
@@ -530,6 +540,11 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     mark = meter.mark
 
     def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_generator: Optional[torch.Tensor]) -> None:
+        # the loss is checked on logged steps only: weights that diverged in between are never
+        # written, so a resume always finds the last finite checkpoint (rotation keeps the newest)
+        if not weights_finite(model, adapter):
+            raise FloatingPointError(f"the weights are not finite (NaN or inf) at step {step}: not checkpointed, the "
+                                     "last finite checkpoint is kept; lower trainer.lr or turn off trainer.amp")
         state = {"scaler": scaler.state_dict() if scaler is not None else None,
                  "rng": checkpoint.rng_state(), "loader_generator": epoch_generator}
         if not adapter.sharded_state:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..launch import build_launch
-from ..rundir import pool_job_path, pool_owner_path, pool_stop_path, process_tag, ranks_dir, write_json
+from ..rundir import (pool_job_path, pool_owner_path, pool_stop_path, process_tag, ranks_dir, write_atomic,
+                      write_json)
 from ..schema import Config
 from ..supervise import Launched, Outcome, watch
 
@@ -40,7 +41,7 @@ class RankPool:
         self.starts += 1
         self.dir = self.base / f"pool{self.starts:03d}"
         (self.dir / "jobs").mkdir(parents=True, exist_ok=True)
-        pool_owner_path(self.dir).write_text(process_tag())  # the ranks end if this process dies
+        write_atomic(pool_owner_path(self.dir), process_tag())  # the ranks end if this process dies
         launch = build_launch(cfg, self.dir, pool_dir=self.dir)
         self.launched = Launched(launch, echo=False, log=self.dir / "output.log")
         self.key, self.seq = pool_key(cfg), 0

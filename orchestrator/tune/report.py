@@ -4,7 +4,7 @@ summary.json, and a ranked table on the console."""
 from __future__ import annotations
 
 import csv
-import json
+import io
 import shlex
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -12,7 +12,9 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from ..commands import orchestrator_command
+from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
+from ..stores import redact
 from .edges import advice
 from .rules import completed, confirmed, counted, figures, ranked, refused, separation
 
@@ -47,22 +49,23 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     # trials.csv: every trial, its knobs, both figures and its state
     keys = sorted({k for tr in trials for k in tr.user_attrs.get("values", {})})
     csv_path = out_dir / "trials.csv"
-    with open(csv_path, "w", newline="") as f:
-        w = csv.writer(f)
-        conf = confirmed(study)
-        w.writerow(["number", "state", "proposed_by", *keys, *COLUMNS, *[f"confirmed_{c}" for c in CONFIRMED_COLUMNS],
-                    "score", "verdict", "reason", "error"])
-        for tr in trials:
-            a = tr.user_attrs
-            vals = a.get("values", {})
-            score = tr.values[0] if tr.values else ""
-            row = conf.get(str(tr.number), {})
-            w.writerow([tr.number, tr.state.name, a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
-                        *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
-                        score, a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""), a.get("error", "")])
+    rows = io.StringIO(newline="")
+    w = csv.writer(rows)
+    conf = confirmed(study)
+    w.writerow(["number", "state", "proposed_by", *keys, *COLUMNS, *[f"confirmed_{c}" for c in CONFIRMED_COLUMNS],
+                "score", "verdict", "reason", "error"])
+    for tr in trials:
+        a = tr.user_attrs
+        vals = a.get("values", {})
+        score = tr.values[0] if tr.values else ""
+        row = conf.get(str(tr.number), {})
+        w.writerow([tr.number, tr.state.name, a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
+                    *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
+                    score, a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""), a.get("error", "")])
+    write_atomic(csv_path, rows.getvalue())
     artifacts.append(str(csv_path))
 
-    summary: Dict[str, Any] = {"study_name": name, "storage": storage, "objective": t.objective.value,
+    summary: Dict[str, Any] = {"study_name": name, "storage": redact(storage), "objective": t.objective.value,
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
                                "pareto_front": [], **notes}
     for tr in trials:
@@ -93,7 +96,8 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         tuned.mkdir(exist_ok=True)
         best_yaml = tuned / "best.yaml"
         rerun = orchestrator_command(["--config-dir", str(tuned.parent), *overrides, "+tuned=best"])
-        best_yaml.write_text(
+        write_atomic(
+            best_yaml,
             "# @package _global_\n"
             f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
             f"# Rerun: {rerun}\n"
@@ -106,7 +110,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         summary["rerun_overrides"] = overrides
     summary["trial_overhead"] = _overhead(trials)
     artifacts += _plots(study, out_dir, t)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_json(out_dir / "summary.json", summary, indent=2)
     artifacts.append(str(out_dir / "summary.json"))
     summary["artifacts"] = artifacts
     if echo:

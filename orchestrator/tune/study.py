@@ -10,15 +10,18 @@ from winning when it costs samples per second.
 
 from __future__ import annotations
 
+import secrets
 import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, run_job
+from ..rundir import RecordError
 from ..runtime.loop import steady_warmup_steps
 from ..runtime.meter import MIN_WINDOWS, estimate
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
@@ -70,8 +73,9 @@ class Tuner:
                               f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
         self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
         self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
+        # a new study's name is its own: studies started in the same second (or microsecond) never merge
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
-                                         f"{datetime.now():%Y%m%d-%H%M%S}"
+                                         f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         self.multi = self.t.objective is Objective.both
         self.tracker = Tracker(cfg.tracking)
         self.proposals = Proposals(self.space, self.t, self.storage, self.name, self._say, cfg)
@@ -88,6 +92,7 @@ class Tuner:
         try:
             with store_lock(self.storage), study_lock(self.storage, self.name):
                 study = self._create_or_load(pruner)
+                self._check_space(study)
                 worker = int(study.user_attrs.get("workers", 0))
                 study.set_user_attr("workers", worker + 1)
                 self._reclaim_orphans(study)
@@ -100,6 +105,21 @@ class Tuner:
             raise ConfigError(f"tune.storage: cannot use {redact(self.storage)}: {_first_line(exc)}") from None
         study.sampler = self._sampler(worker)
         return study
+
+    def _check_space(self, study: Any) -> None:
+        """A study keeps the tune.space it was made with (user attribute `space`, as given: caps
+        that follow each machine's cores are not part of it): resuming it with another space is
+        refused, in one line naming the dimensions that differ."""
+        given = {name: " ".join(f"{k}={v.value if isinstance(v, Enum) else v}" for k, v in vars(spec).items())
+                 for name, spec in sorted(self.t.space.items())}
+        made = study.user_attrs.get("space")
+        if made is None:  # a new study (or one made before the space was recorded)
+            study.set_user_attr("space", given)
+        elif made != given:
+            differ = "; ".join(f"{n}: {made.get(n, 'absent')} -> {given.get(n, 'absent')}"
+                               for n in sorted(set(made) | set(given)) if made.get(n) != given.get(n))
+            raise ConfigError(f"tune.space: study '{self.name}' was made with another space ({differ}); resume it "
+                              "with its own tune.space, or start another study (a new tune.study_name)")
 
     def _enqueue_baseline(self, study: Any) -> None:
         """Trial 0: the config as given (its values outside the space are left to the sampler).
@@ -228,6 +248,11 @@ class Tuner:
                 self.pool.close()
             try:
                 summary = self._finish(study, parent, status)
+            except RecordError as exc:  # a full disk: the study's MLflow run ends FAILED, the error is one line
+                self.tracker.end("FAILED")
+                if status == "FINISHED":
+                    raise
+                print(f"[tune] {exc}")
             except Exception as exc:
                 if status == "FINISHED" or not is_storage_error(exc):
                     raise
