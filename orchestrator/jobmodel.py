@@ -56,7 +56,7 @@ class Run:
     rel_se: float
     consume: float  # training process seconds per item (outside the data wait)
     consume_cpu: Optional[float]  # its CPU seconds per item
-    busy_cpu: Optional[float]  # CPU seconds per item in compute + optimizer (cpu-time utilization)
+    busy_cpu: Optional[float]  # the loop thread's CPU seconds per item in compute + optimizer (cpu-time utilization)
     load_cpu: Optional[float]
     load_wait: Optional[float]  # None: not seen (workers that kept up hide it)
     data_wait: float  # seconds per item the training process waited for data
@@ -213,7 +213,7 @@ class JobModel:
             unc += 0.05 * min(abs(math.log2((w + 1) / (r.workers + 1))) for r in self.runs)
         util = None
         if self.busy_ratio is not None:
-            util = min(1.0, rate * self.busy_ratio * self.consume(b, a) / self.threads)
+            util = min(1.0, rate * self.busy_ratio * self.consume(b, a))  # the loop thread's busy CPU per second
         return Prediction(rate * self.world, unc, util, bound)
 
     def best_workers(self, b: int, a: int, top: int) -> int:

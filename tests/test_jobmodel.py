@@ -97,7 +97,7 @@ def _meter_window(busy: callable) -> object:
 
 def test_cpu_utilization_counts_the_cpu_the_training_process_got():
     """A compute phase that waits (its core taken by someone else, here a sleep) is busy by wall
-    time but got no CPU: its cpu-time utilization is near 0, a spinning one near 1 per thread."""
+    time but got no CPU: its cpu-time utilization is near 0, a working one near 1."""
     def spin():
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 0.005:
@@ -105,5 +105,28 @@ def test_cpu_utilization_counts_the_cpu_the_training_process_got():
 
     waited, worked = _meter_window(lambda: time.sleep(0.005)), _meter_window(spin)
     assert waited.share("compute") > 0.9 and worked.share("compute") > 0.9  # both busy by wall time
-    threads = worked.phases_cpu_s and __import__("torch").get_num_threads()
-    assert waited.utilization < 0.1 and worked.utilization > 0.8 / threads
+    assert waited.utilization < 0.1 and worked.utilization > 0.8
+
+
+def test_guided_next_config_chases_throughput_then_utilization_within_the_floor(make_cfg):
+    """The model's next config: while some config may beat the best measured throughput, the one
+    whose predicted top is highest; then (utilization objective) the one predicted to keep up with
+    the floor whose utilization may beat the busiest that keeps up; nothing when neither pays."""
+    from orchestrator.jobmodel import Prediction
+    from orchestrator.tune.proposals import Proposals
+    from orchestrator.tune.space import SearchSpace
+
+    def proposals(*overrides: str) -> Proposals:
+        cfg = make_cfg(*overrides)
+        return Proposals(SearchSpace(cfg), cfg.tune, "sqlite://", "s", lambda _: None, cfg)
+
+    done = [{"throughput": 1000.0, "utilization": 0.30}]
+    faster = (Prediction(1100.0, 0.05, 0.30, "loader"), {"data.batch_size": 64})
+    busier = (Prediction(900.0, 0.05, 0.45, "loader"), {"data.batch_size": 16})
+    slower = (Prediction(700.0, 0.05, 0.60, "loader"), {"data.batch_size": 8})
+    util = proposals()
+    assert util._next([faster, busier, slower], done)[1] == {"data.batch_size": 64}
+    pick = util._next([busier, slower], done)  # nothing faster: the busiest that keeps up (not the slow one)
+    assert pick[1] == {"data.batch_size": 16} and "utilization 45%" in pick[2]
+    assert util._next([slower], done) is None
+    assert proposals("tune.objective=throughput")._next([busier, slower], done) is None

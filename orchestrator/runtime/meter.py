@@ -15,12 +15,13 @@ Phases of a step (they tile the step's wall time, so the shares add up to 1):
   optimizer  optimizer step and zero_grad
 
 utilization: on CUDA, the mean NVML `utilization.gpu` of this rank's device over the window
-(source `nvml`, sampled by a background thread). On CPU the device is the rank's cores: the CPU
-time the training process spent in compute and optimizer phases over the window's wall time x
-its threads (source `cpu-time`). It cannot be raised by starving the step: a loader worker that
-takes a core from the training process stretches the busy phases' wall time, not their CPU time
-(4 workers on 2 cores read 85% "busy" by wall time at the same samples/s as 0 workers at 33%).
-The wall-time busy share (compute + optimizer) / wall stays in the breakdown.
+(source `nvml`, sampled by a background thread). On CPU (source `cpu-time`): the CPU time the
+training loop's own thread got in its compute and optimizer phases over the window's wall time
+(intra-op threads run the same kernels beside it; their spin-waits, which come and go with the
+timing of tiny ops, are not counted). It cannot be raised by starving the step: a loader worker
+that takes a core from the training process stretches the busy phases' wall time, not the loop's
+CPU time (4 workers on 2 cores read 85% "busy" by wall time at the same samples/s as 0 workers
+at 33%). The wall-time busy share (compute + optimizer) / wall stays in the breakdown.
 
 The input pipeline's cost is split into CPU and waiting (the job model, orchestrator/jobmodel.py):
 the loader workers' CPU time over the measured span (psutil, live and reaped workers), and with no
@@ -341,6 +342,7 @@ class Window:
     t_end: float
     sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
     phases_cpu_s: Optional[Dict[str, float]] = None  # CPU only: the process's CPU time in each phase
+    busy_cpu_s: Optional[float] = None  # CPU only: the loop thread's CPU time in compute + optimizer
     warmup: bool = False
     partial: bool = False  # cut short (the run's end, a new epoch): left out of the estimate
 
@@ -358,6 +360,7 @@ class Window:
             "wall_s": self.wall_s, "throughput": self.throughput, "utilization": self.utilization,
             "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end, "sm_active": self.sm_active,
             "warmup": self.warmup, "partial": self.partial, "phases_cpu_s": self.phases_cpu_s,
+            "busy_cpu_s": self.busy_cpu_s,
         }
 
 
@@ -387,11 +390,13 @@ class StepMeter:
                 self.source = "cuda-busy"
         self._marks: List[tuple[int, Any]] = []  # (phase index, token)
         self._cpu: List[float] = []  # CPU only: the process's CPU time at each mark (phases' CPU time)
-        # no loader workers: the loop's own thread loads the data, and its CPU time in the data phase
-        # is the loader's (the process's would add the compute threads' spin-waits meanwhile)
+        # the loop's own thread's CPU time at each mark: on CPU its busy phases' share is the
+        # utilization, and with no loader workers its data phase is the loader's own CPU (the
+        # process's would add the intra-op threads' spin-waits meanwhile)
         self._inproc = self.queue == 0
+        self._thread_on = not self.cuda or self._inproc
         self._thread_cpu: List[float] = []
-        self._hook_cpu = 0.0
+        self._hook_cpu = self._hook_thread = 0.0
         self.threads = max(1, torch.get_num_threads())
         self._span0: Optional[Dict[str, float]] = None  # loader and process CPU when the measurement began
         self._span_samples = 0  # samples since then (measured, re-warm and partial windows alike)
@@ -427,7 +432,7 @@ class StepMeter:
         self._marks.append((-1, self._token()))
         if not self.cuda:
             self._cpu.append(time.process_time())
-        if self._inproc:
+        if self._thread_on:
             self._thread_cpu.append(time.thread_time())
 
     def mark(self, phase: int) -> None:
@@ -439,21 +444,21 @@ class StepMeter:
             self._marks.append((COMPUTE, self._hook_token))
             if not self.cuda:
                 self._cpu.append(self._hook_cpu)
-            if self._inproc:
-                self._thread_cpu.append(self._thread_cpu[-1])
+            if self._thread_on:
+                self._thread_cpu.append(self._hook_thread)
             self._hook_token = None
             phase = COMM
         self._marks.append((phase, tok))
         if not self.cuda:
             self._cpu.append(time.process_time())
-        if self._inproc:
+        if self._thread_on:
             self._thread_cpu.append(time.thread_time())
 
     def comm_hook_fired(self) -> None:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
         self._hook_token = self._token()
         if not self.cuda:
-            self._hook_cpu = time.process_time()
+            self._hook_cpu, self._hook_thread = time.process_time(), time.thread_time()
 
     def end_step(self, samples: int, micro: int = 1) -> Optional[Window]:
         """Close a step of `micro` micro-batches; returns the window it completed, if any (a
@@ -544,10 +549,13 @@ class StepMeter:
             for (p, _), a, b in zip(marks[1:], self._cpu[:-1], self._cpu[1:]):
                 cpu[PHASES[p]] += b - a
             self._cpu = self._cpu[-1:]
-        if self._inproc:
-            cpu["data"] = sum(b - a for (p, _), a, b in zip(marks[1:], self._thread_cpu[:-1], self._thread_cpu[1:])
-                              if p == DATA)
+        loop = dict.fromkeys(PHASES, 0.0)  # the loop thread's CPU time per phase
+        if self._thread_on:
+            for (p, _), a, b in zip(marks[1:], self._thread_cpu[:-1], self._thread_cpu[1:]):
+                loop[PHASES[p]] += b - a
             self._thread_cpu = self._thread_cpu[-1:]
+            if self._inproc:
+                cpu["data"] = loop["data"]
         wall = wall1 - self._wall0
         busy = sum(phases[p] for p in BUSY)
         total = sum(phases.values())
@@ -558,7 +566,7 @@ class StepMeter:
             if self.sampler.gpm:
                 sm = self.sampler.mean(self._wall0, wall1, self.sampler.sm_samples)
         if util is None and not self.cuda:  # the cores' share the training work got
-            util = min(1.0, sum(cpu[p] for p in BUSY) / (wall * self.threads)) if wall > 0 else 0.0
+            util = min(1.0, sum(loop[p] for p in BUSY) / wall) if wall > 0 else 0.0
         if util is None:
             util = busy / total if total > 0 else 0.0
         steps = self._step - self._window_first
@@ -566,6 +574,7 @@ class StepMeter:
             index=len(self.windows), first_step=self._window_first, steps=steps, samples=self._samples,
             wall_s=wall, phases_s=phases, utilization=util, t_start=self._wall0, t_end=wall1, sm_active=sm,
             warmup=warmup, partial=partial, phases_cpu_s=cpu if not self.cuda or self._inproc else None,
+            busy_cpu_s=sum(loop[p] for p in BUSY) if not self.cuda else None,
         )
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
@@ -629,7 +638,7 @@ class StepMeter:
         if n:
             out["data_cpu_s"] = sum(w.phases_cpu_s["data"] for w in cpu_wins) / n  # type: ignore[index]
             if not self.cuda:
-                out["busy_cpu_s"] = sum(w.phases_cpu_s[p] for w in cpu_wins for p in BUSY) / n  # type: ignore[index]
+                out["busy_cpu_s"] = sum(w.busy_cpu_s or 0.0 for w in cpu_wins) / n
                 # the training process's CPU outside the data wait (its threads' spin-waits during the
                 # wait are left out: they yield to workers that need the cores)
                 out["consume_cpu_s"] = sum(w.phases_cpu_s[p] for w in cpu_wins for p in PHASES  # type: ignore[index]

@@ -123,6 +123,32 @@ class Proposals:
         return (f"predicted {pred.throughput:.0f}/s (at most {pred.hi:.0f}; {pred.bound}-bound: {model.explain()}), "
                 f"below {floor:g} x trial {fastest.number}'s measured {lo:.0f}/s")
 
+    def _next(self, preds: List[Tuple[Prediction, Dict[str, Any]]],
+              done: List[Dict[str, Any]]) -> Optional[Tuple[Prediction, Dict[str, Any], str]]:
+        """The config to measure next, with why: first the fastest that may be (the highest top of
+        its predicted throughput, while that top lies above the best measured throughput); then,
+        under the utilization objective, among the configs predicted to keep up with the floor of
+        the best throughput, the one whose predicted utilization may beat that of the trials that
+        keep up (a smaller batch that moves as many samples keeps the device busier)."""
+        if not preds:
+            return None
+        best = max((f["throughput"] for f in done), default=0.0)
+        pred, point = max(preds, key=lambda x: (x[0].hi, x[0].throughput))
+        if pred.hi > best:
+            return pred, point, f"vs the best measured {best:.0f}/s"
+        if self.t.objective is not Objective.utilization:
+            return None
+        floor = self.t.throughput_floor * best
+        busiest = max((f["utilization"] for f in done if f["throughput"] >= floor), default=0.0)
+        keep_up = [(p, pt) for p, pt in preds if p.utilization is not None and p.hi >= floor]
+        if not keep_up:
+            return None
+        pred, point = max(keep_up, key=lambda x: (x[0].utilization * (1 + 2 * x[0].rel_unc), x[0].throughput))
+        if pred.utilization * (1 + 2 * pred.rel_unc) <= busiest:
+            return None
+        return pred, point, (f"within {self.t.throughput_floor:g} of the best measured {best:.0f}/s, with utilization "
+                             f"{100 * pred.utilization:.0f}% vs {100 * busiest:.0f}% among the trials that keep up")
+
     def model(self, study: Any, trial: Any, values: Dict[str, Any]) -> bool:
         """tune.sampler=guided: enqueue the untried config whose predicted throughput has the
         highest top of its interval, when that top lies above the best measured throughput (the
@@ -141,15 +167,14 @@ class Proposals:
             if not candidates:
                 return False
             preds = [(self.predict(model, p), p) for p in candidates]
-            pred, point = max(preds, key=lambda x: (x[0].hi, x[0].throughput))
-            done = [tr.user_attrs["throughput"] for tr in trials if tr.state.name == "COMPLETE"
-                    and "throughput" in tr.user_attrs]
-            best = max(done) if done else 0.0
-            if pred.hi <= best:
+            pick = self._next(preds, [tr.user_attrs for tr in trials if tr.state.name == "COMPLETE"
+                                      and "throughput" in tr.user_attrs and "utilization" in tr.user_attrs])
+            if pick is None:
                 return False
+            pred, point, why = pick
             knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in point.items() if k in MODEL_KEYS)
             reason = (f"the job model predicts {pred.throughput:.0f}/s (up to {pred.hi:.0f}; {pred.bound}-bound) at "
-                      f"{knobs}, vs the best measured {best:.0f}/s; it rests on {model.explain()}")
+                      f"{knobs}, {why}; it rests on {model.explain()}")
             study.enqueue_trial(self.space.params_of(point), user_attrs={"proposed_by": "model", "reason": reason[:480],
                                                                          "parent": trial.number,
                                                                          "predicted": pred.throughput})
