@@ -206,7 +206,11 @@ class JobModel:
         rate = sum(r ** -SOFTMIN_P for r in rates.values()) ** (-1 / SOFTMIN_P)
         bound = min(rates, key=rates.__getitem__)
         unc = max(BASE_NOISE, float(np.median([r.rel_se for r in self.runs])), self.residual)
-        unc += PER_DOUBLING * min(abs(math.log2(b / r.batch)) for r in self.runs)
+        # unmeasured batch sizes and accumulations: a per-micro-batch and a per-step cost (>= 0) the
+        # runs could not tell apart may make a larger one faster, rarely a smaller one
+        up = min(max(0.0, math.log2(b / r.batch)) + 0.5 * max(0.0, math.log2(a / r.accum)) for r in self.runs)
+        down = min(max(0.0, math.log2(r.batch / b)) for r in self.runs)
+        unc += PER_DOUBLING * (min(up, 3.0) + 0.5 * min(down, 3.0))
         if w > 0 and self.load_wait is None and not any(r.workers == 0 for r in self.runs):
             unc += UNSEEN_WAIT
         if w not in {r.workers for r in self.runs}:
