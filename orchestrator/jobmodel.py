@@ -11,7 +11,8 @@ or more such runs this module fits, per rank:
               beta + alpha / b + gamma / (a b)  (per item, per micro-batch, per optimizer step:
               all-reduce and optimizer), non-negative least squares over the runs
   consume_cpu the CPU it burns meanwhile (threads x that, as measured)
-  handoff     what handing one batch from a worker to the training process costs (costs.py)
+  handoff     what handing one batch from a worker to the training process costs (costs.py's
+              round trip, or the least data wait per batch a run with workers saw)
 
 and predicts the per-rank item rate of any config as the slowest of three rates (Plumber,
 MLSys 2022: the pipeline's rate is bounded by each stage's parallelism and by the host's CPU
@@ -197,9 +198,16 @@ class JobModel:
         if w == 0:
             inproc = self.inproc_load
             return {"loop": 1.0 / ((inproc if inproc is not None else load) + consume)}
-        hand = self.handoff(b) / b
+        hand = self.handoff_s(b) / b
         return {"loader": w / load, "consumer": 1.0 / (consume + hand),
                 "cpu": self.cores / max(load_cpu + self.cpu_ratio * consume + hand, 1e-9)}
+
+    def handoff_s(self, b: int) -> float:
+        """Seconds the training process spends per batch taking it from a worker: the host's
+        measured round trip (costs.py: one worker, no queue to hide behind), or less where runs
+        with workers waited less than that per batch (their queue hid most of it)."""
+        seen = [r.data_wait * r.batch for r in self.runs if r.workers > 0]
+        return min([self.handoff(b)] + seen)
 
     def predict(self, b: int, w: int, a: int) -> Prediction:
         rates = self.rates(b, w, a)

@@ -37,6 +37,7 @@ from .proposals import Proposals
 from .storage import is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
+MAX_REJECTED = 10  # sampler configs in a row the job model may keep from a launch; the next one tests the model
 CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
 CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac")
@@ -183,7 +184,7 @@ class Tuner:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
-        self.started, self.launched, self.confirmed_here = time.monotonic(), set(), False
+        self.started, self.launched, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
         study = self._study()
         self.tracker.check()
         parent = self.tracker.start(
@@ -297,7 +298,9 @@ class Tuner:
             study.tell(trial, state=TrialState.PRUNED)
             self._record(rec, t0)
             return
-        below = self.proposals.cannot_win(study, values) if rec.proposed_by == "sampler" else None
+        below = (self.proposals.cannot_win(study, values)
+                 if rec.proposed_by == "sampler" and self.rejected < MAX_REJECTED else None)
+        self.rejected = self.rejected + 1 if below is not None else 0
         if below is not None:  # the job model shows it cannot be the pick: no launch
             rec.state, rec.error = "PRUNED", f"not launched: {below}"
             trial.set_user_attr("predicted_below", below[:480])
