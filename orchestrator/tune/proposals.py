@@ -80,7 +80,7 @@ class Proposals:
             if ACCUM_KEY not in dims and self.space.global_batch:
                 point[ACCUM_KEY] = self.space.global_batch // (self.space.world * int(point[BATCH_KEY]))
             b, a = int(point.get(BATCH_KEY) or self.cfg.data.batch_size), int(point.get(ACCUM_KEY) or 1)
-            if ceiling is not None and b > ceiling[0]:
+            if ceiling is not None and b >= ceiling[0]:  # the batch that ran out, whatever the other knobs
                 continue
             if items and not self.t.allow_large_global_batch and items // (b * a) <= 1:
                 continue
@@ -123,6 +123,12 @@ class Proposals:
         return (f"predicted {pred.throughput:.0f}/s (at most {pred.hi:.0f}; {pred.bound}-bound: {model.explain()}), "
                 f"below {floor:g} x trial {fastest.number}'s measured {lo:.0f}/s")
 
+    @staticmethod
+    def _worker_cost(point: Dict[str, Any]) -> float:
+        """1% less per loader worker: where the model predicts no difference (a loader it measured
+        as free), fewer processes competing with the training process for the cores come first."""
+        return 1.0 - 0.01 * int(point.get(WORKERS_KEY) or 0)
+
     def _next(self, preds: List[Tuple[Prediction, Dict[str, Any]]],
               done: List[Dict[str, Any]]) -> Optional[Tuple[Prediction, Dict[str, Any], str]]:
         """The config to measure next, with why: first the fastest that may be (the highest top of
@@ -133,7 +139,7 @@ class Proposals:
         if not preds:
             return None
         best = max((f["throughput"] for f in done), default=0.0)
-        pred, point = max(preds, key=lambda x: (x[0].hi, x[0].throughput))
+        pred, point = max(preds, key=lambda x: (x[0].hi * self._worker_cost(x[1]), x[0].throughput))
         if pred.hi > best:
             return pred, point, f"vs the best measured {best:.0f}/s"
         if self.t.objective is not Objective.utilization:
