@@ -161,6 +161,8 @@ class Proposals:
         config may beat it); True when one was queued."""
         if self.t.sampler is not SamplerName.guided or self.t.objective is Objective.both:
             return False
+        if self._others(values) and trial.user_attrs.get("proposed_by") == "model":
+            return False  # knobs it does not model (a backend, fp16): every other trial is the sampler's
         model = self.job_model(study, values)
         if model is None:
             return False
