@@ -104,6 +104,7 @@ def test_database_restart_mid_study_loses_nothing(pg, tmp_path, mlflow_uri):
     assert not any(job_processes(tmp_path / f"r{i}") for i in range(2))
 
 
+@pytest.mark.slow  # 40 s: a real study on PostgreSQL three ways; test_cli's masking test greps a run dir in the suite
 def test_store_passwords_stay_out_of_records_and_command_lines(pg, tmp_path):
     """The password of tune.storage is in no file of the study's run dir (trials' config.yaml,
     .hydra/, summary.json), not in the MLflow store and its artifacts, not in the output; a tuner
