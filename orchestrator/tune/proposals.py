@@ -16,6 +16,7 @@ study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -54,10 +55,10 @@ class Proposals:
         runs = runs_of(trials, self.cfg.world_size)
         if not runs:
             return None
-        last = next(tr.user_attrs.get("input_cost") for tr in reversed(trials) if tr.user_attrs.get("input_cost"))  \
-            if any(tr.user_attrs.get("input_cost") for tr in trials) else {}
-        item = next((tr.user_attrs.get("item_bytes") for tr in trials if tr.user_attrs.get("item_bytes")), 0) or 0
-        hand = (lambda b: handoff_s(int(item) * b, b)["seconds"]) if item else None
+        last = next((tr.user_attrs["input_cost"] for tr in reversed(trials) if tr.user_attrs.get("input_cost")), {})
+        item = next((tr.user_attrs["item_bytes"] for tr in trials if tr.user_attrs.get("item_bytes")), 0)
+        # once per batch size: every candidate asks, and costs.py reads its cache file each time
+        hand = functools.lru_cache(maxsize=None)(lambda b: handoff_s(int(item) * b, b)["seconds"]) if item else None
         return JobModel.fit(runs, self.cfg.world_size, cores=float(last.get("cores") or 1),
                             threads=float(last.get("threads") or 1), handoff=hand)
 
@@ -112,7 +113,7 @@ class Proposals:
             return None
         model = self.job_model(study, values)
         done = [tr for tr in study.get_trials(deepcopy=False) if tr.state.name == "COMPLETE" and "throughput" in tr.user_attrs]
-        if model is None or not done or not all(k in values for k in (BATCH_KEY,)):
+        if model is None or not done or BATCH_KEY not in values:
             return None
         fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
         lo = fastest.user_attrs.get("throughput_lo") or fastest.user_attrs["throughput"]

@@ -184,7 +184,7 @@ class Tuner:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
-        self.started, self.launched, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
+        self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
         study = self._study()
         self.tracker.check()
         parent = self.tracker.start(
@@ -273,12 +273,19 @@ class Tuner:
                                f"(tune.patience={self.t.patience}; tune.n_trials={self.t.n_trials} is the cap)"}
         return True
 
+    def _unlaunched(self, study: Any, trial: Any, rec: TrialRecord, t0: float, attr: str, value: Any, error: str) -> None:
+        """A proposal answered without a launch: recorded as pruned, with `attr` saying why."""
+        rec.state, rec.error = "PRUNED", error
+        trial.set_user_attr(attr, value)
+        study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+        self._record(rec, t0)
+
     def _run_trial(self, study: Any, trial: Any, parent: Optional[str]) -> None:
         TrialState = self.optuna.trial.TrialState
         t0 = time.monotonic()
         values = self.space.sample(trial)
         rec = TrialRecord(trial.number, "RUNNING", values)
-        self.launched.add(trial.number)
+        self.mine.add(trial.number)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
         trial.set_user_attr("values", values)
         if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
@@ -286,35 +293,20 @@ class Tuner:
         rec.proposed_by = trial.user_attrs["proposed_by"]
         twin = self._measured_twin(study, values)
         if twin is not None:  # the sampler proposed a config already measured: no second launch
-            rec.state, rec.error = "PRUNED", f"duplicate of trial {twin}"
-            trial.set_user_attr("duplicate_of", twin)
-            study.tell(trial, state=TrialState.PRUNED)
-            self._record(rec, t0)
-            return
+            return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin, f"duplicate of trial {twin}")
         ceiling = self.proposals.memory_ceiling(study)
         if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
-            rec.state, rec.error = "PRUNED", f"batch {values[BATCH_KEY]} > {ceiling[0]}, which ran out of memory in trial {ceiling[1]}"
-            trial.set_user_attr("over_memory_of", ceiling[1])
-            study.tell(trial, state=TrialState.PRUNED)
-            self._record(rec, t0)
-            return
+            return self._unlaunched(study, trial, rec, t0, "over_memory_of", ceiling[1], f"batch {values[BATCH_KEY]} > "
+                                    f"{ceiling[0]}, which ran out of memory in trial {ceiling[1]}")
         below = (self.proposals.cannot_win(study, values)
                  if rec.proposed_by == "sampler" and self.rejected < MAX_REJECTED else None)
         self.rejected = self.rejected + 1 if below is not None else 0
         if below is not None:  # the job model shows it cannot be the pick: no launch
-            rec.state, rec.error = "PRUNED", f"not launched: {below}"
-            trial.set_user_attr("predicted_below", below[:480])
-            study.tell(trial, state=TrialState.PRUNED)
-            self._record(rec, t0)
-            return
+            return self._unlaunched(study, trial, rec, t0, "predicted_below", below[:480], f"not launched: {below}")
         try:
             cfg = trial_config(self.cfg, values)
         except ConfigError as exc:  # an invalid combination: recorded, never launched
-            rec.state, rec.error = "PRUNED", f"invalid: {exc}"
-            trial.set_user_attr("invalid", str(exc))
-            study.tell(trial, state=TrialState.PRUNED)
-            self._record(rec, t0)
-            return
+            return self._unlaunched(study, trial, rec, t0, "invalid", str(exc), f"invalid: {exc}")
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
         best_thr = self._best_throughput(study)
@@ -579,7 +571,7 @@ class Tuner:
         confirmation runs over its wall time (the rest: starting ranks, warmups, model building,
         the database, plots)."""
         wall = time.monotonic() - self.started
-        mine = [tr for tr in study.get_trials(deepcopy=False) if tr.number in self.launched]
+        mine = [tr for tr in study.get_trials(deepcopy=False) if tr.number in self.mine]
         measured = sum(tr.user_attrs.get("measured_s") or 0.0 for tr in mine)
         measured += sum(m.get("measured_s") or 0.0 for m in confirmed(study).values()) if self.confirmed_here else 0.0
         return {"measured_s": measured, "wall_s": wall, "share": measured / wall if wall > 0 else 0.0}
