@@ -18,7 +18,9 @@ and predicts the per-rank item rate of any config as the slowest of three rates 
 MLSys 2022: the pipeline's rate is bounded by each stage's parallelism and by the host's CPU
 budget; tf.data's AUTOTUNE sizes parallelism the same way):
 
-  workers = 0   1 / (load_cpu + load_wait + consume)            the loop does both in turn
+  workers = 0   1 / (load_cpu + load_wait + k0 consume)         the loop does both in turn (k0: its
+                                                                  compute's time without workers over
+                                                                  with them, where both were measured)
   producers     w / (load_cpu + load_wait)                       w workers in parallel
   consumer      1 / (consume + handoff / b)
   cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and the training
@@ -28,7 +30,7 @@ combined as a soft minimum (two rates close to each other lose a little to queue
 that waits (storage) gets workers beyond the cores, as many as its wait asks for; one that computes
 gets what the cores leave to it. Each prediction has a relative uncertainty: the runs' own noise,
 the fit's residuals, and how far the config lies from what was measured (in doublings of batch,
-of workers, and whether the loader's wait was ever seen).
+of workers, and whether the loader's wait, or a run without workers, was ever seen).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class JobModel:
     cpu_ratio: float = 1.0
     busy_ratio: Optional[float] = None
     residual: float = 0.0
+    inproc_factor: float = 1.0  # the training process's time without workers / with them, as measured
 
     @classmethod
     def fit(cls, runs: Iterable[Run], world: int = 1, cores: float = 1.0, threads: float = 1.0,
@@ -136,28 +139,43 @@ class JobModel:
         full = [1.0, 1.0 / b, 1.0 / (a * b)]
         return [full[i] for i in used]
 
+    @property
+    def fitted(self) -> List[Run]:
+        """The runs the training process's cost is fitted to: those with loader workers when there
+        are any. Without workers the loop loads in between steps, and its compute comes back to
+        threads that went to sleep during the load and to cold caches (measured on the zoo's storage
+        tasks: 2-18x the same step's time with workers); fitted together, that difference passes for
+        a per-step cost and every prediction follows it."""
+        with_workers = [r for r in self.runs if r.workers > 0]
+        return with_workers or self.runs
+
     def _fit_consume(self) -> None:
         """consume(b, a) = beta + alpha / b + gamma / (a b), with only the terms the runs can tell
         apart (one batch: a per-item cost; two: plus a per-micro-batch cost; accumulation varied at
-        one batch: plus a per-step cost)."""
+        one batch: plus a per-step cost). In-process runs (no workers) beside runs with workers keep
+        their own factor on it (`inproc_factor`)."""
         from scipy.optimize import nnls
 
-        batches = {r.batch for r in self.runs}
-        steps = {(r.batch, r.accum) for r in self.runs}
+        runs = self.fitted
+        batches = {r.batch for r in runs}
+        steps = {(r.batch, r.accum) for r in runs}
         used = [0] + ([1] if len(batches) > 1 else []) + ([2] if len(steps) > len(batches) else [])
         if len(used) == 1 and len(steps) > 1:  # one batch, several accumulations
             used = [0, 2]
-        x = np.array([self._features(r.batch, r.accum, used) for r in self.runs])
-        y = np.array([r.consume for r in self.runs])
+        x = np.array([self._features(r.batch, r.accum, used) for r in runs])
+        y = np.array([r.consume for r in runs])
         scale = y.mean()
         sol, _ = nnls(x / scale, y / scale)
         self.coef = np.zeros(3)
         self.coef[used] = sol
-        pred = np.array([self.consume(r.batch, r.accum) for r in self.runs])
-        self.residual = float(np.sqrt(np.mean(((pred - y) / y) ** 2))) if len(self.runs) > len(used) else 0.0
-        ratios = [r.consume_cpu / r.consume for r in self.runs if r.consume_cpu is not None and r.consume > 0]
+        pred = np.array([self.consume(r.batch, r.accum) for r in runs])
+        self.residual = float(np.sqrt(np.mean(((pred - y) / y) ** 2))) if len(runs) > len(used) else 0.0
+        inproc = [r.consume / self.consume(r.batch, r.accum) for r in self.runs
+                  if r.workers == 0 and r not in runs and self.consume(r.batch, r.accum) > 0]
+        self.inproc_factor = float(np.median(inproc)) if inproc else 1.0
+        ratios = [r.consume_cpu / r.consume for r in runs if r.consume_cpu is not None and r.consume > 0]
         self.cpu_ratio = float(np.median(ratios)) if ratios else 1.0
-        busy = [r.busy_cpu / r.consume for r in self.runs if r.busy_cpu is not None and r.consume > 0]
+        busy = [r.busy_cpu / r.consume for r in runs if r.busy_cpu is not None and r.consume > 0]
         self.busy_ratio = float(np.median(busy)) if busy else None
 
     def consume(self, b: int, a: int) -> float:
@@ -197,7 +215,7 @@ class JobModel:
         load = max(load_cpu + load_wait, 1e-9)
         if w == 0:
             inproc = self.inproc_load
-            return {"loop": 1.0 / ((inproc if inproc is not None else load) + consume)}
+            return {"loop": 1.0 / ((inproc if inproc is not None else load) + self.inproc_factor * consume)}
         hand = self.handoff_s(b) / b
         return {"loader": w / load, "consumer": 1.0 / (consume + hand),
                 "cpu": self.cores / max(load_cpu + self.cpu_ratio * consume + hand, 1e-9)}
@@ -220,6 +238,10 @@ class JobModel:
         down = min(max(0.0, math.log2(r.batch / b)) for r in self.runs)
         unc += PER_DOUBLING * (min(up, 3.0) + 0.5 * min(down, 3.0))
         if w > 0 and self.load_wait is None and not any(r.workers == 0 for r in self.runs):
+            unc += UNSEEN_WAIT
+        if w == 0 and not any(r.workers == 0 for r in self.runs):
+            # never measured without workers: the loop's own loading, and what the workers (idle
+            # ones too) took from the training process's cores, are both guesses
             unc += UNSEEN_WAIT
         if w not in {r.workers for r in self.runs}:
             unc += 0.05 * min(abs(math.log2((w + 1) / (r.workers + 1))) for r in self.runs)

@@ -132,3 +132,34 @@ def test_guided_next_config_chases_throughput_then_utilization_within_the_floor(
     assert pick[1] == {"data.batch_size": 16} and "utilization 45%" in pick[2]
     assert util._next([slower], done) is None
     assert proposals("tune.objective=throughput")._next([busier, slower], done) is None
+
+
+def test_runs_without_workers_do_not_bend_the_fit_of_those_with_workers():
+    """The loop's compute after an in-process load runs 3x slower (threads that slept through the
+    load, cold caches) than the same step with workers. Fitted together, that difference passed
+    for a per-step cost, and accumulation 2 was predicted much faster than 1. The fit uses the runs
+    with workers; the in-process run keeps its own factor for predictions without workers."""
+    truth = lambda b: 1e-4 + 2e-3 / b  # noqa: E731  seconds per item with workers
+    wait, cost = 1e-3, {"workers_cpu_s": 0.05e-3, "consume_cpu_s": 0.1e-3, "cores": 2, "threads": 2}
+    runs = [_run(b, 8, 1 / (truth(b) + 0.1 * truth(b)), 0.1 / 1.1, cost) for b in (32, 64)]
+    slow = 3 * truth(32)
+    runs.append(_run(32, 0, 1 / (wait + slow), wait / (wait + slow), {"data_wall_s": wait, "data_cpu_s": 0.05e-3,
+                                                                         "consume_cpu_s": 0.1e-3, "cores": 2, "threads": 2}))
+    model = JobModel.fit(runs, cores=2, threads=2, handoff=lambda b: 0.0)
+    assert model.consume(64, 2) == pytest.approx(truth(64), rel=0.05)  # no per-step cost invented
+    assert model.predict(64, 8, 2).throughput == pytest.approx(model.predict(64, 8, 1).throughput, rel=0.05)
+    assert model.predict(32, 0, 1).throughput == pytest.approx(1 / (wait + slow), rel=0.05)
+
+
+def test_a_config_without_workers_never_measured_keeps_its_chance():
+    """Only runs with workers: a config without them gets the unseen regime's wider interval (its
+    in-process loading and what the workers took from the cores were never measured), so the
+    model does not rule it out on a guess."""
+    cost = {"workers_cpu_s": 0.01e-3, "consume_cpu_s": 0.5e-3, "cores": 2, "threads": 2}
+    runs = [_run(32, w, 900.0, 0.2, cost) for w in (1, 2)]  # the workers' wait was seen
+    model = JobModel.fit(runs, cores=2, threads=2, handoff=HANDOFF)
+    assert model.load_wait is not None
+    assert model.predict(32, 0, 1).rel_unc >= model.predict(32, 1, 1).rel_unc + 0.25
+    measured = JobModel.fit([*runs, _run(32, 0, 700.0, 0.3, {"data_wall_s": 0.4e-3, "data_cpu_s": 0.01e-3})],
+                            cores=2, threads=2, handoff=HANDOFF)
+    assert measured.predict(32, 0, 1).rel_unc < 0.2

@@ -339,6 +339,23 @@ def test_the_pick_comes_from_the_confirmed_figures():
     assert sep["figure"] == "utilization" and sep["separated"] is False  # within the noise of each other
 
 
+def test_a_busier_trial_just_below_the_floor_is_confirmed():
+    """A smaller batch measured at 0.92 of the fastest (its interval reaching the floor) with more
+    utilization than the leader: the short trial put it under the floor, the confirmation decides.
+    One far below the floor, or one less busy than the leader, is not re-measured."""
+    from orchestrator.schema import TuneConfig
+    from orchestrator.tune.rules import confirm_candidates
+
+    study = optuna.create_study(direction="maximize")
+    for b, util, thr, lo, hi in ((64, 0.20, 1000.0, 950, 1050), (32, 0.19, 990.0, 940, 1040),
+                                 (16, 0.33, 920.0, 860, 980), (8, 0.40, 600.0, 560, 640), (4, 0.10, 930.0, 870, 990)):
+        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+            "values": {"b": b}, "utilization": util, "throughput": thr, "throughput_lo": lo, "throughput_hi": hi,
+            "utilization_lo": util - 0.02, "utilization_hi": util + 0.02}))
+    t = TuneConfig(confirm_top=2)
+    assert [tr.number for tr in confirm_candidates(study, t)] == [0, 1, 2]
+
+
 def test_guided_search_follows_the_job_model(make_cfg, tmp_path):
     """The baseline (no workers, 3 ms reads per sample) waits on its reads: the job model fitted to
     it predicts that sleeping workers pay beyond the 2 cores, and its proposal runs next, with the

@@ -109,11 +109,24 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     leader = by_score[0].user_attrs
     contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader)]
     fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
-    if fastest in contenders or t.objective is not Objective.utilization:
+    if t.objective is not Objective.utilization:
         return contenders
     floor_certain = leader.get("throughput_lo", 0.0) >= t.throughput_floor * fastest.user_attrs.get(
         "throughput_hi", float("inf"))
-    return contenders + ([] if floor_certain else [fastest])
+    out = contenders + ([] if floor_certain or fastest in contenders else [fastest])
+    return out + _busier_near_the_floor(done, out, leader, t)
+
+
+def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str, Any], t: TuneConfig) -> List[Any]:
+    """The busiest trial measured just below the floor whose throughput interval reaches it and
+    whose utilization beats the leader's: one short measurement put it under the floor, a longer
+    one decides whether it keeps up (and then it wins). On the zoo's storage tasks a smaller batch
+    that moves as many samples as the fastest was measured at 0.93 of it and never re-measured."""
+    top = max(tr.user_attrs["throughput"] for tr in done)
+    near = [tr for tr in done if tr not in chosen and tr.user_attrs["throughput"] < t.throughput_floor * top
+            and tr.user_attrs.get("throughput_hi", 0.0) >= t.throughput_floor * top
+            and tr.user_attrs["utilization"] > leader["utilization"]]
+    return [max(near, key=lambda tr: tr.user_attrs["utilization"])] if near else []
 
 
 def _may_beat(a: Dict[str, Any], leader: Dict[str, Any]) -> bool:
