@@ -55,7 +55,7 @@ from bench_tune import (KNOBS, WORKLOADS, Point, Results, compose_cfg, fmt, obje
                         prepare, run_workloads, space_overrides, table, values_of)
 
 from orchestrator.app import JobFailed, run_job  # noqa: E402
-from orchestrator.runtime.loop import steady_warmup_steps  # noqa: E402
+from orchestrator.measure.plan import steady_warmup_steps  # noqa: E402
 from orchestrator.schema import Config  # noqa: E402
 from orchestrator.tune.pool import RankPool  # noqa: E402
 from orchestrator.tune.space import SearchSpace, apply  # noqa: E402

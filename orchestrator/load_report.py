@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 
 from .diagnose import diagnose, straggler_note
 from .runtime.autotune import LoaderSettings
-from .runtime.meter import PHASES
+from .measure.phases import PHASES
 from .rundir import write_atomic, write_json
 from .schema import Config
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 
 from .diagnose import STRAGGLER_SPREAD
 from .rundir import RankResult, ranks_dir
-from .runtime.meter import MIN_WINDOWS, estimate_of
+from .measure.stats import MIN_WINDOWS, estimate_of
 
 # Fields every rank reports and `result.json` repeats per rank.
 RANK_FIELDS = tuple(RankResult.__annotations__)

@@ -9,7 +9,8 @@ import pytest
 
 from orchestrator.diagnose import diagnose
 from orchestrator.jobmodel import JobModel, Run
-from orchestrator.runtime.meter import COMPUTE, DATA, OPTIMIZER, StepMeter
+from orchestrator.measure.phases import COMPUTE, DATA, OPTIMIZER
+from orchestrator.runtime.meter import StepMeter
 
 HANDOFF = lambda b: 1e-3  # noqa: E731  seconds per batch
 

@@ -16,8 +16,8 @@ again after every change, so the new loader's pre-filled queue is never measured
 A tried setting is measured for at least MIN_WINDOWS windows (its new loader's warmup excluded)
 against the baseline (the trailing windows at the current load before it) and kept when its
 throughput rose by more than the measured noise (a step up) or did not fall by more than it (a step
-down): the noise is the 95% interval of the difference of the two means (meter.estimate over
-windows). An undecided trial goes on, up to TRIAL_WINDOWS windows. A refused setting is reverted
+down): the noise is the 95% interval of the difference of the two means (measure.stats.estimate
+over windows). An undecided trial goes on, up to TRIAL_WINDOWS windows. A refused setting is reverted
 and not tried again for COOLDOWN turns, twice as long after each refusal.
 
 Decisions are rank 0's, on the job's figures (each window's throughput is all-reduced by the loop,
@@ -37,7 +37,7 @@ from ..costs import handoff_s
 from ..diagnose import INPUT_BOUND, Handoff, diagnose
 from ..rundir import LoaderEvent
 from ..schema import Config, DataConfig
-from .meter import MIN_WINDOWS, estimate
+from ..measure.stats import MIN_WINDOWS, estimate
 
 NEAR_ZERO_WAIT = 0.02  # input wait share below which workers are idle
 MANY_WORKERS = 2  # a step down is tried only above this many workers

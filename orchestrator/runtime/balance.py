@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch.utils.data import Sampler
 
-from .meter import estimate
+from ..measure.stats import estimate
 
 POOL_WINDOWS = 30  # the windows at the current shares a decision rests on (the latest; more when exchanged at once)
 MIN_WINDOWS = 3  # ... at least: one window says nothing about its noise

@@ -333,7 +333,7 @@ class FSDPAdapter(DDPAdapter):
         `post_backward`, and the root's wait for the last one. On CPU (gloo) they block this
         process; on CUDA the meter's marks are events on the compute stream, so they time how long
         it stalled on the communication streams (what prefetching hid costs nothing)."""
-        from .meter import COMM, COMPUTE
+        from ..measure.phases import COMM, COMPUTE
 
         if self.world_size == 1:  # nothing to communicate: the local copies are FSDP's compute
             return

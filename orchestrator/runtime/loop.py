@@ -28,7 +28,10 @@ from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer, ShareSampler
 from .dist import Adapter, amp_dtype
 from .flops import StepCounter, mfu_figures
-from .meter import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER, StepMeter, StopRule, Window, model_state_mb
+from ..measure.plan import loader_queue, loader_round, rewarm_steps
+from ..measure.stats import StopRule
+from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER, OTHER
+from .meter import StepMeter, Window, model_state_mb
 
 
 class LatencyDataset(Dataset):
@@ -157,31 +160,6 @@ def epoch_iterator(loader: DataLoader, batches_done: int) -> Any:
     return iter(loader)
 
 
-def loader_queue(cfg: Config) -> int:
-    """Micro-batches the DataLoader's workers pre-fill when its iterator starts (num_workers x
-    prefetch_factor, torch's default factor 2): a warmup reads them before anything is measured."""
-    d = cfg.data
-    return d.num_workers * (d.prefetch_factor or 2) if d.num_workers > 0 else 0
-
-
-def loader_round(cfg: Config) -> int:
-    """Optimizer steps in one round of the loader's workers (each hands over one micro-batch in
-    turn): num_workers / gcd(num_workers, accumulation_steps); 1 without workers. Measured windows
-    last whole rounds (see StepMeter)."""
-    w, accum = cfg.data.num_workers, cfg.trainer.accumulation_steps
-    return w // math.gcd(w, accum) if w > 0 else 1
-
-
-def steady_warmup_steps(cfg: Config) -> int:
-    """Optimizer steps the first warmup takes: trainer.warmup_steps (+ profile_steps), and at least
-    the loader's pre-filled queue + 1 micro-batches."""
-    t = cfg.trainer
-    drain = math.ceil((loader_queue(cfg) + 1) / t.accumulation_steps)
-    if t.profile_steps:  # the queue is read again after the profiled steps (see train())
-        return t.warmup_steps + t.profile_steps + drain
-    return max(t.warmup_steps, drain)
-
-
 def reset_latency(cfg: Config, dataset: Dataset, step: int) -> None:
     """The per-item latency a run starting at `step` reads with (data.latency_jump_at passed or
     not); a kept-alive rank's dataset may carry an earlier job's jump."""
@@ -302,11 +280,6 @@ def rewarms_epochs(cfg: Config, loader: DataLoader) -> bool:
         return False
     left = epoch_measured_steps(cfg, loader)
     return left >= rewarm_steps(cfg) and left >= loader_round(cfg)
-
-
-def rewarm_steps(cfg: Config) -> int:
-    """Optimizer steps that read the loader's pre-filled queue (+ 1 micro-batch) after an iterator starts."""
-    return math.ceil((loader_queue(cfg) + 1) / cfg.trainer.accumulation_steps)
 
 
 def epoch_measured_steps(cfg: Config, loader: DataLoader) -> int:

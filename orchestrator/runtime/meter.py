@@ -35,8 +35,8 @@ and always a whole number of the loader's rounds (`round_steps`): its workers de
 turn, each a batch per cycle, and often in bursts (workers fed together finish together); a window
 of whole rounds spans whole cycles, while a window that ends inside a burst counts batches that
 were ready at once (windows of 0.1 s read up to 40% high at batch 64 with 2-4 workers).
-`estimate()` turns window throughputs into a mean with its standard error and interval;
-`StopRule` ends a measurement once that estimate is precise enough (tuning trials).
+The meter only records: a window's figures become an estimate (mean, standard error, interval)
+and a measurement stops (`StopRule`, tuning trials) by the arithmetic in orchestrator/measure.
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-PHASES = ("other", "data", "h2d", "compute", "comm", "optimizer")
-OTHER, DATA, H2D, COMPUTE, COMM, OPTIMIZER = range(len(PHASES))  # what `mark` takes
-BUSY = ("compute", "optimizer")
+from ..measure.phases import BUSY, COMM, COMPUTE, PHASES
+from ..measure.stats import estimate, estimate_of
 
 
 class NvmlSampler:
@@ -226,107 +225,6 @@ def cores_per_rank() -> int:
     except AttributeError:
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-# two-sided 95% Student t quantiles by degrees of freedom (1.96 past the table)
-_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
-        2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
-
-
-def estimate(values: List[float], measured_s: float = 0.0, weights: Optional[List[float]] = None) -> Dict[str, Any]:
-    """A figure (throughput, utilization) estimated from its value per window: their `mean`, its
-    relative standard error (`rel_se`, what `StopRule` holds to trainer.rel_precision), a 95%
-    `interval`, the `windows` used and their `measured_s`.
-
-    With `weights` (the windows' wall times) the mean is weighted by them: for throughput that is
-    all samples / all measured time, the figure a long run delivers. The plain mean of per-window
-    rates overstates it whenever windows differ in length (1/T is convex: a short window that caught
-    a burst of ready batches counts as much as a long one that waited); its standard error is the
-    ratio estimator's (linearized: sd of w_i (v_i - mean) / mean(w))."""
-    n = len(values)
-    if n == 0:
-        return _estimate(0, 0.0, 0.0, measured_s)
-    if weights is None or n == 1 or sum(weights) <= 0:
-        return _estimate(n, statistics.fmean(values), statistics.stdev(values) if n > 1 else 0.0, measured_s)
-    total = sum(weights)
-    mean = sum(w * v for w, v in zip(weights, values)) / total
-    w_bar = total / n
-    sd = math.sqrt(sum((w * (v - mean)) ** 2 for w, v in zip(weights, values)) / (n - 1)) / w_bar
-    return _estimate(n, mean, sd, measured_s)
-
-
-def _estimate(n: int, mean: float, sd: float, measured_s: float) -> Dict[str, Any]:
-    if n == 0:
-        return {"mean": None, "rel_se": None, "interval": None, "windows": 0, "measured_s": measured_s}
-    if n == 1 or mean <= 0:
-        return {"mean": mean, "rel_se": None, "interval": None, "windows": n, "measured_s": measured_s}
-    se = sd / math.sqrt(n)
-    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * se
-    return {"mean": mean, "rel_se": se / mean, "interval": [mean - half, mean + half], "windows": n,
-            "measured_s": measured_s}
-
-
-def estimate_of(windows: List[Any], key: str = "throughput") -> Dict[str, Any]:
-    """`estimate` of `key` over full measured windows (Window objects or their dicts); partial
-    ones only when there is nothing else."""
-    get = (lambda w, k: w[k]) if windows and isinstance(windows[0], dict) else getattr
-    full = [w for w in windows if not get(w, "warmup") and not get(w, "partial")]
-    full = full or [w for w in windows if not get(w, "warmup")]
-    walls = [get(w, "wall_s") for w in full]
-    return estimate([get(w, key) for w in full], sum(walls), walls)
-
-
-def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One `estimate` over the union of the windows behind several (re-measurements of one config)."""
-    parts = [e for e in estimates if e.get("windows") and e.get("mean") is not None]
-    n = sum(e["windows"] for e in parts)
-    if not n:
-        return _estimate(0, 0.0, 0.0, 0.0)
-    mean = sum(e["windows"] * e["mean"] for e in parts) / n
-    # each part's variance back from its standard error: sd^2 = (se * sqrt(n))^2
-    ss = sum((e["windows"] - 1) * ((e["rel_se"] or 0.0) * e["mean"]) ** 2 * e["windows"]
-             + e["windows"] * (e["mean"] - mean) ** 2 for e in parts)
-    return _estimate(n, mean, math.sqrt(ss / (n - 1)) if n > 1 else 0.0, sum(e["measured_s"] for e in parts))
-
-
-MIN_WINDOWS = 4  # fewer windows say little about their own spread
-Z95 = 1.96  # the normal 95% quantile: a relative standard error of p has a half width of Z95 x p (many windows)
-
-
-@dataclass
-class StopRule:
-    """When a measurement may end (trainer.rel_precision > 0, tuning trials): at least
-    MIN_WINDOWS windows and `min_s` measured seconds, and the throughput's relative standard
-    error over windows within `rel_precision`, judged on the 95% interval (Student t): its half
-    width within 1.96 x rel_precision of the mean; or `max_s` measured seconds (0: no cap).
-
-    The t quantile matters for the few windows a short trial has: 4 windows that happen to agree
-    give a small standard deviation by chance (2 runs of one 2-rank config, 4 windows of 0.1 s each,
-    read 1,869 and 2,271 samples/s, both "+-5%"; its windows spread 1,367-2,706). Held to the
-    interval, a noisy config is measured longer (about 12 windows at a 15% window spread) and a
-    steady one still stops at 4. It is fed the job-level figures of each window (all-reduced, so
-    every rank decides the same)."""
-
-    rel_precision: float
-    min_s: float = 0.0
-    max_s: float = 0.0
-    throughputs: List[float] = field(default_factory=list)
-    walls: List[float] = field(default_factory=list)
-    measured_s: float = 0.0
-    reason: Optional[str] = None
-
-    def add(self, throughput: float, wall_s: float) -> Optional[str]:
-        """Record one window; returns why to stop now ('precision', 'max_measure_s') or None."""
-        self.throughputs.append(throughput)
-        self.walls.append(wall_s)
-        self.measured_s += wall_s
-        if self.max_s and self.measured_s >= self.max_s:
-            self.reason = "max_measure_s"
-        elif len(self.throughputs) >= MIN_WINDOWS and self.measured_s >= self.min_s:
-            est = estimate(self.throughputs, weights=self.walls)
-            if est["interval"] is not None and est["interval"][1] - est["mean"] <= Z95 * self.rel_precision * est["mean"]:
-                self.reason = "precision"
-        return self.reason
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, run_job
 from ..rundir import RecordError
-from ..runtime.loop import steady_warmup_steps
-from ..runtime.meter import MIN_WINDOWS, estimate
+from ..measure.plan import steady_warmup_steps
+from ..measure.stats import MIN_WINDOWS, estimate
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_lock
 from ..tracking import Tracker
@@ -418,7 +418,7 @@ class Tuner:
         rounds with CONFIRM_LONGER x longer windows and minimum time, and store their combined
         figures in the study (`confirmed`): the pick is made from those, not from the single short
         measurement that made a trial look best (its luck included)."""
-        from ..runtime.meter import combine
+        from ..measure.stats import combine
 
         top = confirm_candidates(study, self.t)
         numbers = sorted(tr.number for tr in top)
