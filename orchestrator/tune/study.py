@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..app import JobFailed, JobStopped, run_job
+from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..rundir import RecordError
 from ..runtime.loop import steady_warmup_steps
 from ..runtime.meter import MIN_WINDOWS, estimate
@@ -182,11 +182,18 @@ class Tuner:
                 study._storage.set_trial_user_attr(tr._trial_id, "interrupted", True)
                 study._storage.set_trial_state_values(tr._trial_id, self.optuna.trial.TrialState.FAIL)
 
+    def _check(self) -> None:
+        """What would refuse every trial: the base config's launch (devices, launcher, shard
+        modules) and the tracking store. Checked before the study, its trials or its MLflow run
+        exist, so a refused study changes nothing."""
+        check_launch(trial_config(self.cfg, {}), self.run_dir / "trials" / "0000")
+        self.tracker.check()
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
+        self._check()
         study = self._study()
-        self.tracker.check()
         parent = self.tracker.start(
             self.cfg.tracking.run_name or f"tune {self.name}",
             {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
@@ -305,6 +312,7 @@ class Tuner:
             return self._unlaunched(study, trial, rec, t0, "predicted_below", below[:480], f"not launched: {below}")
         try:
             cfg = trial_config(self.cfg, values)
+            check_launch(cfg, run_dir)  # e.g. a backend of the space this machine cannot launch
         except ConfigError as exc:  # an invalid combination: recorded, never launched
             return self._unlaunched(study, trial, rec, t0, "invalid", str(exc), f"invalid: {exc}")
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
