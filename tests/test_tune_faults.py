@@ -4,6 +4,8 @@ runs again, two tuners never launch one config at once."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 from pathlib import Path
 
 import optuna
@@ -13,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import checkpoint
 from orchestrator.schema import ConfigError, to_yaml
+from orchestrator.tune import study as study_module
 from orchestrator.tune.study import Tuner, run_study
 
 from .conftest import free_port
@@ -78,3 +81,39 @@ def test_a_resume_refused_for_its_tracking_uri_changes_nothing(make_cfg, tmp_pat
             run_job(make_cfg(f"trainer.resume={run_dir}", dead_tracking()), tmp_path / "other", echo=False)
     assert tree(run_dir) == before and not (tmp_path / "other").exists()
     assert "resuming" not in capsys.readouterr().out
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _killed_owner() -> str:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return f"{socket.gethostname()}:{proc.pid}"
+
+
+def test_an_interrupted_baseline_runs_again(make_cfg, tmp_path, monkeypatch):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, "tune.study_name=base-again", f"tune.storage={storage}", "tune.n_trials=1"]
+    with monkeypatch.context() as m:  # Ctrl-C while the baseline runs
+        m.setattr(study_module, "run_job", _interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run_study(make_cfg(*common), tmp_path / "a", echo=False)
+    first = load(storage, "base-again").trials
+    assert len(first) == 1 and first[0].user_attrs["interrupted"] and first[0].user_attrs["baseline"]
+    summary = run_study(make_cfg(*common), tmp_path / "b", echo=False)
+    assert summary["baseline"]["number"] == 1  # the one trial that ran
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["baseline"]["number"] == 1
+
+
+def test_a_baseline_a_killed_tuner_left_running_is_queued_again(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, "tune.study_name=base-killed", f"tune.storage={storage}"]
+    study = Tuner(make_cfg(*common), tmp_path / "a", echo=False)._study()
+    study.ask().set_user_attr("owner", _killed_owner())  # its tuner died while the baseline ran
+    Tuner(make_cfg(*common), tmp_path / "b", echo=False)._study()  # the rerun
+    trials = load(storage, "base-killed").trials
+    assert [(t.state.name, bool(t.user_attrs.get("interrupted")), t.user_attrs.get("baseline")) for t in trials] == [
+        ("FAIL", True, True), ("WAITING", False, True)]
+    assert trials[1].params == trials[0].params

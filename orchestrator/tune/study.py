@@ -98,7 +98,7 @@ class Tuner:
                 study.set_user_attr("workers", worker + 1)
                 self._reclaim_orphans(study)
                 apply_extensions(self.space, study.user_attrs.get("extended") or {})
-                if worker == 0 and self.t.baseline and not study.trials:
+                if self.t.baseline and (worker == 0 and not study.trials or self._baseline_interrupted(study)):
                     self._enqueue_baseline(study)
         except ConfigError:
             raise
@@ -121,6 +121,12 @@ class Tuner:
                                for n in sorted(set(made) | set(given)) if made.get(n) != given.get(n))
             raise ConfigError(f"tune.space: study '{self.name}' was made with another space ({differ}); resume it "
                               "with its own tune.space, or start another study (a new tune.study_name)")
+
+    def _baseline_interrupted(self, study: Any) -> bool:
+        """The study's baseline trials were all interrupted (Ctrl-C, a killed tuner): a resumed
+        study runs it again, so its summary has one."""
+        base = [tr for tr in study.get_trials(deepcopy=False) if tr.user_attrs.get("baseline")]
+        return bool(base) and all(tr.user_attrs.get("interrupted") for tr in base)
 
     def _enqueue_baseline(self, study: Any) -> None:
         """Trial 0: the config as given (its values outside the space are left to the sampler).
