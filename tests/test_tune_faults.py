@@ -117,3 +117,19 @@ def test_a_baseline_a_killed_tuner_left_running_is_queued_again(make_cfg, tmp_pa
     assert [(t.state.name, bool(t.user_attrs.get("interrupted")), t.user_attrs.get("baseline")) for t in trials] == [
         ("FAIL", True, True), ("WAITING", False, True)]
     assert trials[1].params == trials[0].params
+
+
+def test_a_tuner_never_launches_a_config_another_tuner_is_running(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, "tune.study_name=twins", f"tune.storage={storage}", "tune.n_trials=2"]
+    other = Tuner(make_cfg(*common), tmp_path / "other", echo=False)
+    study = other._study()
+    running = study.ask()  # another tuner took the baseline and is running it
+    other.space.sample(running)
+    study.enqueue_trial(running.params)  # and this tuner is proposed the same config
+    run_study(make_cfg(*common), tmp_path / "a", echo=False)
+    trials = load(storage, "twins").trials
+    assert trials[1].state == optuna.trial.TrialState.PRUNED and trials[1].user_attrs["duplicate_of"] == 0
+    assert not (tmp_path / "a" / "trials" / "0001").exists()
+    launched = [t for t in trials if "mlflow_run_id" in t.user_attrs]
+    assert launched and all(t.params != running.params for t in launched)

@@ -296,17 +296,24 @@ class Tuner:
     def _run_trial(self, study: Any, trial: Any, parent: Optional[str]) -> None:
         TrialState = self.optuna.trial.TrialState
         t0 = time.monotonic()
-        values = self.space.sample(trial)
-        rec = TrialRecord(trial.number, "RUNNING", values)
         self.mine.add(trial.number)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
-        trial.set_user_attr("values", values)
-        if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
-            trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
-        rec.proposed_by = trial.user_attrs["proposed_by"]
-        twin = self._measured_twin(study, values)
-        if twin is not None:  # the sampler proposed a config already measured: no second launch
-            return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin, f"duplicate of trial {twin}")
+        # the check for a twin and the claim (this RUNNING trial's params) happen under the study
+        # lock: two tuner processes never launch one config at the same time
+        with study_lock(self.storage, self.name):
+            values = self.space.sample(trial)
+            rec = TrialRecord(trial.number, "RUNNING", values)
+            trial.set_user_attr("values", values)
+            if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
+                trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
+            rec.proposed_by = trial.user_attrs["proposed_by"]
+            twin = self._measured_twin(study, values)
+            if twin is not None:  # the sampler proposed a config already measured: no second launch
+                return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin, f"duplicate of trial {twin}")
+            live = self._live_twin(study, trial)
+            if live is not None:  # running in another tuner (or measured): not a second launch
+                return self._unlaunched(study, trial, rec, t0, "duplicate_of", live.number, f"duplicate of trial "
+                                        f"{live.number} ({live.state.name.lower()})")
         ceiling = self.proposals.memory_ceiling(study)
         if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
             return self._unlaunched(study, trial, rec, t0, "over_memory_of", ceiling[1], f"batch {values[BATCH_KEY]} > "
@@ -491,6 +498,14 @@ class Tuner:
         for tr in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
             if tr.user_attrs.get("values") == values and not tr.user_attrs.get("interrupted"):
                 return tr.number
+        return None
+
+    def _live_twin(self, study: Any, trial: Any) -> Any:
+        """Another trial, RUNNING or COMPLETE (any tuner process's), with this trial's params."""
+        TrialState = self.optuna.trial.TrialState
+        for tr in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
+            if tr.number != trial.number and tr.params == trial.params:
+                return tr
         return None
 
     def _best_throughput(self, study: Any) -> float:
