@@ -15,7 +15,6 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import checkpoint
 from orchestrator.schema import ConfigError, to_yaml
-from orchestrator.tune import study as study_module
 from orchestrator.tune.study import Tuner, run_study
 
 from .conftest import free_port
@@ -83,23 +82,18 @@ def test_a_resume_refused_for_its_tracking_uri_changes_nothing(make_cfg, tmp_pat
     assert "resuming" not in capsys.readouterr().out
 
 
-def _interrupt(*args, **kwargs):
-    raise KeyboardInterrupt
-
-
 def _killed_owner() -> str:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return f"{socket.gethostname()}:{proc.pid}"
 
 
-def test_an_interrupted_baseline_runs_again(make_cfg, tmp_path, monkeypatch):
+def test_an_interrupted_baseline_runs_again(make_cfg, tmp_path):
     storage = f"sqlite:///{tmp_path}/optuna.db"
     common = [*SHORT, *SMALL, "tune.study_name=base-again", f"tune.storage={storage}", "tune.n_trials=1"]
-    with monkeypatch.context() as m:  # Ctrl-C while the baseline runs
-        m.setattr(study_module, "run_job", _interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            run_study(make_cfg(*common), tmp_path / "a", echo=False)
+    tuner = Tuner(make_cfg(*common), tmp_path / "a", echo=False)
+    study = tuner._study()
+    tuner._interrupted(study, study.ask())  # what Ctrl-C while the baseline runs records
     first = load(storage, "base-again").trials
     assert len(first) == 1 and first[0].user_attrs["interrupted"] and first[0].user_attrs["baseline"]
     summary = run_study(make_cfg(*common), tmp_path / "b", echo=False)
