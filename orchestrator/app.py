@@ -126,13 +126,15 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     launching anything on bad input, JobFailed if the job failed (the MLflow run ends FAILED), and
     KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
     """
-    cfg, run_dir, resumed = prepare_run_dir(cfg, Path(run_dir).resolve())
-    check_shard_modules(cfg)
+    cfg, run_dir, resumed = resume_target(cfg, Path(run_dir).resolve())
+    # everything that can refuse the job is checked before the run dir is touched (a refused resume
+    # prints nothing about resuming and archives nothing)
+    check_launch(cfg, run_dir)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
-    check_devices(cfg)
     launch = build_launch(cfg, run_dir)
+    open_run_dir(run_dir, resumed)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
               f"parallelism.nproc_per_node={cfg.parallelism.nproc_per_node} does not apply")
@@ -216,18 +218,32 @@ def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[Re
         return exc
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path) -> tuple:
-    """(cfg, run dir, checkpoint metadata or None). A resume continues in the run dir it names
-    (its earlier attempt archived, cfg.trainer.resume resolved to it); otherwise `run_dir`."""
+def check_launch(cfg: Config, run_dir: Path) -> None:
+    """What the launch of `cfg` refuses, checked without starting or writing anything: the model's
+    shard modules, the devices, the launcher. Raises ConfigError (the tuner calls it on its base
+    config before it creates a study)."""
+    check_shard_modules(cfg)
+    check_devices(cfg)
+    build_launch(cfg, run_dir)
+
+
+def resume_target(cfg: Config, run_dir: Path) -> tuple:
+    """(cfg, run dir, checkpoint metadata or None), touching nothing. A resume continues in the
+    run dir it names (cfg.trainer.resume resolved to it); otherwise `run_dir`."""
     resumed = resume_point(cfg) if cfg.trainer.resume else None
     if resumed is None:
-        run_dir.mkdir(parents=True, exist_ok=True)
         return cfg, run_dir, None
     run_dir, meta = resumed
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
-    print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir))), run_dir, meta
+
+
+def open_run_dir(run_dir: Path, resumed: Optional[Dict[str, Any]]) -> None:
+    """Once the job is checked: make the run dir, or for a resume archive the earlier attempt."""
+    if resumed is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return
+    print(f"[orchestrator] resuming {run_dir} from step {resumed['step']}")
     _archive_attempt(run_dir)
-    return cfg, run_dir, meta
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:

@@ -219,6 +219,8 @@ def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):
     per_process = [len(list((tmp_path / f"p{i}" / "trials").glob("*"))) if (tmp_path / f"p{i}" / "trials").exists()
                    else 0 for i in range(4)]
     assert sum(per_process) == len(launched)  # no trial ran twice
+    configs = [json.dumps(t.params, sort_keys=True) for t in launched]
+    assert len(set(configs)) == len(configs)  # nor one config in two tuners at once (the duplicate check)
     client = MlflowClient(mlflow_url)
     runs = client.search_runs([client.get_experiment_by_name("orchestrator").experiment_id])
     parents = {r.info.run_id for r in runs if r.data.tags.get("mode") == "tune"}

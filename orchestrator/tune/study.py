@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..app import JobFailed, JobStopped, run_job
+from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..rundir import RecordError
 from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
@@ -98,7 +98,7 @@ class Tuner:
                 study.set_user_attr("workers", worker + 1)
                 self._reclaim_orphans(study)
                 apply_extensions(self.space, study.user_attrs.get("extended") or {})
-                if worker == 0 and self.t.baseline and not study.trials:
+                if self.t.baseline and (worker == 0 and not study.trials or self._baseline_interrupted(study)):
                     self._enqueue_baseline(study)
         except ConfigError:
             raise
@@ -121,6 +121,12 @@ class Tuner:
                                for n in sorted(set(made) | set(given)) if made.get(n) != given.get(n))
             raise ConfigError(f"tune.space: study '{self.name}' was made with another space ({differ}); resume it "
                               "with its own tune.space, or start another study (a new tune.study_name)")
+
+    def _baseline_interrupted(self, study: Any) -> bool:
+        """The study's baseline trials were all interrupted (Ctrl-C, a killed tuner): a resumed
+        study runs it again, so its summary has one."""
+        base = [tr for tr in study.get_trials(deepcopy=False) if tr.user_attrs.get("baseline")]
+        return bool(base) and all(tr.user_attrs.get("interrupted") for tr in base)
 
     def _enqueue_baseline(self, study: Any) -> None:
         """Trial 0: the config as given (its values outside the space are left to the sampler).
@@ -182,11 +188,18 @@ class Tuner:
                 study._storage.set_trial_user_attr(tr._trial_id, "interrupted", True)
                 study._storage.set_trial_state_values(tr._trial_id, self.optuna.trial.TrialState.FAIL)
 
+    def _check(self) -> None:
+        """What would refuse every trial: the base config's launch (devices, launcher, shard
+        modules) and the tracking store. Checked before the study, its trials or its MLflow run
+        exist, so a refused study changes nothing."""
+        check_launch(trial_config(self.cfg, {}), self.run_dir / "trials" / "0000")
+        self.tracker.check()
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
+        self._check()
         study = self._study()
-        self.tracker.check()
         parent = self.tracker.start(
             self.cfg.tracking.run_name or f"tune {self.name}",
             {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
@@ -283,17 +296,24 @@ class Tuner:
     def _run_trial(self, study: Any, trial: Any, parent: Optional[str]) -> None:
         TrialState = self.optuna.trial.TrialState
         t0 = time.monotonic()
-        values = self.space.sample(trial)
-        rec = TrialRecord(trial.number, "RUNNING", values)
         self.mine.add(trial.number)
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
-        trial.set_user_attr("values", values)
-        if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
-            trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
-        rec.proposed_by = trial.user_attrs["proposed_by"]
-        twin = self._measured_twin(study, values)
-        if twin is not None:  # the sampler proposed a config already measured: no second launch
-            return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin, f"duplicate of trial {twin}")
+        # the check for a twin and the claim (this RUNNING trial's params) happen under the study
+        # lock: two tuner processes never launch one config at the same time
+        with study_lock(self.storage, self.name):
+            values = self.space.sample(trial)
+            rec = TrialRecord(trial.number, "RUNNING", values)
+            trial.set_user_attr("values", values)
+            if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
+                trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
+            rec.proposed_by = trial.user_attrs["proposed_by"]
+            twin = self._measured_twin(study, values)
+            if twin is not None:  # the sampler proposed a config already measured: no second launch
+                return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin, f"duplicate of trial {twin}")
+            live = self._live_twin(study, trial)
+            if live is not None:  # running in another tuner (or measured): not a second launch
+                return self._unlaunched(study, trial, rec, t0, "duplicate_of", live.number, f"duplicate of trial "
+                                        f"{live.number} ({live.state.name.lower()})")
         ceiling = self.proposals.memory_ceiling(study)
         if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
             return self._unlaunched(study, trial, rec, t0, "over_memory_of", ceiling[1], f"batch {values[BATCH_KEY]} > "
@@ -305,6 +325,7 @@ class Tuner:
             return self._unlaunched(study, trial, rec, t0, "predicted_below", below[:480], f"not launched: {below}")
         try:
             cfg = trial_config(self.cfg, values)
+            check_launch(cfg, run_dir)  # e.g. a backend of the space this machine cannot launch
         except ConfigError as exc:  # an invalid combination: recorded, never launched
             return self._unlaunched(study, trial, rec, t0, "invalid", str(exc), f"invalid: {exc}")
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
@@ -477,6 +498,14 @@ class Tuner:
         for tr in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
             if tr.user_attrs.get("values") == values and not tr.user_attrs.get("interrupted"):
                 return tr.number
+        return None
+
+    def _live_twin(self, study: Any, trial: Any) -> Any:
+        """Another trial, RUNNING or COMPLETE (any tuner process's), with this trial's params."""
+        TrialState = self.optuna.trial.TrialState
+        for tr in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
+            if tr.number != trial.number and tr.params == trial.params:
+                return tr
         return None
 
     def _best_throughput(self, study: Any) -> float:

@@ -1,0 +1,129 @@
+"""Refused, interrupted and concurrent studies: a refusal changes nothing, an interrupted baseline
+runs again, two tuners never launch one config at once."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from orchestrator import checkpoint
+from orchestrator.schema import ConfigError, to_yaml
+from orchestrator.tune.study import Tuner, run_study
+
+from .conftest import free_port
+from .test_tune import SHORT
+
+SMALL = ["tune.space.batch_size.high=32", "tune.space.num_workers.high=0"]
+
+
+def load(storage: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def record_of(study: optuna.Study) -> tuple:
+    """What a refused command must leave as it was: every trial's state and attributes, the study's."""
+    return [(t.number, t.state, t.params, t.user_attrs) for t in study.trials], study.user_attrs
+
+
+def tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def dead_tracking() -> str:
+    return f"tracking.uri=http://127.0.0.1:{free_port()}"  # nothing listens there: refused at once
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_base_config_the_launch_refuses_creates_no_study(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    cfg = make_cfg(*SHORT, "backend.device=cuda", "tune.study_name=no-cuda", f"tune.storage={storage}",
+                   "tracking.experiment=refused-study")
+    with pytest.raises(ConfigError) as info:
+        run_study(cfg, tmp_path / "run", echo=False)
+    assert "\n" not in str(info.value) and str(info.value).startswith("backend.device: cuda requested")
+    assert not (tmp_path / "optuna.db").exists() or optuna.get_all_study_names(storage) == []
+    exp = MlflowClient(cfg.tracking.uri).get_experiment_by_name("refused-study")
+    assert exp is None or not MlflowClient(cfg.tracking.uri).search_runs([exp.experiment_id])
+
+
+def test_a_study_refused_for_its_tracking_uri_changes_nothing(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, f"tune.storage={storage}"]
+    Tuner(make_cfg(*common, "tune.study_name=kept"), tmp_path / "a", echo=False)._study()
+    before = record_of(load(storage, "kept"))
+    for name in ("kept", "new"):
+        with pytest.raises(ConfigError, match="tracking.uri: no MLflow server answers"):
+            run_study(make_cfg(*common, f"tune.study_name={name}", dead_tracking()), tmp_path / name, echo=False)
+    assert record_of(load(storage, "kept")) == before  # no second baseline, the workers count as it was
+    assert optuna.get_all_study_names(storage) == ["kept"]
+
+
+def test_a_resume_refused_for_its_tracking_uri_changes_nothing(make_cfg, tmp_path, capsys):
+    from orchestrator.app import run_job
+
+    run_dir = tmp_path / "run"
+    checkpoint.save(run_dir, 60, {}, {"step": 60, "world_size": 1})
+    (run_dir / "config.yaml").write_text(to_yaml(make_cfg()))
+    (run_dir / "ranks").mkdir()
+    (run_dir / "ranks" / "rank0.json").write_text("{}")
+    (run_dir / "result.json").write_text(json.dumps({"status": "KILLED", "steps": 60}))
+    before = tree(run_dir)
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="tracking.uri: no MLflow server answers"):
+            run_job(make_cfg(f"trainer.resume={run_dir}", dead_tracking()), tmp_path / "other", echo=False)
+    assert tree(run_dir) == before and not (tmp_path / "other").exists()
+    assert "resuming" not in capsys.readouterr().out
+
+
+def _killed_owner() -> str:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return f"{socket.gethostname()}:{proc.pid}"
+
+
+def test_an_interrupted_baseline_runs_again(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, "tune.study_name=base-again", f"tune.storage={storage}", "tune.n_trials=1"]
+    tuner = Tuner(make_cfg(*common), tmp_path / "a", echo=False)
+    study = tuner._study()
+    tuner._interrupted(study, study.ask())  # what Ctrl-C while the baseline runs records
+    first = load(storage, "base-again").trials
+    assert len(first) == 1 and first[0].user_attrs["interrupted"] and first[0].user_attrs["baseline"]
+    summary = run_study(make_cfg(*common), tmp_path / "b", echo=False)
+    assert summary["baseline"]["number"] == 1  # the one trial that ran
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["baseline"]["number"] == 1
+
+
+def test_a_baseline_a_killed_tuner_left_running_is_queued_again(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, "tune.study_name=base-killed", f"tune.storage={storage}"]
+    study = Tuner(make_cfg(*common), tmp_path / "a", echo=False)._study()
+    study.ask().set_user_attr("owner", _killed_owner())  # its tuner died while the baseline ran
+    Tuner(make_cfg(*common), tmp_path / "b", echo=False)._study()  # the rerun
+    trials = load(storage, "base-killed").trials
+    assert [(t.state.name, bool(t.user_attrs.get("interrupted")), t.user_attrs.get("baseline")) for t in trials] == [
+        ("FAIL", True, True), ("WAITING", False, True)]
+    assert trials[1].params == trials[0].params
+
+
+def test_a_tuner_never_launches_a_config_another_tuner_is_running(make_cfg, tmp_path):
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    common = [*SHORT, *SMALL, "tune.study_name=twins", f"tune.storage={storage}", "tune.n_trials=2"]
+    other = Tuner(make_cfg(*common), tmp_path / "other", echo=False)
+    study = other._study()
+    running = study.ask()  # another tuner took the baseline and is running it
+    other.space.sample(running)
+    study.enqueue_trial(running.params)  # and this tuner is proposed the same config
+    run_study(make_cfg(*common), tmp_path / "a", echo=False)
+    trials = load(storage, "twins").trials
+    assert trials[1].state == optuna.trial.TrialState.PRUNED and trials[1].user_attrs["duplicate_of"] == 0
+    assert not (tmp_path / "a" / "trials" / "0001").exists()
+    launched = [t for t in trials if "mlflow_run_id" in t.user_attrs]
+    assert launched and all(t.params != running.params for t in launched)
