@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import (WINDOW_KEYS, Event, RecordError, note_unreadable, ranks_dir, read_json, write_atomic, write_job,
-                     write_json)
+from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, note_unreadable, own_run_dir, owner_tag, ranks_dir,
+                     read_job, read_json, write_atomic, write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
 from .supervise import FreshRanks, Outcome, Ranks
@@ -124,13 +124,27 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     `ranks` (tune/pool.py; default: fresh ones for this job), a `tracker` already checked, and
     `plots=False`. Returns the result (also in `run_dir/result.json`). Raises ConfigError before
     launching anything on bad input, JobFailed if the job failed (the MLflow run ends FAILED), and
-    KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
+    KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED). The run
+    dir is this process's while the job runs (rundir.RunOwner): RunDirOwned, before anything
+    changes, when another live process runs a job there.
     """
-    cfg, run_dir, resumed = prepare_run_dir(cfg, Path(run_dir).resolve())
+    cfg, run_dir, resumed, owner = prepare_run_dir(cfg, Path(run_dir).resolve())
+    with owner:
+        return _run_owned(cfg, run_dir, resumed, owner, echo=echo, extra_tags=extra_tags, monitor=monitor,
+                          run_name=run_name, ranks=ranks, tracker=tracker, plots=plots)
+
+
+def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], owner: RunOwner, *, echo: bool,
+               extra_tags: Optional[Dict[str, str]], monitor: Optional[Monitor], run_name: Optional[str],
+               ranks: Optional[Ranks], tracker: Optional[Tracker], plots: bool) -> Dict[str, Any]:
+    """run_job in a run dir this process owns."""
     check_shard_modules(cfg)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
+    if tracker.enabled and "'" not in str(run_dir):  # runs left RUNNING here by a job whose process died
+        tracker.close_dead_runs(f"tags.run_dir = '{run_dir}' and tags.host = '{socket.gethostname()}'",
+                                f"a later start in {run_dir} found it RUNNING", unowned=True)
     check_devices(cfg)
     launch = build_launch(cfg, run_dir)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
@@ -143,7 +157,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     expected = world if cfg.parallelism.node_rank == 0 else launch.local_ranks
     tags = {
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
-        "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
+        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), **cfg.tags, **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
     if resumed is not None and resumed.get("mlflow_run_id"):
@@ -217,17 +231,40 @@ def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[Re
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path) -> tuple:
-    """(cfg, run dir, checkpoint metadata or None). A resume continues in the run dir it names
-    (its earlier attempt archived, cfg.trainer.resume resolved to it); otherwise `run_dir`."""
+    """(cfg, run dir, checkpoint metadata or None, RunOwner). A resume continues in the run dir it
+    names (cfg.trainer.resume resolved to it); otherwise `run_dir`. The dir is owned first (nothing
+    changes in one another live process owns: RunDirOwned), then what an earlier attempt left there
+    is archived."""
     resumed = resume_point(cfg) if cfg.trainer.resume else None
-    if resumed is None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return cfg, run_dir, None
-    run_dir, meta = resumed
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
-    print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
-    _archive_attempt(run_dir)
-    return cfg, run_dir, meta
+    target = run_dir if resumed is None else resumed[0]
+    owner = own_run_dir(target, cfg.parallelism.node_rank)
+    try:
+        one_node = cfg.parallelism.nnodes == 1  # else other nodes' parents share the dir: theirs to keep
+        if owner.previous and one_node:
+            _close_dead_attempt(target, owner.previous)
+        if resumed is None:
+            if owner.previous and one_node and ranks_dir(run_dir).exists():  # a dead job's files: kept, not mixed in
+                _archive_attempt(run_dir)
+            return cfg, run_dir, None, owner
+        run_dir, meta = resumed
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
+        print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
+        _archive_attempt(run_dir)
+        return cfg, run_dir, meta, owner
+    except BaseException:
+        owner.release()
+        raise
+
+
+def _close_dead_attempt(run_dir: Path, previous: Dict[str, Any]) -> None:
+    """The attempt of an owner that died mid-job (killed -9) never wrote its result: it is recorded
+    FAILED, saying so (its MLflow run is closed once the tracker is up: _run_owned)."""
+    out = run_dir / "result.json"
+    if read_json(out, {}).get("status") == "FINISHED":
+        return
+    write_json(out, {"status": "FAILED", "run_dir": str(run_dir), "mlflow_run_id": read_job(run_dir).get("mlflow_run_id"),
+                     "error": f"its process died while it ran (host {previous.get('host')}, pid {previous.get('pid')})"},
+               indent=2)
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
