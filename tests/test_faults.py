@@ -136,6 +136,41 @@ def test_a_live_run_refuses_a_resume(tmp_path, mlflow_uri):
         kill_all(run_dir)
 
 
+def test_ranks_end_with_their_parent_and_the_next_start_closes_its_run(tmp_path, mlflow_uri, make_cfg, capsys):
+    """kill -9 of a ddp run's parent: torchrun and both ranks end within seconds; the next start in
+    that dir takes the dead owner's lock over and closes its MLflow run FAILED, with a note."""
+    from orchestrator.app import run_job
+
+    run_dir = tmp_path / "run"
+    job = cli(["backend=ddp", "parallelism.nproc_per_node=2", *ENDLESS], run_dir, mlflow_uri)
+    try:
+        wait_for(lambda: logged_steps(run_dir, 0) >= 3 and logged_steps(run_dir, 1) >= 3, job, what="no training")
+        run_id = json.loads((run_dir / "job.json").read_text())["mlflow_run_id"]
+        children = psutil.Process(job.pid).children(recursive=True)
+        assert len([p for p in children if "orchestrator.rank" in " ".join(p.cmdline())]) >= 2
+        job.kill()
+        job.wait(timeout=10)
+        end = time.monotonic() + 10
+        while job_processes(run_dir) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not job_processes(run_dir), [p.cmdline() for p in job_processes(run_dir)]
+        client = MlflowClient(mlflow_uri)
+        assert client.get_run(run_id).info.status == "RUNNING"  # nobody left to end it
+
+        capsys.readouterr()
+        result = run_job(make_cfg("backend=single", "trainer.max_steps=2", *ENDLESS[:3]), run_dir, echo=False)
+        out = capsys.readouterr().out
+        assert f"pid {job.pid}" in out and "taking it over" in out, out
+        old = client.get_run(run_id)
+        assert old.info.status == "FAILED" and f"pid {job.pid}" in old.data.tags["closed_note"]
+        assert result["status"] == "FINISHED" and result["mlflow_run_id"] != run_id
+        # the dead attempt's records are kept, saying how it ended
+        assert json.loads((run_dir / "attempts" / "1" / "result.json").read_text())["status"] == "FAILED"
+    finally:
+        stop(job)
+        kill_all(run_dir)
+
+
 def test_a_dead_tuners_runs_are_closed_by_the_next_start(mlflow_uri):
     """The MLflow runs of a study (its parent run, trials, confirmations) carry their owner: those
     left RUNNING by a dead one are closed FAILED, with a note; a live owner's are left alone."""
@@ -159,3 +194,42 @@ def test_a_dead_tuners_runs_are_closed_by_the_next_start(mlflow_uri):
     assert dead_pid in client.get_run(ids["dead"]).data.tags["closed_note"]
     assert client.get_run(ids["live"]).info.status == "RUNNING"
     assert client.get_run(ids["other study"]).info.status == "RUNNING"
+
+
+@pytest.mark.slow
+def test_a_killed_tuners_ranks_end_and_its_rerun_closes_what_it_left(tmp_path, mlflow_uri):
+    """kill -9 of a tuner mid-trial: its kept-alive ranks end; the rerun of the study reclaims the
+    Optuna trial and closes the dead tuner's MLflow runs (its own and the trial's) FAILED."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    args = ["mode=tune", "backend=ddp", "parallelism.nproc_per_node=2", "tune.n_trials=1", "tune.study_name=killed",
+            f"tune.storage={storage}", "tune.pruner=none", "tune.rel_precision=0", "tune.confirm_top=0",
+            "tune.measure_steps=100000", "tune.space.num_workers.high=0", *ENDLESS[:3]]
+    first = cli(args, tmp_path / "first", mlflow_uri)
+    try:
+        wait_for(lambda: any(logged_steps(d) for d in (tmp_path / "first" / "trials").glob("*")), first, timeout=120,
+                 what="no trial training")
+        first.kill()
+        first.wait(timeout=10)
+        end = time.monotonic() + 10
+        while job_processes(tmp_path / "first") and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not job_processes(tmp_path / "first"), [p.cmdline() for p in job_processes(tmp_path / "first")]
+        client = MlflowClient(mlflow_uri)
+        left = client.search_runs([client.get_experiment_by_name("orchestrator").experiment_id],
+                                  "tags.study_name = 'killed' and attributes.status = 'RUNNING'")
+        assert len(left) == 2  # the tuner's run and the trial's
+
+        second = run_cli([*[a for a in args if not a.startswith("tune.measure_steps")], "tune.measure_steps=4",
+                          "tune.n_trials=2", f"hydra.run.dir={tmp_path / 'second'}", f"tracking.uri={mlflow_uri}"],
+                         timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        for run in left:
+            closed = client.get_run(run.info.run_id)
+            assert closed.info.status == "FAILED" and f"pid {first.pid}" in closed.data.tags["closed_note"]
+        trials = optuna.load_study(study_name="killed", storage=storage).trials
+        assert trials[0].user_attrs.get("interrupted") and trials[0].state == optuna.trial.TrialState.FAIL
+    finally:
+        stop(first)
+        kill_all(tmp_path / "first")
