@@ -144,7 +144,7 @@ def test_ranks_end_with_their_parent_and_the_next_start_closes_its_run(tmp_path,
     run_dir = tmp_path / "run"
     job = cli(["backend=ddp", "parallelism.nproc_per_node=2", *ENDLESS], run_dir, mlflow_uri)
     try:
-        wait_for(lambda: logged_steps(run_dir, 0) >= 3 and logged_steps(run_dir, 1) >= 3, job, what="no training")
+        wait_for(lambda: logged_steps(run_dir, 0) >= 1 and logged_steps(run_dir, 1) >= 1, job, what="no training")
         run_id = json.loads((run_dir / "job.json").read_text())["mlflow_run_id"]
         children = psutil.Process(job.pid).children(recursive=True)
         assert len([p for p in children if "orchestrator.rank" in " ".join(p.cmdline())]) >= 2
