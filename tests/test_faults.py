@@ -158,7 +158,7 @@ def test_ranks_end_with_their_parent_and_the_next_start_closes_its_run(tmp_path,
         assert client.get_run(run_id).info.status == "RUNNING"  # nobody left to end it
 
         capsys.readouterr()
-        result = run_job(make_cfg("backend=single", "trainer.max_steps=2", *ENDLESS[:3]), run_dir, echo=False)
+        result = run_job(make_cfg("backend=single", "trainer.max_steps=2", *ENDLESS[:3]), run_dir, echo=False, plots=False)
         out = capsys.readouterr().out
         assert f"pid {job.pid}" in out and "taking it over" in out, out
         old = client.get_run(run_id)
