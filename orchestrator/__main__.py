@@ -60,7 +60,7 @@ def main(dcfg: DictConfig) -> None:
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
     from .app import JobFailed, NothingToResume, RecordFailed, print_summary, run_job
-    from .rundir import RecordError, write_json
+    from .rundir import RecordError, RunDirOwned, write_json
     from .tune.study import StudyFailed
 
     try:
@@ -75,6 +75,9 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
     except NothingToResume as exc:
         print(f"[orchestrator] {exc}")
         return 0
+    except RunDirOwned as exc:  # another live job's dir: nothing of it is touched, no result.json either
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except ConfigError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         out = run_dir / "result.json"
@@ -139,11 +142,32 @@ def resume_in_place(argv: List[str]) -> List[str]:
     return [*kept, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
 
 
+RUN_DIR_ARG = re.compile(r"^hydra\.run\.dir=(.*)$")
+NODE_RANK_ARG = re.compile(r"^\+{0,2}parallelism\.node_rank=(\d+)$")
+
+
+def refuse_if_owned(argv: List[str]) -> None:
+    """A start or resume in a run dir another live job owns ends here, in one line (exit 2), before
+    Hydra writes its .hydra/ record or log there (run_job checks again as it takes the dir)."""
+    from .rundir import owned_by, owned_message
+
+    values = [m.group(1) for m in map(RUN_DIR_ARG.match, argv) if m]
+    if not values or {"-m", "--multirun"} & set(argv):
+        return
+    run_dir = Path(values[-1]).resolve()
+    node = [int(m.group(1)) for m in map(NODE_RANK_ARG.match, argv) if m]
+    owner = owned_by(run_dir, node[-1] if node else 0)
+    if owner is not None:
+        print(f"error: {owned_message(run_dir, owner)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
 def cli() -> None:
     # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     signal.signal(signal.SIGTERM, _on_sigterm)
     sys.argv = [sys.argv[0], *resume_in_place(sys.argv[1:])]
+    refuse_if_owned(sys.argv[1:])
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors

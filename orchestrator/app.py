@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import (WINDOW_KEYS, Event, RecordError, note_unreadable, ranks_dir, read_json, write_atomic, write_job,
-                     write_json)
+from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, note_unreadable, own_run_dir, owner_tag, ranks_dir,
+                     read_job, read_json, write_atomic, write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
 from .supervise import FreshRanks, Outcome, Ranks
@@ -124,7 +124,9 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     `ranks` (tune/pool.py; default: fresh ones for this job), a `tracker` already checked, and
     `plots=False`. Returns the result (also in `run_dir/result.json`). Raises ConfigError before
     launching anything on bad input, JobFailed if the job failed (the MLflow run ends FAILED), and
-    KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
+    KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED). The run
+    dir is this process's while the job runs (rundir.RunOwner): RunDirOwned, before anything
+    changes, when another live process runs a job there.
     """
     cfg, run_dir, resumed = resume_target(cfg, Path(run_dir).resolve())
     # everything that can refuse the job is checked before the run dir is touched (a refused resume
@@ -133,6 +135,24 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
+    owner = own_run_dir(run_dir, cfg.parallelism.node_rank)  # RunDirOwned, changing nothing, while another runs there
+    with owner:
+        return _run_owned(cfg, run_dir, resumed, owner, tracker, echo=echo, extra_tags=extra_tags, monitor=monitor,
+                          run_name=run_name, ranks=ranks, plots=plots)
+
+
+def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], owner: RunOwner, tracker: Tracker, *,
+               echo: bool, extra_tags: Optional[Dict[str, str]], monitor: Optional[Monitor], run_name: Optional[str],
+               ranks: Optional[Ranks], plots: bool) -> Dict[str, Any]:
+    """run_job once its job is checked, in a run dir this process owns: what a dead owner left is
+    closed first (its attempt recorded FAILED and archived, its MLflow runs closed)."""
+    if owner.previous and cfg.parallelism.nnodes == 1:  # else other nodes' parents share the dir: theirs to keep
+        _close_dead_attempt(run_dir, owner.previous)
+        if resumed is None and ranks_dir(run_dir).exists():  # a dead job's files: kept, not mixed in
+            _archive_attempt(run_dir)
+    if tracker.enabled and "'" not in str(run_dir):  # runs left RUNNING here by a job whose process died
+        tracker.close_dead_runs(f"tags.run_dir = '{run_dir}' and tags.host = '{socket.gethostname()}'",
+                                f"a later start in {run_dir} found it RUNNING", unowned=True)
     launch = build_launch(cfg, run_dir)
     open_run_dir(run_dir, resumed)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
@@ -145,7 +165,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     expected = world if cfg.parallelism.node_rank == 0 else launch.local_ranks
     tags = {
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
-        "run_dir": str(run_dir), "host": socket.gethostname(), **cfg.tags, **(extra_tags or {}),
+        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), **cfg.tags, **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
     if resumed is not None and resumed.get("mlflow_run_id"):
@@ -244,6 +264,17 @@ def open_run_dir(run_dir: Path, resumed: Optional[Dict[str, Any]]) -> None:
         return
     print(f"[orchestrator] resuming {run_dir} from step {resumed['step']}")
     _archive_attempt(run_dir)
+
+
+def _close_dead_attempt(run_dir: Path, previous: Dict[str, Any]) -> None:
+    """The attempt of an owner that died mid-job (killed -9) never wrote its result: it is recorded
+    FAILED, saying so (its MLflow run is closed once the tracker is up: _run_owned)."""
+    out = run_dir / "result.json"
+    if read_json(out, {}).get("status") == "FINISHED":
+        return
+    write_json(out, {"status": "FAILED", "run_dir": str(run_dir), "mlflow_run_id": read_job(run_dir).get("mlflow_run_id"),
+                     "error": f"its process died while it ran (host {previous.get('host')}, pid {previous.get('pid')})"},
+               indent=2)
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:

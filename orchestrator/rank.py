@@ -11,13 +11,14 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Optional
 
-from .rundir import (pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir, read_job,
-                     write_atomic, write_json)
+from .rundir import (OWNER_ENV, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir,
+                     read_job, write_atomic, write_json)
 
 
 def _early_rank() -> int:
@@ -138,6 +139,45 @@ def main(run_dir: str) -> int:
 
 POLL_S = 0.005
 OWNER_CHECK_S = 1.0
+WATCH_OWNER_S = 0.5
+
+
+def watch_owner(tag: Optional[str] = None, every_s: float = WATCH_OWNER_S) -> Optional[threading.Thread]:
+    """End this rank (and its loader workers) when the orchestrator process supervising it is gone
+    (`OWNER_ENV`, `host:pid:start`): killed -9, it cannot stop its ranks, and nobody else would end
+    them or record their job. A thread checking every `every_s`; none without the variable."""
+    tag = tag if tag is not None else os.environ.get(OWNER_ENV, "")
+    if not tag:
+        return None
+
+    def watch() -> None:
+        while not process_gone(tag):
+            time.sleep(every_s)
+        try:
+            print(f"[orchestrator] rank {_early_rank()}: its orchestrator process ({tag}) is gone; exiting",
+                  file=sys.__stderr__, flush=True)
+        except Exception:  # its output pipe went with it
+            pass
+        _end_children()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="owner-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _end_children() -> None:
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def next_job(pool_dir: Path, seq: int) -> Optional[dict]:
@@ -200,6 +240,7 @@ def pool_main(pool_dir: str) -> int:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    watch_owner()
     if len(args) == 2 and args[0] == "--pool":
         rc = pool_main(args[1])
     elif len(args) == 1:

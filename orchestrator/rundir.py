@@ -4,6 +4,7 @@ defined here and nowhere else.
 
     <run dir>/config.yaml          the resolved config the ranks load (written by the parent)
     <run dir>/job.json             the job spec: what a rank needs besides the config (MLflow run id)
+    <run dir>/owner.json           the process running a job there: flock-ed while it lives (RunOwner)
     <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (Event)
     <run dir>/ranks/rank<R>.json   rank R's result (rank 0 also writes every other rank's)
     <run dir>/ranks/rank<R>.err    rank R's traceback, when it failed
@@ -21,6 +22,9 @@ from typing import Any, Callable, Dict, List, Optional, TypedDict, Union
 
 RANKS_DIR = "ranks"
 JOB_FILE = "job.json"
+OWNER_FILE = "owner.json"
+# the supervising process (`host:pid:start`, owner_tag) whose end ends the ranks (rank.watch_owner)
+OWNER_ENV = "ORCHESTRATOR_OWNER"
 
 
 # -- the records of rank<R>.jsonl (one JSON object a line, `type` first) -------------------------
@@ -235,18 +239,184 @@ def pool_owner_path(pool_dir: Path) -> Path:
 
 def process_tag() -> str:
     """This process as `host:pid` (a trial's or a pool's owner)."""
-    import os
     import socket
 
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def process_start(pid: Optional[int] = None) -> float:
+    """When the process started (seconds since the epoch): with its pid, who it is (pids are reused)."""
+    import psutil
+
+    return psutil.Process(pid).create_time()
+
+
+def owner_tag() -> str:
+    """This process as `host:pid:start`: a recycled pid is not mistaken for it (process_gone)."""
+    return f"{process_tag()}:{process_start():.2f}"
+
+
+_TAG = re.compile(r"^(.*):(\d+)(?::(\d+(?:\.\d*)?))?$")
+
+
 def process_gone(tag: str) -> bool:
-    """The `host:pid` process is known to be gone: it ran on this host and no longer exists.
-    (A process on another host cannot be checked from here: False.)"""
+    """The `host:pid` (or `host:pid:start`) process is known to be gone: it ran on this host and no
+    longer exists, is a zombie, or its pid now names a process started at another time. (A process
+    on another host cannot be checked from here: False.)"""
     import socket
 
     import psutil
 
-    host, _, pid = tag.rpartition(":")
-    return host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid))
+    m = _TAG.match(tag)
+    if m is None or m.group(1) != socket.gethostname():
+        return False
+    try:
+        proc = psutil.Process(int(m.group(2)))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        return m.group(3) is not None and abs(proc.create_time() - float(m.group(3))) > 1.0
+    except psutil.NoSuchProcess:  # ZombieProcess included
+        return True
+    except psutil.Error:
+        return False
+
+
+def describe_process(tag: str) -> str:
+    """`host H, pid P` for a `host:pid[:start]` tag (the tag itself when it is not one)."""
+    m = _TAG.match(tag)
+    return f"host {m.group(1)}, pid {m.group(2)}" if m else tag
+
+
+# -- the run dir's owner -------------------------------------------------------------------------
+class RunDirOwned(RuntimeError):
+    """Another live process runs a job in this run dir: one line naming it (host, pid)."""
+
+
+def owner_path(run_dir: Path, node_rank: int = 0) -> Path:
+    """owner.json; on the other nodes of a job sharing its run dir, owner.node<R>.json (each node's
+    parent owns its own part)."""
+    return Path(run_dir) / (OWNER_FILE if not node_rank else f"owner.node{node_rank}.json")
+
+
+def _owner_record(fd: int) -> Dict[str, Any]:
+    """What owner.json says ({} when empty: released, or still being written)."""
+    try:
+        rec = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return rec if isinstance(rec, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _owner_of(rec: Dict[str, Any]) -> str:
+    return f"{rec.get('host', '?')}:{rec.get('pid', '?')}:{rec.get('start', '')}".rstrip(":")
+
+
+def owned_message(run_dir: Path, rec: Dict[str, Any]) -> str:
+    who = f"host {rec['host']}, pid {rec['pid']}, since {rec.get('since', '?')}" if rec else "its owner not recorded yet"
+    return (f"{run_dir} is in use by a running job ({who}); a start or a resume there waits for it to end "
+            f"(or stop it first)")
+
+
+def _lock(fd: int, run_dir: Path) -> bool:
+    """Take the exclusive flock on owner.json: True; False when the filesystem has none (the record
+    alone then tells). RunDirOwned when another process holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        rec = _owner_record(fd)
+        os.close(fd)
+        raise RunDirOwned(owned_message(run_dir, rec)) from None
+    except OSError:
+        return False
+
+
+class RunOwner:
+    """This process's hold on a run dir: an exclusive flock on `owner.json`, kept while the job runs
+    (the kernel lets go when the process dies, however it dies), and in it the owner's host, pid and
+    start time for the message a second start reads. `previous`: the record of an owner that died
+    holding the dir (it never released it), or None. `release()` empties the record and lets go."""
+
+    def __init__(self, run_dir: Path, fd: int, previous: Optional[Dict[str, Any]]) -> None:
+        self.run_dir, self.fd, self.previous = Path(run_dir), fd, previous
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        os.close(self.fd)  # lets go of the flock
+        self.fd = -1
+
+    def __enter__(self) -> "RunOwner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _still_runs(rec: Dict[str, Any], locked: bool) -> bool:
+    """Whether the owner a record names runs, though its lock was taken (`locked`: a filesystem that
+    does not share flocks between hosts, or a process that let go without releasing), or could
+    not be tried (a filesystem without flock: then an owner on another host counts as running)."""
+    if rec.get("host") != _host():
+        return not locked
+    return not process_gone(_owner_of(rec)) and (not locked or rec.get("pid") != os.getpid())
+
+
+def own_run_dir(run_dir: Path, node_rank: int = 0) -> RunOwner:
+    """Become the owner of `run_dir` (this node's part: owner_path) before anything in it changes.
+    RunDirOwned (one line naming the owner's host and pid) when a live process owns it; a dead
+    owner's hold is taken over with a one-line note."""
+    from datetime import datetime
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(owner_path(run_dir, node_rank), os.O_RDWR | os.O_CREAT, 0o644)
+    locked = _lock(fd, run_dir)
+    previous = _owner_record(fd) or None
+    if previous and _still_runs(previous, locked):
+        os.close(fd)
+        raise RunDirOwned(owned_message(run_dir, previous))
+    if previous:
+        print(f"[orchestrator] note: {run_dir} was left by a job whose process is gone (host {previous.get('host')}, "
+              f"pid {previous.get('pid')}, since {previous.get('since', '?')}); taking it over")
+    rec = {"host": _host(), "pid": os.getpid(), "start": round(process_start(), 2),
+           "since": datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(rec).encode(), 0)
+    os.fsync(fd)
+    return RunOwner(run_dir, fd, previous)
+
+
+def owned_by(run_dir: Path, node_rank: int = 0) -> Optional[Dict[str, Any]]:
+    """The record of the live process that owns `run_dir` (this node's part; {} if not written yet),
+    or None. Changes nothing."""
+    import fcntl
+
+    try:
+        fd = os.open(owner_path(run_dir, node_rank), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        locked = True
+    except BlockingIOError:
+        return _owner_record(fd)
+    except OSError:
+        locked = False
+    try:
+        rec = _owner_record(fd)
+        return rec if rec and _still_runs(rec, locked) else None
+    finally:
+        os.close(fd)  # also lets go of a shared lock taken
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()

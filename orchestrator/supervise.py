@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol
 import psutil
 
 from .launch import Launch
-from .rundir import Event, rank_of, ranks_dir
+from .rundir import OWNER_ENV, Event, owner_tag, rank_of, ranks_dir
 
 
 
@@ -113,14 +113,41 @@ def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
     return ""
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Optional[Callable[[], None]]:
+    """A preexec_fn that has the kernel SIGTERM the launcher when this process dies (Linux
+    prctl(PR_SET_PDEATHSIG)); torchrun and horovodrun then end their ranks, and the ranks watch
+    this process themselves (rank.watch_owner). The signal follows the thread that forks: only
+    the main thread's launches get it. None where it does not apply."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, never in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before the signal was set
+            os._exit(1)
+
+    return preexec
+
+
 class Launched:
-    """A started launcher: its process (own session) and a thread keeping its output's tail."""
+    """A started launcher: its process (own session) and a thread keeping its output's tail. The
+    launcher and its ranks end when this process does, even killed -9 (_die_with_parent, OWNER_ENV)."""
 
     def __init__(self, launch: Launch, echo: bool, log: Optional[Path] = None) -> None:
-        env = {**os.environ, **launch.env}
+        env = {**os.environ, **launch.env, OWNER_ENV: owner_tag()}
         self.proc = subprocess.Popen(
             launch.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, text=True, bufsize=1, errors="replace",
+            start_new_session=True, text=True, bufsize=1, errors="replace", preexec_fn=_die_with_parent(),
         )
         self.world_size = launch.world_size
         self.echo = echo

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
+from .rundir import describe_process, process_gone
 from .schema import ConfigError, TrackingConfig
 from .stores import redact, resolve_uri, sqlite_path, store_lock
 
@@ -161,6 +162,34 @@ class Tracker:
         self.run_id = run_id
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         return run_id
+
+    def close_dead_runs(self, where: str, why: str, unowned: bool = False) -> List[str]:
+        """End FAILED, with the tag `closed_note`, the RUNNING runs matching the MLflow filter `where`
+        whose owner (tag `owner`) is a process that died (killed -9: nobody left to end them); with
+        `unowned`, also those without the tag (made before runs carried it). Returns their ids; one
+        note line each. Tracking trouble is printed, never raised."""
+        from datetime import datetime
+
+        if not self.enabled or self.client is None:
+            return []
+        closed: List[str] = []
+        try:
+            runs = self.client.search_runs([self.experiment_id], f"{where} and attributes.status = 'RUNNING'",
+                                           max_results=1000)
+            for run in runs:
+                owner = run.data.tags.get("owner")
+                if not (process_gone(owner) if owner else unowned):
+                    continue
+                who = describe_process(owner) if owner else "owner unknown"
+                note = f"closed FAILED at {datetime.now():%Y-%m-%d %H:%M:%S}: its process ({who}) died while it ran; {why}"
+                self.client.set_tag(run.info.run_id, "closed_note", note)
+                self.client.set_terminated(run.info.run_id, status="FAILED")
+                closed.append(run.info.run_id)
+                print(f"[tracking] note: MLflow run {run.info.run_id} ({run.info.run_name}) was left RUNNING by a "
+                      f"process that died ({who}): closed FAILED")
+        except Exception as exc:
+            print(f"[tracking] could not close runs left RUNNING by dead processes: {str(exc).splitlines()[0][:300]}")
+        return closed
 
     def log_metrics(self, points: Iterable[tuple[str, float, int]]) -> None:
         """(key, value, step) points; NaN/inf are dropped (MLflow rejects them on some stores)."""

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, check_launch, run_job
-from ..rundir import RecordError
 from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
+from ..rundir import RecordError, own_run_dir, owner_tag
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_lock
 from ..tracking import Tracker
@@ -179,14 +179,24 @@ class Tuner:
                 time.sleep(0.5 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def _reclaim_orphans(self, study: Any) -> None:
+    def _reclaim_orphans(self, study: Any) -> int:
         """Trials left RUNNING by a tuner process that died (killed, or its database went away
         mid-trial; see `storage.orphaned`) are recorded as interrupted: they neither count toward
-        tune.n_trials nor hold a slot. Called under the study lock, before each count."""
+        tune.n_trials nor hold a slot. Called under the study lock, before each count. Their MLflow
+        runs are closed by _close_dead_runs. Returns how many."""
+        n = 0
         for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,)):
             if orphaned(tr):
                 study._storage.set_trial_user_attr(tr._trial_id, "interrupted", True)
                 study._storage.set_trial_state_values(tr._trial_id, self.optuna.trial.TrialState.FAIL)
+                n += 1
+        return n
+
+    def _close_dead_runs(self) -> None:
+        """The MLflow runs of this study (a tuner's own run, its trials' and confirmations') left
+        RUNNING by a tuner process that died: closed FAILED, with a note."""
+        if "'" not in self.name:
+            self.tracker.close_dead_runs(f"tags.study_name = '{self.name}'", f"study '{self.name}' was run again")
 
     def _check(self) -> None:
         """What would refuse every trial: the base config's launch (devices, launcher, shard
@@ -200,13 +210,14 @@ class Tuner:
         self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
         self._check()
         study = self._study()
+        self._close_dead_runs()
         parent = self.tracker.start(
             self.cfg.tracking.run_name or f"tune {self.name}",
             {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
              "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
              **{f"space.{d.name}": d.describe() for d in self.space.dims}},
             {"mode": "tune", "study_name": self.name, "backend": self.cfg.backend.name.value,
-             "world_size": str(self.cfg.world_size), **self.cfg.tags},
+             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
         )
         self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {self.t.n_trials} trials, objective "
                   f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
@@ -222,11 +233,13 @@ class Tuner:
             duplicates_in_a_row = 0
             while True:
                 with study_lock(self.storage, self.name):
-                    self._reclaim_orphans(study)
+                    reclaimed = self._reclaim_orphans(study)
                     apply_extensions(self.space, study.user_attrs.get("extended") or {})  # another process's
                     if counted(study.get_trials(deepcopy=False)) >= self.t.n_trials:
                         break
                     trial = study.ask()
+                if reclaimed:  # another tuner process of this study died meanwhile
+                    self._close_dead_runs()
                 try:
                     self._run_trial(study, trial, parent)
                 except KeyboardInterrupt:
@@ -688,6 +701,7 @@ def trial_metrics(result: Dict[str, Any]) -> Dict[str, float]:
 
 def run_study(cfg: Config, run_dir: Path, echo: bool = True, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
     """`mode=tune`: run (or resume) the study; returns the summary written to the run dir."""
-    tuner = Tuner(cfg, run_dir, echo=echo, overrides=overrides)
-    return tuner.run()
+    with own_run_dir(Path(run_dir).resolve(), cfg.parallelism.node_rank):  # RunDirOwned: another live tuner's
+        tuner = Tuner(cfg, run_dir, echo=echo, overrides=overrides)
+        return tuner.run()
 
