@@ -7,6 +7,7 @@ only glue around it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import socket
 import sys
@@ -20,7 +21,9 @@ from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import (WINDOW_KEYS, Event, RecordError, note_unreadable, ranks_dir, read_json, write_atomic, write_job,
                      write_json)
 from .runtime.dist import check_devices, check_shard_modules
+from .runtime.loop import check_model
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
+from .stores import store_error
 from .supervise import FreshRanks, Outcome, Ranks
 from .tracking import Tracker
 
@@ -103,7 +106,7 @@ class LiveLog:
             try:
                 self.tracker.log_metrics(points)
             except Exception as exc:  # tracking trouble must not kill a training job
-                print(f"[tracking] could not log metrics: {exc}")
+                print(f"[tracking] could not log metrics: {store_error(exc, self.tracker.uri)}")
 
 
 
@@ -127,6 +130,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     KeyboardInterrupt after ending every process on Ctrl-C/SIGTERM (the run ends KILLED).
     """
     cfg, run_dir, resumed = prepare_run_dir(cfg, Path(run_dir).resolve())
+    check_model(cfg)
     check_shard_modules(cfg)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
@@ -184,7 +188,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
             result["error"] = why
             raise JobStopped("stopped", result)
         if status == "FAILED":
-            result["error"] = f"{why}\n{outcome.error}".strip()
+            result["error"] = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
     except RecordError as exc:  # a full disk while writing the job's records
         status = "FAILED"
@@ -221,13 +225,25 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> tuple:
     (its earlier attempt archived, cfg.trainer.resume resolved to it); otherwise `run_dir`."""
     resumed = resume_point(cfg) if cfg.trainer.resume else None
     if resumed is None:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"hydra.run.dir: cannot make {run_dir} ({exc.strerror or exc}); allowed: a directory "
+                              "this user can create or write") from None
+        _check_writable(run_dir, "hydra.run.dir")
         return cfg, run_dir, None
     run_dir, meta = resumed
+    _check_writable(run_dir, "trainer.resume")
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=str(run_dir)))
     print(f"[orchestrator] resuming {run_dir} from step {meta['step']}")
     _archive_attempt(run_dir)
     return cfg, run_dir, meta
+
+
+def _check_writable(run_dir: Path, key: str) -> None:
+    """Before launch: the job's records go into `run_dir` (a read-only one ends with a traceback)."""
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: the run dir {run_dir} is not writable; allowed: a directory this user can write")
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
@@ -242,6 +258,9 @@ def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -
     if outcome.over_memory:
         return "FAILED", f"out of memory: {outcome.over_memory}"
     if outcome.failed_rank is not None:
+        said = outcome.error.strip()
+        if said and "\n" not in said:  # the rank's own one line (a config it found wrong): the reason
+            return "FAILED", f"rank {outcome.failed_rank} failed: {said}"
         return "FAILED", f"rank {outcome.failed_rank} failed"
     if outcome.ok:
         return "FAILED", f"only {reported} of {expected} ranks reported a result"
