@@ -96,7 +96,8 @@ PEER_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|by peer|D
                        r"|communicator was aborted|HorovodInternalError|timed out|timeout", re.I)
 # how a launcher reports a rank's exit: torchrun's failure summary, horovodrun's (gloo) first failure
 LAUNCHER_EXIT = (re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)"),
-                 re.compile(r"Process name: (\d+)\s*\n\s*Exit code: (-?\d+)"))
+                 re.compile(r"Process name: (\d+)\s*\n\s*Exit code: (-?\d+)"),
+                 re.compile(r"Process (\d+) exit with status code (-?\d+)"))
 CLEANUP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # how launchers end the other ranks
 
 
@@ -127,10 +128,9 @@ def _first_error(run_dir: Path, output: str = "") -> tuple[Optional[int], str]:
     if killed and (not errs or PEER_LOST.search(said_first)):
         rank, sig = killed[0]
         said = f"rank {rank} was killed by {sig.name} (signal {sig.value}) and left no traceback (kill -9? the OOM killer?)"
-        lost = PEER_LOST.search(said_first)
-        if lost:
-            line = next(ln for ln in said_first.splitlines() if lost.group(0) in ln).strip()
-            said += f"\nthen rank {rank_of(errs[0])} lost its peer: {line[:300]}"
+        lost = [ln.strip() for ln in said_first.splitlines() if PEER_LOST.search(ln)]
+        if lost:  # the exception's own line: the last that says so
+            said += f"\nthen rank {rank_of(errs[0])} lost its peer: {lost[-1][:300]}"
         return rank, said
     if not errs:
         return None, ""

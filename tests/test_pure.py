@@ -148,6 +148,8 @@ PEER_RESET = ("Traceback (most recent call last):\n  File \"loop.py\", line 603,
     (PEER_RESET, TORCHRUN_REPORT, (1, "rank 1 was killed by SIGKILL")),
     (None, TORCHRUN_REPORT, (1, "rank 1 was killed by SIGKILL")),  # rank 0 ended by torchrun before it noticed
     (None, "Process name: 1\nExit code: 137\n", (1, "rank 1 was killed by SIGKILL")),  # horovodrun (gloo)
+    ("Traceback (most recent call last):\nhorovod.common.exceptions.HorovodInternalError: Horovod has been shut down\n",
+     "Process 0 exit with status code 1.\nProcess 1 exit with status code 137.\n", (1, "rank 1 was killed by SIGKILL")),
     # a rank's own error is its own, even if another rank was killed later
     ("Traceback (most recent call last):\nValueError: bad\n", TORCHRUN_REPORT, (0, "Traceback")),
     (PEER_RESET, "exitcode  : -15\n", (0, "Traceback")),  # no rank killed: the traceback it is
