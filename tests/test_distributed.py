@@ -234,7 +234,9 @@ def test_rank_killed_by_a_signal_is_blamed_not_its_peer(make_cfg, tmp_path, monk
     with pytest.raises(JobFailed) as info:
         run_job(cfg, tmp_path / "run", echo=False)
     error = info.value.result["error"]
-    assert error.startswith("rank 1 failed\nrank 1 was killed by SIGKILL (signal 9) and left no traceback"), error
+    # rank 0 may or may not have noticed before the launcher ended it: its error follows, or none
+    assert error.startswith("rank 1 failed") and "rank 1 was killed by SIGKILL (signal 9) and left no traceback" in error
+    assert "rank 0 failed" not in error
     assert not list(temp.glob("torchelastic_*"))
     assert not job_processes(tmp_path)
 
