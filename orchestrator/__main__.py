@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -38,8 +38,13 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+_started = False  # the job function was entered: Hydra made the run dir and wrote .hydra/
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    global _started
+    _started = True
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
@@ -97,8 +102,9 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except JobFailed as exc:
-        print(redact(exc.result.get("error", str(exc))), file=sys.stderr)
-        print(f"error: job failed: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        if exc.result.get("error", str(exc)) != str(exc):  # a traceback, said once below when it is one line
+            print(redact(exc.result.get("error", str(exc))), file=sys.stderr)
+        print(f"error: job failed: {redact(str(exc))} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
         print("error: terminated (SIGTERM); every rank was stopped", file=sys.stderr)
@@ -173,6 +179,32 @@ def cli() -> None:
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors
         print(f"error: {redact(format_error(exc, Config))}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    except Exception as exc:  # noqa: BLE001 - Hydra's own writes before the job: the run dir
+        os_error = _os_error(exc)
+        if _started or os_error is None:
+            raise
+        print(f"error: {run_dir_error(os_error, multirun=bool({'-m', '--multirun'} & set(sys.argv)))}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
+def _os_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError behind `exc` (Hydra wraps the one of its log file in a ValueError)."""
+    seen: Optional[BaseException] = exc
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def run_dir_error(exc: OSError, multirun: bool = False) -> str:
+    """Hydra could not make the run dir, or write its .hydra/ record there (a read-only folder, a
+    file in the way): one line naming the option, before anything is launched."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    where = exc.filename or "?"
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        problem = f"{where} is a file, not a directory"
+    else:
+        problem = f"cannot write {where} ({exc.strerror or exc})"
+    return f"{key}: {problem}; allowed: a directory this user can create or write (or a new path)"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ only glue around it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import socket
 import sys
@@ -20,7 +21,9 @@ from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, note_unreadable, own_run_dir, owner_tag, ranks_dir,
                      read_job, read_json, write_atomic, write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
+from .runtime.loop import check_model
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
+from .stores import store_error
 from .supervise import FreshRanks, Outcome, Ranks
 from .tracking import Tracker
 
@@ -103,7 +106,7 @@ class LiveLog:
             try:
                 self.tracker.log_metrics(points)
             except Exception as exc:  # tracking trouble must not kill a training job
-                print(f"[tracking] could not log metrics: {exc}")
+                print(f"[tracking] could not log metrics: {store_error(exc, self.tracker.uri)}")
 
 
 
@@ -206,7 +209,7 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
             result["error"] = why
             raise JobStopped("stopped", result)
         if status == "FAILED":
-            result["error"] = f"{why}\n{outcome.error}".strip()
+            result["error"] = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
     except RecordError as exc:  # a full disk while writing the job's records
         status = "FAILED"
@@ -239,12 +242,27 @@ def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[Re
 
 
 def check_launch(cfg: Config, run_dir: Path) -> None:
-    """What the launch of `cfg` refuses, checked without starting or writing anything: the model's
-    shard modules, the devices, the launcher. Raises ConfigError (the tuner calls it on its base
-    config before it creates a study)."""
+    """What the launch of `cfg` refuses, checked without starting anything: the model (built on the
+    meta device), its shard modules, the devices, the launcher, and that the run dir can be made
+    and written. Raises ConfigError (the tuner calls it on its base config before it creates a
+    study); writes nothing but the run dir itself, when it did not exist."""
+    check_model(cfg)
     check_shard_modules(cfg)
     check_devices(cfg)
     build_launch(cfg, run_dir)
+    key = "trainer.resume" if cfg.trainer.resume else "hydra.run.dir"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot make {run_dir} ({exc.strerror or exc}); allowed: a directory "
+                          "this user can create or write") from None
+    _check_writable(run_dir, key)
+
+
+def _check_writable(run_dir: Path, key: str) -> None:
+    """Before launch: the job's records go into `run_dir` (a read-only one ends with a traceback)."""
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: the run dir {run_dir} is not writable; allowed: a directory this user can write")
 
 
 def resume_target(cfg: Config, run_dir: Path) -> tuple:
@@ -289,6 +307,9 @@ def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -
     if outcome.over_memory:
         return "FAILED", f"out of memory: {outcome.over_memory}"
     if outcome.failed_rank is not None:
+        said = outcome.error.strip()
+        if said and "\n" not in said:  # the rank's own one line (a config it found wrong): the reason
+            return "FAILED", f"rank {outcome.failed_rank} failed: {said}"
         return "FAILED", f"rank {outcome.failed_rank} failed"
     if outcome.ok:
         return "FAILED", f"only {reported} of {expected} ranks reported a result"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import typing
 from typing import Any, Optional
@@ -32,6 +33,50 @@ def _allowed_keys(parent: str, root: type) -> str:
     return ""
 
 
+def _describe(tp: Any) -> str:
+    """The values a schema type takes, as a user writes them on the command line."""
+    args = typing.get_args(tp)
+    if args and type(None) in args:  # Optional[X]
+        inner = next(a for a in args if a is not type(None))
+        return f"{_describe(inner)}, or null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return ", ".join(str(e.value) for e in tp)
+    origin = typing.get_origin(tp)
+    if origin in (list, typing.List):
+        return "a list like [a,b]"
+    if origin in (dict, typing.Dict) or dataclasses.is_dataclass(tp):
+        return "a mapping like {key: value}"
+    return {bool: "true, false", int: "an integer", float: "a number", str: "a string"}.get(tp, "")
+
+
+def _field_type(key: str, root: type) -> Any:
+    """The schema type of the dotted `key` (None when it is not a typed field)."""
+    parent, _, name = key.rpartition(".")
+    node = _schema_at(parent, root)
+    if node is None or not dataclasses.is_dataclass(node):
+        return None
+    return typing.get_type_hints(node).get(name)
+
+
+def _bad_value(exc: BaseException, key: str, root: type) -> Optional[str]:
+    """An OmegaConf ValidationError of a typed field, from its own fields (.full_key, .value):
+    `key: 'value' is not valid; allowed: ...` with the values the schema type takes."""
+    allowed = _describe(_field_type(key, root))
+    if not allowed or not hasattr(exc, "value"):
+        return None
+    return f"{key}: invalid value '{exc.value}'; allowed: {allowed}"
+
+
+def _malformed(exc: BaseException, root: type) -> str:
+    """Hydra's OverrideParseException (the grammar's text): the override and the form expected."""
+    override = str(getattr(exc, "override", ""))
+    key = override.split("=", 1)[0].lstrip("+~")
+    allowed = _describe(_field_type(key, root)) if key else ""
+    form = f"{key}=<{allowed}>" if allowed else "key=value"
+    return (f"{key or override}: malformed override '{override}'; expected {form} (a list is [a,b], "
+            "a value with special characters quoted: \"key='a value'\")")
+
+
 def format_error(exc: BaseException, root: type) -> str:
     """Reduce Hydra's multi-line compose errors to `field: problem; allowed: ...`; `root` is the
     config schema (schema.Config), passed in so this module does not import the schema back."""
@@ -39,6 +84,11 @@ def format_error(exc: BaseException, root: type) -> str:
     while chain[-1].__cause__ is not None:
         chain.append(chain[-1].__cause__)
     text = "\n".join(str(e) for e in chain)
+    from hydra.errors import OverrideParseException
+
+    parse = next((e for e in chain if isinstance(e, OverrideParseException)), None)
+    if parse is not None and getattr(parse, "override", None):
+        return _malformed(parse, root)
 
     m = re.search(r"Could not find '([^']+)/([^']+)'.*?Available options in '[^']+':\s*(.*)", text, re.S)
     if m:
@@ -76,7 +126,16 @@ def format_error(exc: BaseException, root: type) -> str:
 
     m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", text)
     if m and key:
-        return f"{key}: '{m.group(1)}' is not a valid {m.group(2)}"
+        allowed = _describe(_field_type(key, root))
+        return f"{key}: '{m.group(1)}' is not a valid {m.group(2)}" + (f"; allowed: {allowed}" if allowed else "")
+
+    from omegaconf.errors import ValidationError
+
+    invalid = next((e for e in chain if isinstance(e, ValidationError) and getattr(e, "full_key", None)), None)
+    if invalid is not None and not re.search(r"[Mm]issing mandatory value", text):
+        line = _bad_value(invalid, invalid.full_key, root)
+        if line:
+            return line
 
     if key and re.search(r"[Mm]issing mandatory value", text):
         example = {"model._target_": "mypkg.nets.Net", "data._target_": "mypkg.data.make_dataset"}.get(key, "...")

@@ -52,6 +52,9 @@ def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_co
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={p.nproc_per_node}", *where,
         "--max-restarts=0",
+        # torchrun's per-rank log folders (empty: ranks print to this console, tracebacks go to the run
+        # dir) would otherwise be a new torchelastic_* folder in the system temp dir at every launch
+        f"--log-dir={os.devnull}",
         "--module", RANK_MODULE, *target,
     ]
     return Launch(cmd, _base_env(cfg, p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node)
@@ -75,6 +78,10 @@ def _horovodrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_
                 horovodrun: Optional[str] = None) -> Launch:
     p = cfg.parallelism
     world = p.world_size
+    if p.hostfile and not Path(p.hostfile).is_file():  # before horovodrun: it would end in a traceback
+        what = "is a directory" if Path(p.hostfile).is_dir() else "does not exist"
+        raise ConfigError(f"parallelism.hostfile: {p.hostfile} {what}; allowed: a file of 'host slots=N' lines, "
+                          "or parallelism.hosts='host:slots,...'")
     cmd = [horovodrun or horovodrun_path(), "-np", str(world)]
     if cfg.backend.gloo:
         cmd.append("--gloo")

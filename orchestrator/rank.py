@@ -102,9 +102,13 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
 def _fail(root: Path, rank: int, exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         return 130
+    from .schema import ConfigError
+
     ranks_dir(root).mkdir(parents=True, exist_ok=True)
-    write_atomic(rank_paths(root, rank)["error"], traceback.format_exc())
-    traceback.print_exc()
+    # a config the rank found wrong (a dataset of 0 items): its one line, not a traceback
+    text = f"{exc}\n" if isinstance(exc, ConfigError) else traceback.format_exc()
+    write_atomic(rank_paths(root, rank)["error"], text)
+    sys.stderr.write(text)
     return 1
 
 

@@ -104,14 +104,23 @@ def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
     if not callable(obj):
         raise ConfigError(f"{node}._target_: '{target}' is not callable")
     try:
-        params = inspect.signature(obj).parameters
+        sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
+    params = sig.parameters
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    for key in args:
-        _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names)}")
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key in args:
+            _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names)}")
+    try:
+        sig.bind(**args)
+    except TypeError as exc:  # a required argument is missing (the README: checked before launch)
+        missing = [n for n, p in params.items() if p.default is p.empty and n not in args
+                   and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing:
+            raise ConfigError(f"{node}.args.{missing[0]}: required by {target} and not given; "
+                              f"set it, e.g. +{node}.args.{missing[0]}=...") from None
+        raise ConfigError(f"{node}.args: do not fit the signature of {target} ({exc})") from None
 
 
 @dataclass

@@ -51,6 +51,29 @@ def redact_files(paths: Iterable[Path]) -> None:
                 write_atomic(path, redact(text))
 
 
+# what a database driver says when the server is gone (not "database is locked": SQLite is no server)
+_UNREACHABLE = re.compile(r"connect|server closed|terminating connection|network|could not translate host", re.I)
+
+
+def store_error(exc: BaseException, uri: str, what: str = "tracking store") -> str:
+    """One line for a failure of an MLflow or Optuna store. A lost connection (an OperationalError
+    of psycopg or SQLAlchemy in the cause chain, or MLflow's message saying so) is said as such,
+    with the driver's own words, never the wrapper's guess (Optuna: "invalid data in the commit,
+    e.g. exceeding max length")."""
+    chain, seen = [], exc  # type: ignore[var-annotated]
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for e in reversed(chain):  # the driver's error is the deepest
+        text = str(e).strip()
+        operational = type(e).__name__ == "OperationalError"
+        mlflow = type(e).__name__ == "MlflowException" and "connection" in text.lower()
+        if (operational and _UNREACHABLE.search(text)) or mlflow:
+            return f"{what} {redact(uri)} unreachable: {redact(text.splitlines()[0][:300])}"
+    text = str(exc).strip()
+    return redact(text.splitlines()[0][:300] if text else type(exc).__name__)
+
+
 class RedactPasswords(logging.Filter):
     """A logging filter masking URL passwords (Hydra logs a sweep's overrides; conf/config.yaml)."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,11 +91,50 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         pass
 
 
-def _first_error(run_dir: Path) -> tuple[Optional[int], str]:
+# A rank's error that only says a peer went away: the consequence of another rank's death
+PEER_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|by peer|DistNetworkError|remote process exited"
+                       r"|communicator was aborted|HorovodInternalError|timed out|timeout", re.I)
+# how a launcher reports a rank's exit: torchrun's failure summary, horovodrun's (gloo) first failure
+LAUNCHER_EXIT = (re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)"),
+                 re.compile(r"Process name: (\d+)\s*\n\s*Exit code: (-?\d+)"),
+                 re.compile(r"Process (\d+) exit with status code (-?\d+)"))
+CLEANUP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # how launchers end the other ranks
+
+
+def killed_ranks(output: str) -> List[tuple[int, signal.Signals]]:
+    """(rank, signal) of each rank the launcher saw die by a signal it did not send itself (a
+    SIGKILL, a segfault): such a rank left no traceback. torchrun gives -N, a shell 128+N."""
+    out: List[tuple[int, signal.Signals]] = []
+    for pattern in LAUNCHER_EXIT:
+        for rank, code in pattern.findall(output):
+            num = -int(code) if int(code) < 0 else int(code) - 128 if int(code) > 128 else 0
+            try:
+                sig = signal.Signals(num)
+            except ValueError:
+                continue
+            if sig not in CLEANUP_SIGNALS and (int(rank), sig) not in out:
+                out.append((int(rank), sig))
+    return out
+
+
+def _first_error(run_dir: Path, output: str = "") -> tuple[Optional[int], str]:
+    """The rank that failed first, and what it said. A rank's traceback, the earliest one, unless
+    it only says a peer went away and the launcher saw a rank killed by a signal (no traceback,
+    so no file): that rank died first and the others lost their connection to it."""
     errs = sorted(ranks_dir(run_dir).glob("rank*.err"), key=lambda p: p.stat().st_mtime)
+    first = errs[0].read_text() if errs else ""
+    killed = killed_ranks(output)
+    said_first = "\n".join(line for line in first.splitlines() if not line.lstrip().startswith("File "))
+    if killed and (not errs or PEER_LOST.search(said_first)):
+        rank, sig = killed[0]
+        said = f"rank {rank} was killed by {sig.name} (signal {sig.value}) and left no traceback (kill -9? the OOM killer?)"
+        lost = [ln.strip() for ln in said_first.splitlines() if PEER_LOST.search(ln)]
+        if lost:  # the exception's own line: the last that says so
+            said += f"\nthen rank {rank_of(errs[0])} lost its peer: {lost[-1][:300]}"
+        return rank, said
     if not errs:
         return None, ""
-    return rank_of(errs[0]), errs[0].read_text()
+    return rank_of(errs[0]), first
 
 
 def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
@@ -232,7 +272,7 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
         if batch:
             on_events(batch)
     outcome.output_tail = list(launched.tail)
-    outcome.failed_rank, outcome.error = _first_error(run_dir)
+    outcome.failed_rank, outcome.error = _first_error(run_dir, "\n".join(launched.tail))
     if not outcome.ok and not outcome.error:
         outcome.error = "\n".join(outcome.output_tail[-30:])
     return outcome

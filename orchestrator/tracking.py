@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from .rundir import describe_process, process_gone
 from .schema import ConfigError, TrackingConfig
-from .stores import redact, resolve_uri, sqlite_path, store_lock
+from .stores import redact, resolve_uri, sqlite_path, store_error, store_lock
 
 # A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
@@ -77,9 +77,10 @@ class Tracker:
                 self.client.set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "custom_model_development")
         except ConfigError:
             raise
-        except Exception as exc:  # driver missing, auth, schema...
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"tracking.uri: cannot use {self.shown}: {redact(first[:300])}") from None
+        except Exception as exc:  # driver missing, auth, schema, the server down...
+            said = store_error(exc, self.uri)
+            raise ConfigError(f"tracking.uri: {said}" if " unreachable: " in said
+                              else f"tracking.uri: cannot use {self.shown}: {said}") from None
         self._check_artifact_home()
 
     def _check_artifact_home(self) -> None:
@@ -239,7 +240,7 @@ class Tracker:
             for err in sorted(ranks_dir.glob("rank*.err")):
                 self.log_artifact(err, "errors")
         except Exception as exc:
-            print(f"[tracking] could not record the result: {exc}")
+            print(f"[tracking] could not record the result: {store_error(exc, self.uri)}")
         finally:
             self.end(status)
 
@@ -250,4 +251,4 @@ class Tracker:
         try:
             self.client.set_terminated(self.run_id, status=status)
         except Exception as exc:
-            print(f"[tracking] could not mark MLflow run {self.run_id} {status}: {exc}")
+            print(f"[tracking] could not mark MLflow run {self.run_id} {status}: {store_error(exc, self.uri)}")

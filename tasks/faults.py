@@ -4,6 +4,7 @@ whose rank is slower than the others by a known factor (parallelism.balance=spee
 from __future__ import annotations
 
 import os
+import signal as signals
 import time
 
 import torch
@@ -18,18 +19,21 @@ def _rank() -> int:
 
 
 class FailingLinear(nn.Linear):
-    """nn.Linear that raises on `fail_rank` at its `fail_at`-th forward (or hangs, with `hang`)."""
+    """nn.Linear that raises on `fail_rank` at its `fail_at`-th forward (or hangs, with `hang`; or
+    sends itself `signal`, e.g. 9: a rank killed with no traceback, as by the OOM killer)."""
 
     def __init__(self, in_features: int = 1000, out_features: int = 10, fail_rank: int = 0, fail_at: int = 3,
-                 hang: bool = False) -> None:
+                 hang: bool = False, signal: int = 0) -> None:
         super().__init__(in_features, out_features)
-        self.fail_rank, self.fail_at, self.hang, self.calls = fail_rank, fail_at, hang, 0
+        self.fail_rank, self.fail_at, self.hang, self.signal, self.calls = fail_rank, fail_at, hang, signal, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if _rank() == self.fail_rank and self.calls >= self.fail_at:
             if self.hang:
                 time.sleep(3600)
+            if self.signal:
+                os.kill(os.getpid(), signals.Signals(self.signal))
             raise RuntimeError(f"injected failure on rank {self.fail_rank} at forward {self.calls}")
         return super().forward(x)
 

@@ -47,3 +47,13 @@ class RecordingLinear(nn.Linear):
         with open(self.path, "a") as f:
             f.write("".join(f"{v!r}\n" for v in x[:, 0].tolist()))
         return super().forward(x)
+
+
+def not_a_module(width: int = 8) -> int:
+    """A model factory that forgot to return its module."""
+    return width
+
+
+def with_kwargs(width: int, **rest: int) -> nn.Module:
+    """A factory taking any keyword besides its one required argument."""
+    return nn.Linear(16, width)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
+
+import pytest
 
 from .conftest import run_cli
 
@@ -28,24 +32,66 @@ def test_cli_help_and_cfg():
     assert "batch_size: 64" in job.stdout and "name: ddp" in job.stdout
 
 
-def test_cli_bad_input_is_one_line_exit_2(tmp_path):
-    for args, expected in [
-        (["data.batch_size=0"], "error: data.batch_size: must be an integer >= 1, got 0"),
-        (["backend=nope"], "error: backend: unknown choice 'nope'; allowed: ddp, dp, fsdp, horovod, single"),
-        (["backend=fsdp", "parallelism.nproc_per_node=2", "experiment=transformer_lm", "backend.shard_modules=[Block]"],
-         "error: backend.shard_modules: Block is no module class of tasks.models.TinyTransformerLM; allowed: Dropout, "
-         "Embedding, LayerNorm, Linear, ModuleList, MultiheadAttention"),
-        (["backend=fsdp", "parallelism.nproc_per_node=4", "parallelism.shard_size=3"],
-         "error: parallelism.shard_size: 3 does not divide the world size 4 (nproc_per_node x nnodes); "
-         "allowed: 0 (all ranks), 1, 2, 4"),
-        (["data.nope=1"], "error: data.nope: unknown key in data; allowed:"),
-        (["mode=tune", "tune.n_trials=0"], "error: tune.n_trials: must be >= 1, got 0"),
-    ]:
-        out = run_cli(args + [f"hydra.run.dir={tmp_path / 'x'}"])
-        assert out.returncode == 2, (args, out.stderr)
-        lines = [line for line in out.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
-        assert not (tmp_path / "x" / "ranks").exists()  # nothing launched
+def _read_only_dir(tmp_path):
+    """A directory this user cannot write: chmod 555, or for root (who writes anyway) sysfs."""
+    if os.geteuid() == 0:
+        return "/sys/kernel"
+    path = tmp_path / "ro"
+    path.mkdir()
+    path.chmod(0o555)
+    return str(path)
+
+
+# every case: one line on stderr, exit 2, nothing launched ({run} is the case's run dir)
+BAD_INPUT = [
+    (["data.batch_size=0"], "error: data.batch_size: must be an integer >= 1, got 0"),
+    (["backend=nope"], "error: backend: unknown choice 'nope'; allowed: ddp, dp, fsdp, horovod, single"),
+    (["backend=fsdp", "parallelism.nproc_per_node=2", "experiment=transformer_lm", "backend.shard_modules=[Block]"],
+     "error: backend.shard_modules: Block is no module class of tasks.models.TinyTransformerLM; allowed: Dropout, "
+     "Embedding, LayerNorm, Linear, ModuleList, MultiheadAttention"),
+    (["backend=fsdp", "parallelism.nproc_per_node=4", "parallelism.shard_size=3"],
+     "error: parallelism.shard_size: 3 does not divide the world size 4 (nproc_per_node x nnodes); "
+     "allowed: 0 (all ranks), 1, 2, 4"),
+    (["data.nope=1"], "error: data.nope: unknown key in data; allowed:"),
+    (["mode=tune", "tune.n_trials=0"], "error: tune.n_trials: must be >= 1, got 0"),
+    (["trainer.amp=maybe"], "error: trainer.amp: invalid value 'maybe'; allowed: true, false"),
+    (["data.batch_size=[1,2"], "error: data.batch_size: malformed override 'data.batch_size=[1,2'; "
+                               "expected data.batch_size=<an integer>"),
+    (["model=custom", "model._target_=tests.custom_task.Net"],
+     "error: model.args.width: required by tests.custom_task.Net and not given; set it, e.g. +model.args.width=..."),
+    (["model=custom", "model._target_=tests.custom_task.not_a_module"],
+     "error: model._target_: tests.custom_task.not_a_module returned int, not a torch.nn.Module"),
+    (["backend=horovod", "parallelism.hostfile={run}/nowhere.txt"],
+     "error: parallelism.hostfile: {run}/nowhere.txt does not exist; allowed: a file of 'host slots=N' lines"),
+    (["hydra.run.dir={file}"], "error: hydra.run.dir: {file} is a file, not a directory; allowed:"),
+    (["hydra.run.dir={ro}"], "error: hydra.run.dir: cannot write {ro}/"),
+]
+
+
+@pytest.mark.parametrize("args, expected", BAD_INPUT, ids=[" ".join(a)[:60] for a, _ in BAD_INPUT])
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, expected):
+    where = {"run": str(tmp_path / "x"), "file": str(tmp_path / "a-file")}
+    (tmp_path / "a-file").write_text("")
+    if any("{ro}" in a for a in args):
+        where["ro"] = _read_only_dir(tmp_path)
+    args = [a.format(**where) for a in args]
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")), where["run"])
+    out = run_cli(args + [f"hydra.run.dir={run_dir}", "tracking.enabled=false"])
+    assert out.returncode == 2, (args, out.stderr)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(expected.format(**where)), out.stderr
+    assert not (Path(run_dir) / "ranks").exists()  # nothing launched
+
+
+def test_cli_empty_dataset_is_one_clear_line(tmp_path):
+    """A dataset of 0 items is found by the rank that builds it: one line naming the factory."""
+    out = run_cli(["data=custom", "data._target_=tests.custom_task.make_dataset", "+data.args.items=0", "model=custom",
+                   "model._target_=tests.custom_task.Net", "+model.args.width=4", "tracking.enabled=false",
+                   f"hydra.run.dir={tmp_path}"])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: job failed: rank 0 failed: data._target_: tests.custom_task.make_dataset "
+                               "returned a dataset of 0 items"), lines
 
 
 def test_cli_failed_job_shows_traceback(tmp_path, mlflow_uri):

@@ -105,6 +105,15 @@ def test_names_later_issues_rely_on():
     (["backend=ddp", "parallelism.balance=fast"], "parallelism.balance: invalid value 'fast'; allowed: even, speed"),
     (["backend=ddp", "parallelism.balance_tolerance=0"], "parallelism.balance_tolerance: must be in (0, 1)"),
     (["parallelism.balance=speed"], "parallelism.balance: speed splits the batch between ranks, and backend=single"),
+    (["trainer.amp=maybe"], "trainer.amp: invalid value 'maybe'; allowed: true, false"),
+    (["data.batch_size=[1,2"], "data.batch_size: malformed override 'data.batch_size=[1,2'; expected data.batch_size=<an integer>"),
+    (["data.batch_size=abc"], "data.batch_size: 'abc' is not a valid Integer; allowed: an integer"),
+    (["data.prefetch_factor=x"], "data.prefetch_factor: 'x' is not a valid Integer; allowed: an integer, or null"),
+    (["backend=fsdp", "backend.shard_modules=3"], "backend.shard_modules: invalid value '3'; allowed: a list like [a,b]"),
+    (["model=custom", "model._target_=tests.custom_task.Net"],
+     "model.args.width: required by tests.custom_task.Net and not given; set it, e.g. +model.args.width=..."),
+    (["data=custom", "data._target_=tests.custom_task.make_dataset"],
+     "data.args.items: required by tests.custom_task.make_dataset and not given"),
 ])
 def test_bad_input_is_one_clear_line(overrides, expected):
     msg = config_error(overrides)

@@ -222,6 +222,25 @@ def test_failing_rank_ends_the_job(make_cfg, tmp_path, backend):
     assert MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"]).info.status == "FAILED"
 
 
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("horovod", marks=pytest.mark.slow)])
+def test_rank_killed_by_a_signal_is_blamed_not_its_peer(make_cfg, tmp_path, monkeypatch, backend):
+    """kill -9 of rank 1: rank 0's "connection reset by peer" follows it; the job names rank 1. And
+    torchrun leaves no torchelastic_* folder in the temp dir (it used to, at every launch)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the launcher's temp dir
+    cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "model._target_=tasks.faults.FailingLinear",
+                   "+model.args.fail_rank=1", "+model.args.fail_at=4", "+model.args.signal=9", "trainer.max_steps=50")
+    with pytest.raises(JobFailed) as info:
+        run_job(cfg, tmp_path / "run", echo=False)
+    error = info.value.result["error"]
+    # rank 0 may or may not have noticed before the launcher ended it: its error follows, or none
+    assert error.startswith("rank 1 failed") and "rank 1 was killed by SIGKILL (signal 9) and left no traceback" in error
+    assert "rank 0 failed" not in error
+    assert not list(temp.glob("torchelastic_*"))
+    assert not job_processes(tmp_path)
+
+
 def test_hung_rank_hits_the_timeout(make_cfg, tmp_path):
     cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", "model._target_=tasks.faults.FailingLinear",
                    "+model.args.fail_rank=1", "+model.args.hang=true", "trainer.timeout_s=12")

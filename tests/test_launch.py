@@ -60,11 +60,13 @@ def test_horovodrun_two_hosts(make_cfg):
     assert ln.world_size == 4 and ln.env["OMP_NUM_THREADS"] == "4"
 
 
-def test_horovodrun_hostfile_and_mpi(make_cfg):
-    ln = launch(make_cfg, "backend=horovod", "backend.gloo=false", "parallelism.hostfile=/etc/hosts.txt",
+def test_horovodrun_hostfile_and_mpi(make_cfg, tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=3\n")
+    ln = launch(make_cfg, "backend=horovod", "backend.gloo=false", f"parallelism.hostfile={hostfile}",
                 "parallelism.nproc_per_node=3", horovodrun="/x/horovodrun")
     assert "--gloo" not in ln.cmd
-    assert ln.cmd[1:5] == ["-np", "3", "-hostfile", "/etc/hosts.txt"]
+    assert ln.cmd[1:5] == ["-np", "3", "-hostfile", str(hostfile)]
 
 
 def test_horovod_missing_says_how_to_install(make_cfg, monkeypatch):

@@ -97,3 +97,82 @@ def test_the_floors_hold():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
+
+
+TORCHRUN_REPORT = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  time      : 2026-12-02_05:21:43
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 10420)  (SIGKILL)
+  error_file: <N/A>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 10419)
+"""
+PEER_RESET = ("Traceback (most recent call last):\n  File \"loop.py\", line 603, in train\nRuntimeError: [pair.cc:537] "
+              "Read error [127.0.0.1]:38795: Connection reset by peer.\n\nAt:\n  default_hooks.py(31): <lambda>\n")
+
+
+@pytest.mark.parametrize("rank0_err, output, expected", [
+    # rank 1 killed (-9), rank 0's connection reset written first, torchrun's root cause rank 0 (a tie)
+    (PEER_RESET, TORCHRUN_REPORT, (1, "rank 1 was killed by SIGKILL")),
+    (None, TORCHRUN_REPORT, (1, "rank 1 was killed by SIGKILL")),  # rank 0 ended by torchrun before it noticed
+    (None, "Process name: 1\nExit code: 137\n", (1, "rank 1 was killed by SIGKILL")),  # horovodrun (gloo)
+    ("Traceback (most recent call last):\nhorovod.common.exceptions.HorovodInternalError: Horovod has been shut down\n",
+     "Process 0 exit with status code 1.\nProcess 1 exit with status code 137.\n", (1, "rank 1 was killed by SIGKILL")),
+    # a rank's own error is its own, even if another rank was killed later
+    ("Traceback (most recent call last):\nValueError: bad\n", TORCHRUN_REPORT, (0, "Traceback")),
+    (PEER_RESET, "exitcode  : -15\n", (0, "Traceback")),  # no rank killed: the traceback it is
+])
+def test_the_rank_that_died_first_is_blamed(tmp_path, rank0_err, output, expected):
+    from orchestrator.supervise import _first_error
+
+    (tmp_path / "ranks").mkdir()
+    if rank0_err is not None:
+        (tmp_path / "ranks" / "rank0.err").write_text(rank0_err)
+    rank, said = _first_error(tmp_path, output)
+    assert (rank, said[:len(expected[1])]) == expected, said
+
+
+def test_store_error_says_unreachable_with_the_drivers_words():
+    import psycopg
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+    from optuna.exceptions import StorageInternalError
+
+    from orchestrator.stores import store_error
+
+    url = "postgresql+psycopg://u:secret@db:5432/optuna"
+    driver = psycopg.OperationalError('connection failed: connection to server at "db", port 5432 failed: '
+                                      'Connection refused\n\tIs the server running on that host?')
+    try:
+        try:
+            try:
+                raise driver
+            except psycopg.OperationalError as e:
+                raise sqlalchemy.exc.OperationalError("SELECT 1", {}, e) from e
+        except sqlalchemy.exc.OperationalError as e:
+            raise StorageInternalError("An exception is raised during the commit. This typically happens due to "
+                                       "invalid data in the commit, e.g. exceeding max length. ") from e
+    except StorageInternalError as exc:
+        said = store_error(exc, url, "tune.storage")
+    assert said == ('tune.storage postgresql+psycopg://u:***@db:5432/optuna unreachable: connection failed: '
+                    'connection to server at "db", port 5432 failed: Connection refused'), said
+    said = store_error(MlflowException("(psycopg.OperationalError) server closed the connection unexpectedly"), url)
+    assert said.startswith("tracking store postgresql+psycopg://u:***@db:5432/optuna unreachable: (psycopg"), said
+    assert store_error(ValueError("a name too long"), url) == "a name too long"
+    import sqlite3
+    locked = sqlalchemy.exc.OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
+    assert "unreachable" not in store_error(locked, "sqlite:///x.db")
+
+
+def test_target_arguments_bind_to_the_signature():
+    from orchestrator.schema import ConfigError, check_target
+
+    check_target("model", "tests.custom_task.with_kwargs", {"width": 2, "anything": 1})  # **kwargs takes any key
+    with pytest.raises(ConfigError, match=r"^model.args.width: required by tests.custom_task.with_kwargs and not given"):
+        check_target("model", "tests.custom_task.with_kwargs", {"anything": 1})

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..schema import Balance, Config, DataConfig, Loss, OptimizerName, import_target
+from ..schema import Balance, Config, ConfigError, DataConfig, Loss, OptimizerName, import_target
 from .. import checkpoint
 from ..rundir import BalanceEvent, CheckpointEvent, Event, LoaderEvent, LogEvent, ResumeEvent, StartEvent, WindowEvent
 from .autotune import LoaderSettings, LoaderTuner
@@ -71,6 +71,10 @@ def _seed_worker(worker_id: int) -> None:
 
 def build_dataset(cfg: Config) -> Dataset:
     ds = import_target(cfg.data._target_)(**cfg.data.args)
+    size = len(ds) if hasattr(ds, "__len__") else None  # type: ignore[arg-type]
+    if size == 0:  # else torch's "num_samples should be a positive integer"
+        raise ConfigError(f"data._target_: {cfg.data._target_} returned a dataset of 0 items (data.args: "
+                          f"{dict(cfg.data.args)}); it needs at least data.batch_size={cfg.data.batch_size} per rank")
     if cfg.data.read_latency_ms > 0 or cfg.data.latency_jump_at > 0:
         ds = LatencyDataset(ds, cfg.data.read_latency_ms)
     return ds
@@ -169,7 +173,22 @@ def reset_latency(cfg: Config, dataset: Dataset, step: int) -> None:
 
 
 def build_model(cfg: Config) -> nn.Module:
-    return import_target(cfg.model._target_)(**cfg.model.args)
+    model = import_target(cfg.model._target_)(**cfg.model.args)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model._target_: {cfg.model._target_} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check_model(cfg: Config) -> None:
+    """Before launch: model._target_ must build an nn.Module. Built on the meta device (no memory, no
+    init cost); a factory that cannot build there is left to the ranks. Raises ConfigError."""
+    try:
+        with torch.device("meta"):
+            build_model(cfg)
+    except ConfigError:
+        raise
+    except Exception:
+        return
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:

@@ -25,7 +25,7 @@ from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
 from ..rundir import RecordError, own_run_dir, owner_tag
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
-from ..stores import redact, resolve_uri, store_lock
+from ..stores import redact, resolve_uri, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from .report import write_outputs
@@ -268,8 +268,8 @@ class Tuner:
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
-            raise StudyFailed(f"the study's database failed ({_first_line(exc)}); completed trials are kept: "
-                              f"rerun with tune.study_name={self.name} to finish the count") from None
+            raise StudyFailed(f"the study's database failed ({store_error(exc, self.storage, 'tune.storage')}); "
+                              f"completed trials are kept: rerun with tune.study_name={self.name} to finish the count") from None
         finally:
             if self.pool is not None:
                 self.pool.close()
@@ -283,7 +283,7 @@ class Tuner:
             except Exception as exc:
                 if status == "FINISHED" or not is_storage_error(exc):
                     raise
-                print(f"[tune] could not write the study's outputs: {_first_line(exc)}")
+                print(f"[tune] could not write the study's outputs: {store_error(exc, self.storage, 'tune.storage')}")
                 self.tracker.end(status)
         return summary
 
