@@ -135,6 +135,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     # everything that can refuse the job is checked before the run dir is touched (a refused resume
     # prints nothing about resuming and archives nothing)
     check_launch(cfg, run_dir)
+    check_run_dir(cfg, run_dir)
     if tracker is None:
         tracker = Tracker(cfg.tracking, enabled=cfg.parallelism.node_rank == 0)  # one MLflow run per job: node 0
         tracker.check()
@@ -242,14 +243,17 @@ def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[Re
 
 
 def check_launch(cfg: Config, run_dir: Path) -> None:
-    """What the launch of `cfg` refuses, checked without starting anything: the model (built on the
-    meta device), its shard modules, the devices, the launcher, and that the run dir can be made
-    and written. Raises ConfigError (the tuner calls it on its base config before it creates a
-    study); writes nothing but the run dir itself, when it did not exist."""
+    """What the launch of `cfg` refuses, checked without starting or writing anything: the model
+    (built on the meta device), its shard modules, the devices, the launcher. Raises ConfigError
+    (the tuner calls it on its base config before it creates a study)."""
     check_model(cfg)
     check_shard_modules(cfg)
     check_devices(cfg)
     build_launch(cfg, run_dir)
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    """The run dir can be made (it is, when it did not exist) and written. Raises ConfigError."""
     key = "trainer.resume" if cfg.trainer.resume else "hydra.run.dir"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
