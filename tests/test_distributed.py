@@ -241,6 +241,7 @@ def test_rank_killed_by_a_signal_is_blamed_not_its_peer(make_cfg, tmp_path, monk
     assert not job_processes(tmp_path)
 
 
+@pytest.mark.slow  # 13 s of waiting for the timeout
 def test_hung_rank_hits_the_timeout(make_cfg, tmp_path):
     cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", "model._target_=tasks.faults.FailingLinear",
                    "+model.args.fail_rank=1", "+model.args.hang=true", "trainer.timeout_s=12")

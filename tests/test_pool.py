@@ -22,7 +22,7 @@ def trials_of(summary):
     return optuna.load_study(study_name=summary["study_name"], storage=summary["storage"]).trials
 
 
-@pytest.mark.parametrize("backend", ["single", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", [pytest.param("single", marks=pytest.mark.slow), pytest.param("ddp", marks=pytest.mark.slow)])  # 17 s
 def test_pool_and_relaunch_find_the_same_best(make_cfg, tmp_path, backend):
     # 3 ms reads per sample: 4 DataLoader workers are clearly better than none
     common = [f"backend={backend}", "parallelism.nproc_per_node=2", "experiment=input_bound",

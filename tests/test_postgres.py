@@ -74,6 +74,7 @@ def test_bad_storage_is_one_line_before_any_trial(pg, make_cfg, tmp_path):
         assert not (tmp_path / "trials").exists()
 
 
+@pytest.mark.slow  # 30 s; a server restart mid-study
 def test_database_restart_mid_study_loses_nothing(pg, tmp_path, mlflow_uri):
     storage = pg.url("optuna")
     args = [*TUNE, "tune.n_trials=6", "tune.study_name=restart", f"tune.storage={storage}",

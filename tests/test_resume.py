@@ -65,7 +65,7 @@ def reference_model(tmp_path, backend, mlflow_uri) -> dict:
 
 
 @pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), pytest.param("horovod", "sigkill-rank", marks=pytest.mark.slow),
-                                          ("fsdp", "sigkill-rank")])
+                                          pytest.param("fsdp", "sigkill-rank", marks=pytest.mark.slow)])  # 39 s
 def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend, how):
     run_dir = tmp_path / "run"
     job = cli([f"backend={backend}", "parallelism.nproc_per_node=2", *SLOW], run_dir, mlflow_uri)

@@ -201,6 +201,7 @@ def test_resume_adds_up(make_cfg, tmp_path, capsys):
     assert "num_workers [0, 0]" in out and "0.0" not in out.split("space:")[1].splitlines()[0]
 
 
+@pytest.mark.slow  # 37 s; test_tune_faults checks the duplicate rule in 6
 def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):
     """A job scheduler starts workers at the same moment: on fresh SQLite stores (Optuna and
     MLflow) every one of them must come up, and together they run exactly n_trials."""
@@ -231,6 +232,7 @@ def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):
     assert all(r.info.status != "RUNNING" for r in runs)
 
 
+@pytest.mark.slow  # 19 s of four processes
 def test_runs_started_together_on_a_fresh_tracking_db(tmp_path):
     mlflow_url = f"sqlite:///{tmp_path}/mlflow.db"
     procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "trainer.max_steps=6", "trainer.warmup_steps=1",
