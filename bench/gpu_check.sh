@@ -2,7 +2,7 @@
 # The GPU check: one script, under 8 minutes on a one-GPU machine whose Python already has torch
 # with CUDA (and nvidia-ml-py, psutil, rich, pyyaml, matplotlib) but not hydra-core, omegaconf or
 # optuna: those are installed from the wheels in WHEELS (made by scripts/gpu_wheels.sh, see the
-# README's "GPU check"). MLflow is not needed: every job runs with tracking.enabled=false.
+# docs/measurement.md, "GPU check"). MLflow is not needed: every job runs with tracking.enabled=false.
 #
 # It runs single, dp, ddp and fsdp (1 rank, NCCL; fsdp with AMP's mixed-precision policy and a
 # sharded checkpoint) jobs of a transformer LM, AMP bf16 and fp16, the

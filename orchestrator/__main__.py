@@ -49,7 +49,7 @@ def main(dcfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     # Hydra wrote the overrides and the composed config before this: a password in a store URL
-    # given on the command line is masked there too (README, "Passwords")
+    # given on the command line is masked there too (docs/distributed.md, "Passwords")
     redact_files([*(run_dir / hc.output_subdir).glob("*.yaml")] if hc.output_subdir else [])
     if multirun:
         redact_files([Path(hc.sweep.dir) / "multirun.yaml"])

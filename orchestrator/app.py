@@ -339,7 +339,7 @@ def resume_point(cfg: Config) -> tuple:
     if changed:
         listed = ", ".join(f"{k} ({old} -> {new})" for k, old, new in changed)
         raise ConfigError(f"trainer.resume: a resume continues the same run, but these keys differ from its config.yaml: "
-                          f"{listed}; pass the run's own values (README, 'Long runs', lists what may change)")
+                          f"{listed}; pass the run's own values (docs/long-runs.md lists what may change)")
     previous = read_json(run_dir / "result.json", {})  # one left empty by a full disk: skipped, with a note
     if previous.get("status") == "FINISHED" and not checkpoint.trains_further(
             saved.trainer, cfg.trainer, int(previous.get("steps") or 0), previous.get("steps_per_epoch")):

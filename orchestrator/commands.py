@@ -25,6 +25,6 @@ def python() -> str:
 
 
 def orchestrator_command(args: Iterable[str]) -> str:
-    """`<python> -m orchestrator ARGS`, shell-quoted, URL passwords masked (README, "Passwords": pass
+    """`<python> -m orchestrator ARGS`, shell-quoted, URL passwords masked (docs/distributed.md, "Passwords": pass
     them through the environment, and the line runs as printed)."""
     return redact(" ".join([shlex.quote(python()), "-m", "orchestrator", *map(shlex.quote, args)]))

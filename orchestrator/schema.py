@@ -114,7 +114,7 @@ def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
             _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names)}")
     try:
         sig.bind(**args)
-    except TypeError as exc:  # a required argument is missing (the README: checked before launch)
+    except TypeError as exc:  # a required argument is missing (docs/running.md: checked before launch)
         missing = [n for n, p in params.items() if p.default is p.empty and n not in args
                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         if missing:
@@ -333,7 +333,7 @@ def _measure_rule(where: str, window_s: float, rel_precision: float, min_s: floa
 
 
 class Objective(str, Enum):
-    utilization = "utilization"  # max utilization among trials near the best throughput (README)
+    utilization = "utilization"  # max utilization among trials near the best throughput (docs/tuning.md)
     throughput = "throughput"
     mfu = "mfu"  # model FLOPs utilization (runtime/flops.py): useful FLOP/s over the device's peak
     both = "both"  # multi-objective: the Pareto front is reported
@@ -575,7 +575,7 @@ def to_config(cfg: DictConfig | dict) -> Config:
 def shown(cfg: Config) -> Config:
     """`cfg` as it is written down (config.yaml, MLflow params): the passwords of the store URLs
     (tune.storage, tracking.uri) masked. Nothing reads them back: ranks never connect to a store,
-    and a tuner or job takes its URLs from its own command line or environment (README, "Passwords")."""
+    and a tuner or job takes its URLs from its own command line or environment (docs/distributed.md, "Passwords")."""
     out = copy.copy(cfg)
     out.tune, out.tracking = copy.copy(cfg.tune), copy.copy(cfg.tracking)
     out.tune.storage, out.tracking.uri = redact(cfg.tune.storage), redact(cfg.tracking.uri)

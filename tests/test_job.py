@@ -116,7 +116,7 @@ def test_outcome_classification(outcome, reported, expected):
 
 
 def test_own_model_and_data_without_inherited_args(make_cfg, tmp_path):
-    """README's promise: model=custom / data=custom start from empty args, so a plain signature
+    """docs/running.md's promise: model=custom / data=custom start from empty args, so a plain signature
     (no **kwargs) takes exactly the arguments given."""
     cfg = make_cfg("model=custom", "model._target_=tests.custom_task.Net", "+model.args.width=8", "data=custom",
                    "data._target_=tests.custom_task.make_dataset", "+data.args.items=64", "data.batch_size=8",

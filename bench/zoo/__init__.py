@@ -1,7 +1,7 @@
 """A zoo of user-like tasks for judging the tuner (bench/bench_zoo.py).
 
 Each task is a user's own code (zoo/tasks.py, loaded by `_target_` with `model=custom data=custom`,
-README "Your own model and data") with a different bottleneck, and:
+docs/running.md, "Your own model and data") with a different bottleneck, and:
   * `overrides`: the user's config as they wrote it (their batch, workers, accumulation, lr ...);
   * `space`: a categorical search space over batch_size x num_workers x accumulation_steps
     (>= 24 points), which bench_zoo measures exhaustively and the tuner searches.

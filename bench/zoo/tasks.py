@@ -1,5 +1,5 @@
 """Datasets and models of the zoo (bench/bench_zoo.py), written the way a user writes their own:
-outside `tasks/`, loaded by `_target_` (README, "Your own model and data"), e.g.
+outside `tasks/`, loaded by `_target_` (docs/running.md, "Your own model and data"), e.g.
 
     PYTHONPATH=bench .venv/bin/python -m orchestrator model=custom model._target_=zoo.tasks.MLP \\
         +model.args.in_features=128 data=custom data._target_=zoo.tasks.StoredFeatures +data.args.latency_ms=1

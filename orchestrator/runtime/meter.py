@@ -586,7 +586,7 @@ class StepMeter:
             "comm_frac": shares["comm"],
             "optimizer_frac": shares["optimizer"],
             "other_frac": shares["other"],
-            # the three device figures side by side (README, "What is measured")
+            # the three device figures side by side (docs/measurement.md)
             "nvml_util": util if self.source == "nvml" else None,
             "nvml_util_source": "nvml utilization.gpu" if self.source == "nvml" else "absent: no NVML device",
             "sm_active": estimate([w.sm_active for w in sm_wins], weights=[w.wall_s for w in sm_wins])["mean"]
