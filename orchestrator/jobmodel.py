@@ -26,7 +26,9 @@ budget; tf.data's AUTOTUNE sizes parallelism the same way):
   cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and the training
                                                                   process share the rank's cores
 
-combined as a soft minimum (two rates close to each other lose a little to queueing). A loader
+combined as a soft minimum (two rates close to each other lose a little to queueing), and anchored
+to the runs: each prediction is scaled by the measured / modelled rate of the nearest run, so a
+measured config is predicted as measured and its neighbours carry its correction. A loader
 that waits (storage) gets workers beyond the cores, as many as its wait asks for; one that computes
 gets what the cores leave to it. Each prediction has a relative uncertainty: the runs' own noise,
 the fit's residuals, and how far the config lies from what was measured (in doublings of batch,
@@ -46,6 +48,7 @@ BASE_NOISE = 0.05  # the least relative uncertainty of any prediction
 PER_DOUBLING = 0.12  # added per doubling of batch away from the nearest measured batch
 UNSEEN_WAIT = 0.25  # workers predicted with no measurement of the loader's wait
 CORES_FULL = 0.8  # a run whose loader and training process kept this share of the cores busy was cpu-bound
+MAX_ANCHOR = 2.0  # the most a measured run corrects the model near it (either way)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class JobModel:
     busy_ratio: Optional[float] = None
     residual: float = 0.0
     inproc_factor: float = 1.0  # the training process's time without workers / with them, as measured
+    anchors: List[tuple] = field(default_factory=list)  # (run, its measured rate / the model's)
 
     @classmethod
     def fit(cls, runs: Iterable[Run], world: int = 1, cores: float = 1.0, threads: float = 1.0,
@@ -131,6 +135,8 @@ class JobModel:
             return None
         m = cls(runs, world, cores, threads, handoff or (lambda b: 1e-3))
         m._fit_consume()
+        m.anchors = [(r, min(MAX_ANCHOR, max(1 / MAX_ANCHOR, r.rate / m._raw_rate(r.batch, r.workers, r.accum))))
+                     for r in runs]
         return m
 
     # -- the fit --------------------------------------------------------------------------------
@@ -143,9 +149,9 @@ class JobModel:
     def fitted(self) -> List[Run]:
         """The runs the training process's cost is fitted to: those with loader workers when there
         are any. Without workers the loop loads in between steps, and its compute comes back to
-        threads that went to sleep during the load and to cold caches (measured on the zoo's storage
-        tasks: 2-18x the same step's time with workers); fitted together, that difference passes for
-        a per-step cost and every prediction follows it."""
+        threads that went to sleep during the load and to cold caches (in one storage_1 study on a
+        loaded machine: 18x the same step's time with 8 workers); fitted together, that difference
+        passes for a per-step cost and every prediction follows it."""
         with_workers = [r for r in self.runs if r.workers > 0]
         return with_workers or self.runs
 
@@ -227,9 +233,30 @@ class JobModel:
         seen = [r.data_wait * r.batch for r in self.runs if r.workers > 0]
         return min([self.handoff(b)] + seen)
 
+    def _raw_rate(self, b: int, w: int, a: int) -> float:
+        """The model's per-rank rate before it is anchored to the runs: the soft minimum of the stages'."""
+        return sum(r ** -SOFTMIN_P for r in self.rates(b, w, a).values()) ** (-1 / SOFTMIN_P)
+
+    def anchor(self, b: int, w: int, a: int) -> float:
+        """The measured / modelled rate of the run nearest to this config (in doublings of batch and
+        of workers + 1, half for accumulation): a measured config is predicted as measured, and its
+        neighbours carry the same correction. Unanchored, the stages' soft minimum can read a run
+        below its own measurement (two close rates lose 16% to it), and then its neighbours fall
+        under the floor of the very run they resemble: the zoo's storage_0p1 held back b64 w8 a1,
+        its steady grid's best, as predicted below b64 w8 a2's floor in 2 of 3 studies."""
+        if not self.anchors:
+            return 1.0
+
+        def far(r: Run) -> float:
+            return (abs(math.log2(b / r.batch)) + abs(math.log2((w + 1) / (r.workers + 1)))
+                    + 0.5 * abs(math.log2(a / r.accum)))
+
+        near = min(far(r) for r, _ in self.anchors)
+        return float(np.median([k for r, k in self.anchors if far(r) == near]))
+
     def predict(self, b: int, w: int, a: int) -> Prediction:
         rates = self.rates(b, w, a)
-        rate = sum(r ** -SOFTMIN_P for r in rates.values()) ** (-1 / SOFTMIN_P)
+        rate = self._raw_rate(b, w, a) * self.anchor(b, w, a)
         bound = min(rates, key=rates.__getitem__)
         unc = max(BASE_NOISE, float(np.median([r.rel_se for r in self.runs])), self.residual)
         # unmeasured batch sizes and accumulations: a per-micro-batch and a per-step cost (>= 0) the

@@ -164,3 +164,21 @@ def test_a_config_without_workers_never_measured_keeps_its_chance():
     measured = JobModel.fit([*runs, _run(32, 0, 700.0, 0.3, {"data_wall_s": 0.4e-3, "data_cpu_s": 0.01e-3})],
                             cores=2, threads=2, handoff=HANDOFF)
     assert measured.predict(32, 0, 1).rel_unc < 0.2
+
+
+def test_a_measured_config_is_predicted_as_measured_and_anchors_its_neighbours():
+    """A run whose consumer and CPU budget allow just the rate it reached (the soft minimum of two
+    equal rates reads 0.84 of it): anchored, the model predicts it as measured, and its neighbour at
+    the other accumulation (the same loader, the same per-item cost) keeps up with it; unanchored,
+    the neighbour's top fell below the measured run's floor and a sampler's proposal of it was held
+    back."""
+    per = 1 / 14000.0
+    w8 = _run(64, 8, 14000.0, 0.0, {"workers_cpu_s": per, "consume_cpu_s": per, "cores": 2, "threads": 2}, a=2)
+    w0 = _run(32, 0, 2000.0, 0.8, {"data_wall_s": 0.4e-3, "data_cpu_s": 0.05e-3, "consume_cpu_s": 0.1e-3,
+                                   "cores": 2, "threads": 2})
+    model = JobModel.fit([w0, w8], cores=2, threads=2, handoff=lambda b: 0.0)
+    assert model.predict(64, 8, 2).throughput == pytest.approx(14000.0, rel=1e-6)
+    assert model.predict(32, 0, 1).throughput == pytest.approx(2000.0, rel=1e-6)
+    assert model.predict(64, 8, 1).hi > 0.95 * 14000.0
+    model.anchors = []  # the stages alone
+    assert model.predict(64, 8, 2).throughput < 0.85 * 14000.0 and model.predict(64, 8, 1).hi < 0.95 * 14000.0
