@@ -65,7 +65,7 @@ def main(dcfg: DictConfig) -> None:
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
     from .app import JobFailed, NothingToResume, RecordFailed, print_summary, run_job
-    from .rundir import RecordError, RunDirOwned, write_json
+    from .rundir import RecordError, RunDirOwned, Status, result_path, write_json
     from .tune.study import StudyFailed
 
     try:
@@ -85,10 +85,10 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         return EXIT_CONFIG
     except ConfigError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
-        out = run_dir / "result.json"
+        out = result_path(run_dir)
         if not out.exists():  # a refused resume runs in the run it names: leave its records alone
             try:
-                write_json(out, {"status": "INVALID", "error": redact(str(exc))})
+                write_json(out, {"status": Status.INVALID, "error": redact(str(exc))})
             except RecordError:
                 pass  # the config error is the one to read
         return EXIT_CONFIG

@@ -18,8 +18,9 @@ from typing import Any, Callable, Dict, List, Optional
 from . import checkpoint, load_report
 from .launch import build_launch
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, note_unreadable, own_run_dir, owner_tag, ranks_dir,
-                     read_job, read_json, write_atomic, write_job, write_json)
+from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, config_path, note_unreadable,
+                     own_run_dir, owner_tag, ranks_dir, read_job, read_json, report_paths, result_path, write_atomic,
+                     write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .runtime.loop import check_model
 from .schema import Config, ConfigError, flatten, load_config, to_yaml
@@ -150,35 +151,21 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
                ranks: Optional[Ranks], plots: bool) -> Dict[str, Any]:
     """run_job once its job is checked, in a run dir this process owns: what a dead owner left is
     closed first (its attempt recorded FAILED and archived, its MLflow runs closed)."""
-    if owner.previous and cfg.parallelism.nnodes == 1:  # else other nodes' parents share the dir: theirs to keep
-        _close_dead_attempt(run_dir, owner.previous)
-        if resumed is None and ranks_dir(run_dir).exists():  # a dead job's files: kept, not mixed in
-            _archive_attempt(run_dir)
-    if tracker.enabled and "'" not in str(run_dir):  # runs left RUNNING here by a job whose process died
-        tracker.close_dead_runs(f"tags.run_dir = '{run_dir}' and tags.host = '{socket.gethostname()}'",
-                                f"a later start in {run_dir} found it RUNNING", unowned=True)
+    _close_what_the_dead_left(cfg, run_dir, resumed, owner, tracker)
     launch = build_launch(cfg, run_dir)
     open_run_dir(run_dir, resumed)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
               f"parallelism.nproc_per_node={cfg.parallelism.nproc_per_node} does not apply")
-    cfg_path = write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    cfg_path = write_atomic(config_path(run_dir), to_yaml(cfg))
 
     world = launch.world_size
     # node 0's rank 0 gathers every rank's result; another node's parent sees its own ranks only
     expected = world if cfg.parallelism.node_rank == 0 else launch.local_ranks
-    tags = {
-        "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
-        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), **cfg.tags, **(extra_tags or {}),
-    }
-    name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
-    if resumed is not None and resumed.get("mlflow_run_id"):
-        run_id = tracker.reopen(resumed["mlflow_run_id"], {"resumed_from_step": resumed["step"]})
-    else:
-        run_id = tracker.start(name, flatten(cfg), tags)
-    result: Dict[str, Any] = {"status": "RUNNING", "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
+    run_id = _start_run(cfg, run_dir, resumed, tracker, world, extra_tags, run_name)
+    result: Dict[str, Any] = {"status": Status.RUNNING, "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
                               "run_dir": str(run_dir)}
-    status = "FAILED"
+    status = Status.FAILED
     report_files: List[Path] = []
     t0 = time.monotonic()
     progress = _progress() if echo else None
@@ -206,27 +193,53 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
             result["diagnosis"] = report["diagnosis"]
             result["bottleneck"] = report["diagnosis"]["verdict"]
             result["straggler"] = report["straggler"]
-        if status == "KILLED":
+        if status == Status.KILLED:
             result["error"] = why
             raise JobStopped("stopped", result)
-        if status == "FAILED":
+        if status == Status.FAILED:
             result["error"] = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
     except RecordError as exc:  # a full disk while writing the job's records
-        status = "FAILED"
+        status = Status.FAILED
         result["error"] = str(exc)
         raise RecordFailed(str(exc), result) from None
     except KeyboardInterrupt:
-        status = "KILLED"
+        status = Status.KILLED
         result["error"] = "interrupted"
         raise
     finally:
-        out = run_dir / "result.json"
+        out = result_path(run_dir)
         unwritten = _write_result(out, result, status)
         tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), result["status"])
-        if unwritten is not None and status == "FINISHED":  # else the job's own failure is on its way
+        if unwritten is not None and status == Status.FINISHED:  # else the job's own failure is on its way
             raise RecordFailed(str(unwritten), result)
     return result
+
+
+def _close_what_the_dead_left(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], owner: RunOwner,
+                              tracker: Tracker) -> None:
+    """A dead owner's attempt is recorded FAILED (and, unless resumed, archived); MLflow runs left
+    RUNNING in this run dir by a process that died are closed FAILED."""
+    if owner.previous and cfg.parallelism.nnodes == 1:  # else other nodes' parents share the dir: theirs to keep
+        _close_dead_attempt(run_dir, owner.previous)
+        if resumed is None and ranks_dir(run_dir).exists():  # a dead job's files: kept, not mixed in
+            _archive_attempt(run_dir)
+    if tracker.enabled and "'" not in str(run_dir):
+        tracker.close_dead_runs(f"tags.run_dir = '{run_dir}' and tags.host = '{socket.gethostname()}'",
+                                f"a later start in {run_dir} found it RUNNING", unowned=True)
+
+
+def _start_run(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], tracker: Tracker, world: int,
+               extra_tags: Optional[Dict[str, str]], run_name: Optional[str]) -> Optional[str]:
+    """The job's MLflow run: a resume's own, reopened, or a new one with the job's tags."""
+    if resumed is not None and resumed.get("mlflow_run_id"):
+        return tracker.reopen(resumed["mlflow_run_id"], {"resumed_from_step": resumed["step"]})
+    tags = {
+        "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
+        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), **cfg.tags, **(extra_tags or {}),
+    }
+    name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
+    return tracker.start(name, flatten(cfg), tags)
 
 
 def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[RecordError]:
@@ -237,7 +250,7 @@ def _write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[Re
         write_json(out, result, indent=2)
         return None
     except RecordError as exc:
-        result["status"] = "KILLED" if status == "KILLED" else "FAILED"
+        result["status"] = Status.KILLED if status == Status.KILLED else Status.FAILED
         result["error"] = "\n".join(filter(None, [result.get("error"), str(exc)]))
         return exc
 
@@ -291,10 +304,10 @@ def open_run_dir(run_dir: Path, resumed: Optional[Dict[str, Any]]) -> None:
 def _close_dead_attempt(run_dir: Path, previous: Dict[str, Any]) -> None:
     """The attempt of an owner that died mid-job (killed -9) never wrote its result: it is recorded
     FAILED, saying so (its MLflow run is closed once the tracker is up: _run_owned)."""
-    out = run_dir / "result.json"
-    if read_json(out, {}).get("status") == "FINISHED":
+    out = result_path(run_dir)
+    if read_json(out, {}).get("status") == Status.FINISHED:
         return
-    write_json(out, {"status": "FAILED", "run_dir": str(run_dir), "mlflow_run_id": read_job(run_dir).get("mlflow_run_id"),
+    write_json(out, {"status": Status.FAILED, "run_dir": str(run_dir), "mlflow_run_id": read_job(run_dir).get("mlflow_run_id"),
                      "error": f"its process died while it ran (host {previous.get('host')}, pid {previous.get('pid')})"},
                indent=2)
 
@@ -303,21 +316,21 @@ def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -
     """(status, why) of a watched job: FINISHED, KILLED (the monitor stopped it: a pruned trial)
     or FAILED, with the reason a user reads first."""
     if outcome.ok and reported == expected:
-        return "FINISHED", ""
+        return Status.FINISHED, ""
     if outcome.stopped:
-        return "KILLED", "stopped by the monitor (pruned)"
+        return Status.KILLED, "stopped by the monitor (pruned)"
     if outcome.timed_out:
-        return "FAILED", f"timed out after trainer.timeout_s={timeout_s:g}s"
+        return Status.FAILED, f"timed out after trainer.timeout_s={timeout_s:g}s"
     if outcome.over_memory:
-        return "FAILED", f"out of memory: {outcome.over_memory}"
+        return Status.FAILED, f"out of memory: {outcome.over_memory}"
     if outcome.failed_rank is not None:
         said = outcome.error.strip()
         if said and "\n" not in said:  # the rank's own one line (a config it found wrong): the reason
-            return "FAILED", f"rank {outcome.failed_rank} failed: {said}"
-        return "FAILED", f"rank {outcome.failed_rank} failed"
+            return Status.FAILED, f"rank {outcome.failed_rank} failed: {said}"
+        return Status.FAILED, f"rank {outcome.failed_rank} failed"
     if outcome.ok:
-        return "FAILED", f"only {reported} of {expected} ranks reported a result"
-    return "FAILED", f"launcher exited with code {outcome.returncode}"
+        return Status.FAILED, f"only {reported} of {expected} ranks reported a result"
+    return Status.FAILED, f"launcher exited with code {outcome.returncode}"
 
 
 def resume_point(cfg: Config) -> tuple:
@@ -332,7 +345,7 @@ def resume_point(cfg: Config) -> tuple:
     if meta["world_size"] != cfg.world_size:
         raise ConfigError(f"trainer.resume: the checkpoint was written by {meta['world_size']} ranks and this job has "
                           f"{cfg.world_size}; resume with the same world size (parallelism.nproc_per_node / nnodes)")
-    saved = _saved_config(run_dir / "config.yaml")
+    saved = _saved_config(config_path(run_dir))
     if saved is None:
         return run_dir, meta
     changed = checkpoint.changed_keys(flatten(saved), flatten(cfg))
@@ -340,8 +353,8 @@ def resume_point(cfg: Config) -> tuple:
         listed = ", ".join(f"{k} ({old} -> {new})" for k, old, new in changed)
         raise ConfigError(f"trainer.resume: a resume continues the same run, but these keys differ from its config.yaml: "
                           f"{listed}; pass the run's own values (docs/long-runs.md lists what may change)")
-    previous = read_json(run_dir / "result.json", {})  # one left empty by a full disk: skipped, with a note
-    if previous.get("status") == "FINISHED" and not checkpoint.trains_further(
+    previous = read_json(result_path(run_dir), {})  # one left empty by a full disk: skipped, with a note
+    if previous.get("status") == Status.FINISHED and not checkpoint.trains_further(
             saved.trainer, cfg.trainer, int(previous.get("steps") or 0), previous.get("steps_per_epoch")):
         raise NothingToResume(
             f"nothing to resume: {run_dir} finished at step {previous.get('steps', meta['step'])} "
@@ -372,15 +385,15 @@ def _archive_attempt(run_dir: Path) -> None:
     """Keep what the earlier attempt recorded under attempts/<n>/ (its rank files, config, result
     and load report), so the new attempt overwrites nothing and the supervisor starts clean."""
     n = 1
-    while (run_dir / "attempts" / str(n)).exists():
+    while attempt_dir(run_dir, n).exists():
         n += 1
-    dest = run_dir / "attempts" / str(n)
+    dest = attempt_dir(run_dir, n)
     dest.mkdir(parents=True)
     if ranks_dir(run_dir).exists():
-        ranks_dir(run_dir).rename(dest / "ranks")
-    for name in ("config.yaml", "result.json", "load_report.json", "load_report.md"):
-        if (run_dir / name).exists():
-            shutil.copy2(run_dir / name, dest / name)
+        ranks_dir(run_dir).rename(ranks_dir(dest))
+    for path in (config_path(run_dir), result_path(run_dir), *report_paths(run_dir)):
+        if path.exists():
+            shutil.copy2(path, dest / path.name)
 
 
 def print_summary(result: Dict[str, Any], run_dir: Path) -> None:

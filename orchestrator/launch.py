@@ -30,7 +30,8 @@ def _threads_per_rank(local_ranks: int, cpu_count: Optional[int]) -> str:
     return str(max(1, (cpu_count or 1) // local_ranks))
 
 
-def _base_env(cfg: Config, local_ranks: int, environ: Mapping[str, str], cpu_count: Optional[int]) -> Dict[str, str]:
+def _base_env(local_ranks: int, environ: Mapping[str, str], cpu_count: Optional[int]) -> Dict[str, str]:
+    """Unbuffered output, and the cores shared by the node's ranks (unless the user set threads)."""
     env = {"PYTHONUNBUFFERED": "1"}
     if "OMP_NUM_THREADS" not in environ:  # ranks on one node share its cores
         env["OMP_NUM_THREADS"] = _threads_per_rank(local_ranks, cpu_count)
@@ -57,7 +58,7 @@ def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_co
         f"--log-dir={os.devnull}",
         "--module", RANK_MODULE, *target,
     ]
-    return Launch(cmd, _base_env(cfg, p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node)
+    return Launch(cmd, _base_env(p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node)
 
 
 def horovodrun_path() -> str:
@@ -95,7 +96,7 @@ def _horovodrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_
         cmd += ["-H", f"localhost:{world}"]
         local = world
     cmd += [sys.executable, "-m", RANK_MODULE, *target]
-    return Launch(cmd, _base_env(cfg, local, environ, cpu_count), world, local)
+    return Launch(cmd, _base_env(local, environ, cpu_count), world, local)
 
 
 BUILDERS: Dict[BackendName, Callable[..., Launch]] = {

@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 from .diagnose import diagnose, straggler_note
 from .runtime.autotune import LoaderSettings
 from .measure.phases import PHASES
-from .rundir import write_atomic, write_json
+from .rundir import report_paths, write_atomic, write_json
 from .schema import Config
 
 # The breakdown is that of the measured time (the full windows' phases summed), which tile its wall
@@ -209,8 +209,8 @@ def write(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
           plots: bool = True) -> tuple:
     """Writes the report files (and, with `plots`, the PNGs); returns (report, [paths])."""
     report = build(result, cfg, rank_results)
-    paths = [write_json(run_dir / "load_report.json", report, indent=2),
-             write_atomic(run_dir / "load_report.md", to_markdown(report))]
+    as_json, as_md = report_paths(run_dir)
+    paths = [write_json(as_json, report, indent=2), write_atomic(as_md, to_markdown(report))]
     if not plots:
         return report, paths
     try:

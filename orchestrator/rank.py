@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .rundir import (OWNER_ENV, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir,
+from .rundir import (OWNER_ENV, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir,
                      read_job, write_atomic, write_json)
 
 
@@ -128,7 +128,7 @@ def main(run_dir: str) -> int:
         from .schema import load_config
 
         _prefix_if_torchrun(rank)
-        cfg = load_config(str(root / "config.yaml"))
+        cfg = load_config(str(config_path(root)))
         adapter = make_adapter(cfg)
         adapter.setup()
         rank = adapter.rank
@@ -226,7 +226,7 @@ def pool_main(pool_dir: str) -> int:
                 return 0
             root = Path(job["run_dir"])
             ranks_dir(root).mkdir(parents=True, exist_ok=True)
-            cfg = load_config(str(root / "config.yaml"))
+            cfg = load_config(str(config_path(root)))
             if adapter is None:
                 adapter = make_adapter(cfg)
                 adapter.setup()

@@ -3,6 +3,9 @@ the ranks (rank.py, the loop). Every path, file name and record format the two s
 defined here and nowhere else.
 
     <run dir>/config.yaml          the resolved config the ranks load (written by the parent)
+    <run dir>/result.json          the job's merged result (the parent, once the ranks reported)
+    <run dir>/load_report.json|md  the diagnosis (load_report.py)
+    <run dir>/attempts/<N>/        what an earlier attempt recorded (a resume, a dead owner's job)
     <run dir>/job.json             the job spec: what a rank needs besides the config (MLflow run id)
     <run dir>/owner.json           the process running a job there: flock-ed while it lives (RunOwner)
     <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (Event)
@@ -17,10 +20,29 @@ from __future__ import annotations
 import json
 import os
 import re
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypedDict, Union
 
+class Status(str, Enum):
+    """A job's (and a study's) status in result.json, summary.json and MLflow (the same words)."""
+
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    KILLED = "KILLED"  # interrupted (Ctrl-C, SIGTERM) or stopped by its monitor (a pruned trial)
+    INVALID = "INVALID"  # refused before launch
+    NOT_RUN = "NOT RUN"  # a sweep job that wrote no result
+
+    __str__ = str.__str__  # the word itself in messages and f-strings
+    __format__ = str.__format__
+
+
 RANKS_DIR = "ranks"
+CONFIG_FILE = "config.yaml"
+RESULT_FILE = "result.json"
+REPORT_FILES = ("load_report.json", "load_report.md")
+ATTEMPTS_DIR = "attempts"
 JOB_FILE = "job.json"
 OWNER_FILE = "owner.json"
 # the supervising process (`host:pid:start`, owner_tag) whose end ends the ranks (rank.watch_owner)
@@ -138,6 +160,23 @@ _RANK_FILE = re.compile(r"^rank(\d+)$")
 
 def ranks_dir(run_dir: Path) -> Path:
     return Path(run_dir) / RANKS_DIR
+
+
+def config_path(run_dir: Path) -> Path:
+    return Path(run_dir) / CONFIG_FILE
+
+
+def result_path(run_dir: Path) -> Path:
+    return Path(run_dir) / RESULT_FILE
+
+
+def report_paths(run_dir: Path) -> tuple:
+    """(load_report.json, load_report.md)."""
+    return tuple(Path(run_dir) / name for name in REPORT_FILES)
+
+
+def attempt_dir(run_dir: Path, n: int) -> Path:
+    return Path(run_dir) / ATTEMPTS_DIR / str(n)
 
 
 def rank_paths(run_dir: Path, rank: int) -> Dict[str, Path]:

@@ -266,7 +266,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     warmup_steps: int = 5  # excluded from every measured figure
-    window_steps: int = 20  # measurement window; medians and spread are over windows
+    window_steps: int = 20  # measurement window: figures are over the measured windows' time, the spread over windows
     log_every: int = 10  # steps between logged loss/throughput/utilization points
     timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
@@ -390,14 +390,15 @@ def _param_spec(name: str, spec: Any) -> ParamSpec:
 
 @dataclass
 class TuneConfig:
-    """The Optuna study (mode=tune); conf/tune/default.yaml holds the default space."""
+    """The Optuna study (mode=tune). Every default is here; conf/tune/default.yaml holds only the
+    default space (it composes)."""
 
     n_trials: int = 20
     study_name: Optional[str] = None  # null: a new study; a name resumes that study
-    storage: str = "sqlite:///outputs/optuna.db"
-    objective: Objective = Objective.utilization
+    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL, e.g. postgresql+psycopg://user@host/db
+    objective: Objective = Objective.utilization  # utilization | throughput | mfu | both (a Pareto front)
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
-    warmup_steps: int = 3
+    warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
     measure_steps: int = 20  # with rel_precision=0: measured steps per trial
     window_steps: int = 5  # the first window: at most this many steps (the step time is not known yet)
     window_s: float = 0.1  # later windows last this long (whole steps)
@@ -407,9 +408,9 @@ class TuneConfig:
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     global_batch: Optional[int] = None  # batch x accumulation x world held at this value
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
-    max_failure_rate: float = 0.5
-    pruner: PrunerName = PrunerName.interval
-    sampler: SamplerName = SamplerName.guided
+    max_failure_rate: float = 0.5  # end the study once more than this share of its trials failed
+    pruner: PrunerName = PrunerName.interval  # interval: a trial whose throughput interval lies below the floor | median | none
+    sampler: SamplerName = SamplerName.guided  # guided: TPE plus the job model's and the diagnosis' proposals | tpe | gp | random | grid
     seed: int = 0
     baseline: bool = True  # trial 0 runs the config as given, for comparison
     reuse_ranks: bool = True  # keep the ranks alive across trials (new ones when backend/world size change)
@@ -465,7 +466,7 @@ _TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", 
 
 @dataclass
 class TrackingConfig:
-    uri: str = "sqlite:///outputs/mlflow.db"
+    uri: str = "sqlite:///outputs/mlflow.db"  # or http://host:5000 for an MLflow server
     experiment: str = "orchestrator"
     run_name: Optional[str] = None
     enabled: bool = True

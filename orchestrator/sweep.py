@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .rundir import RecordError, read_json, write_json
+from .rundir import RecordError, Status, read_json, result_path, write_json
 
 COLUMNS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck")
 
@@ -21,7 +21,7 @@ def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         if not overrides_file.exists():
             continue
-        result = read_json(job_dir / "result.json", {"status": "NOT RUN"})
+        result = read_json(result_path(job_dir), {"status": Status.NOT_RUN})
         rows.append({"job": job_dir.name, "overrides": " ".join(OmegaConf.load(overrides_file)),
                      **{k: result.get(k) for k in ("status", "mlflow_run_id", *COLUMNS)},
                      "error": (result.get("error") or "").strip().splitlines()[:1]})
@@ -47,7 +47,7 @@ class SweepSummary(Callback):
             table.add_row(r["job"], r["overrides"], str(r["status"]), fmt(r["utilization"], True), fmt(r["throughput"]),
                           fmt(r["data_wait_frac"], True), fmt(r["comm_frac"], True), str(r["bottleneck"] or "-"))
         Console(width=140).print(table)
-        failed = [r for r in rows if r["status"] != "FINISHED"]
+        failed = [r for r in rows if r["status"] != Status.FINISHED]
         if failed:
             print(f"error: {len(failed)} of {len(rows)} sweep jobs did not finish: "
                   + ", ".join(f"job {r['job']} ({r['status']})" for r in failed), file=sys.stderr)

@@ -224,7 +224,7 @@ class Tracker:
             self.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
                              for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float))
                              and not math.isnan(result[k]))
-            tags = {"status": status}
+            tags = {"status": str(status)}
             if result.get("utilization_source"):
                 tags["utilization_source"] = result["utilization_source"]
             if result.get("per_rank"):
@@ -249,6 +249,6 @@ class Tracker:
         if not self.run_id:
             return
         try:
-            self.client.set_terminated(self.run_id, status=status)
+            self.client.set_terminated(self.run_id, status=str(status))  # MLflow wants its plain word
         except Exception as exc:
             print(f"[tracking] could not mark MLflow run {self.run_id} {status}: {store_error(exc, self.uri)}")

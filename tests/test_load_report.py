@@ -11,8 +11,9 @@ from mlflow.tracking import MlflowClient
 from orchestrator.app import run_job
 from orchestrator.diagnose import STRAGGLER_SPREAD, diagnose
 from orchestrator.load_report import SHARE_TOLERANCE
+from orchestrator.merge import load_rank_results
 
-MEASURE = ["trainer.warmup_steps=2", "trainer.window_steps=2"]  # many short windows: a robust median
+MEASURE = ["trainer.warmup_steps=2", "trainer.window_steps=2"]  # many short windows over the measured time
 
 
 def report_of(run_dir):
@@ -51,7 +52,8 @@ def test_tiny_compute_many_parameters_on_two_ranks_is_communication_bound(make_c
     assert all("the global batch grows from 16 to 64" in m["why"] for m in (first, second))
     assert len(rep["per_rank"]) == 2
     imb = rep["imbalance"]
-    assert imb["slowest_rank"] in (0, 1)
+    own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in load_rank_results(tmp_path)}  # own work per step
+    assert imb["slowest_rank"] == max(own, key=own.__getitem__)
     assert (imb["straggler_rank"] is not None) == (imb["own_time_spread"] > STRAGGLER_SPREAD)
 
 

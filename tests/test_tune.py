@@ -527,9 +527,9 @@ def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp
 
 def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys):
     """40 ms sleeping reads per sample (320 ms per batch of 8 per worker, no transform): the best
-    is input-bound at the most workers the space allows; the study widens num_workers (up to
-    tune.max_workers_cap) and tries the step. (On a machine so loaded that even 2 workers measure
-    compute-bound, the rule says: no edge, and nothing is widened.)"""
+    is input-bound at the most workers the space allows (a read sleeps 320 ms a batch: no load on the
+    machine makes that compute-bound); the study widens num_workers (up to tune.max_workers_cap) and
+    tries the step."""
     cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=40", "data.args.blur_passes=0", *SHORT,
                    "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=grid", "tune.max_workers=2",
                    "tune.max_workers_cap=3", "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
@@ -541,9 +541,7 @@ def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, cap
     edge = [t for t in trials if t.user_attrs.get("proposed_by") == "edge"]
     two = next(t for t in trials if t.user_attrs["values"]["data.num_workers"] == 2 and "verdict" in t.user_attrs)
     seen = [(t.number, t.user_attrs["values"]["data.num_workers"], t.user_attrs.get("verdict")) for t in trials]
-    if two.user_attrs["verdict"] != "input-bound":
-        assert not edge and "extended" not in study_of(summary).user_attrs, seen
-        return
+    assert two.user_attrs["verdict"] == "input-bound", seen
     assert len(edge) == 1 and edge[0].user_attrs["values"]["data.num_workers"] == 3, seen
     assert "is input-bound at num_workers=2, the top of the space" in edge[0].user_attrs["reason"]
     assert study_of(summary).user_attrs["extended"] == {"num_workers": 3}

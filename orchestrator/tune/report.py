@@ -26,14 +26,13 @@ CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_h
 
 
 def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+    """Dotted `key: value` pairs as the nested mapping an override file holds."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create()
     for key, value in values.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
+        OmegaConf.update(node, key, value, force_add=True)
+    return OmegaConf.to_container(node)  # type: ignore[return-value]
 
 
 def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, name: str, storage: str,

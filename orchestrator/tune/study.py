@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
-from ..rundir import RecordError, own_run_dir, owner_tag
+from ..rundir import RecordError, Status, own_run_dir, owner_tag
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_error, store_lock
 from ..tracking import Tracker
@@ -183,7 +183,8 @@ class Tuner:
         """Trials left RUNNING by a tuner process that died (killed, or its database went away
         mid-trial; see `storage.orphaned`) are recorded as interrupted: they neither count toward
         tune.n_trials nor hold a slot. Called under the study lock, before each count. Their MLflow
-        runs are closed by _close_dead_runs. Returns how many."""
+        runs are closed by _close_dead_runs. Returns how many. (Another process's trial: Optuna's
+        public API marks only this process's own, so this goes through the study's storage.)"""
         n = 0
         for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,)):
             if orphaned(tr):
@@ -228,7 +229,7 @@ class Tuner:
             self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
                       f"nothing to run. To add more, raise it: tune.study_name={self.name} "
                       f"tune.n_trials={done + self.t.n_trials}")
-        status = "FAILED"
+        status = Status.FAILED
         try:
             duplicates_in_a_row = 0
             while True:
@@ -261,9 +262,9 @@ class Tuner:
                     break
                 self._check_failure_rate(study)
             self._confirm(study, parent)
-            status = "FINISHED"
+            status = Status.FINISHED
         except KeyboardInterrupt:
-            status = "KILLED"
+            status = Status.KILLED
             raise
         except Exception as exc:
             if not is_storage_error(exc):
@@ -276,12 +277,12 @@ class Tuner:
             try:
                 summary = self._finish(study, parent, status)
             except RecordError as exc:  # a full disk: the study's MLflow run ends FAILED, the error is one line
-                self.tracker.end("FAILED")
-                if status == "FINISHED":
+                self.tracker.end(Status.FAILED)
+                if status == Status.FINISHED:
                     raise
                 print(f"[tune] {exc}")
             except Exception as exc:
-                if status == "FINISHED" or not is_storage_error(exc):
+                if status == Status.FINISHED or not is_storage_error(exc):
                     raise
                 print(f"[tune] could not write the study's outputs: {store_error(exc, self.storage, 'tune.storage')}")
                 self.tracker.end(status)
@@ -315,7 +316,7 @@ class Tuner:
         # lock: two tuner processes never launch one config at the same time
         with study_lock(self.storage, self.name):
             values = self.space.sample(trial)
-            rec = TrialRecord(trial.number, "RUNNING", values)
+            rec = TrialRecord(trial.number, Status.RUNNING, values)
             trial.set_user_attr("values", values)
             if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
                 trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
@@ -343,6 +344,40 @@ class Tuner:
             return self._unlaunched(study, trial, rec, t0, "invalid", str(exc), f"invalid: {exc}")
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
+        monitor = self._monitor(study, trial, pruned)
+        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
+        try:
+            result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
+                             ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
+            self._completed(study, trial, rec, result, t0)
+        except JobStopped as exc:
+            rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
+            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
+            self._pruned(trial, rec, pruned)
+            study.tell(trial, state=TrialState.PRUNED)
+        except JobFailed as exc:
+            err = exc.result.get("error", str(exc))
+            rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
+            rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
+            trial.set_user_attr("error", rec.error[:500])
+            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
+            study.tell(trial, state=TrialState.FAIL)
+            if _is_oom(err) and values.get(BATCH_KEY):
+                self.proposals.diagnosis(study, trial, values, {"verdict": "out of memory", "moves": [{
+                    "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
+                            ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
+                    "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
+        rec.duration_s = time.monotonic() - t0
+        trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
+                            "proposed_by": rec.proposed_by, "verdict": trial.user_attrs.get("verdict", "-")}
+        if rec.error:
+            trial_state_tags["prune_reason" if rec.state == "PRUNED" else "trial_error"] = rec.error[:500]
+        self._tag(rec.mlflow_run_id, trial_state_tags)
+        self._record(rec, t0)
+
+    def _monitor(self, study: Any, trial: Any, pruned: Dict[str, Any]) -> Callable[[int, Dict[str, float]], bool]:
+        """The trial's window monitor: the pruner's decision on each measured window (`pruned`
+        gets why when it stops the trial)."""
         best_thr = self._best_throughput(study)
         bar = self._interval_bar(study)
         window_thr: List[float] = []
@@ -370,50 +405,28 @@ class Tuner:
                     + "of earlier trials at that window"))
             return pruned["flag"]
 
-        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
-        try:
-            result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
-                             ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
-            rec.metrics = trial_metrics(result)
-            rec.measured_s = rec.metrics.get("measured_s", 0.0)
-            if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
-                raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
-            rec.mlflow_run_id = result.get("mlflow_run_id")
-            self._log_estimate(rec.mlflow_run_id, rec.metrics)
-            for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
-                         "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch"),
-                         "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes")}.items():
-                trial.set_user_attr(k, v)
-            if result.get("diagnosis"):
-                trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
-            study.tell(trial, self._score(study, rec))
-            rec.state = "COMPLETE"
-            if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
-                self.proposals.diagnosis(study, trial, values, result["diagnosis"])
-        except JobStopped as exc:
-            rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
-            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
-            self._pruned(trial, rec, pruned)
-            study.tell(trial, state=TrialState.PRUNED)
-        except JobFailed as exc:
-            err = exc.result.get("error", str(exc))
-            rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
-            rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
-            trial.set_user_attr("error", rec.error[:500])
-            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
-            study.tell(trial, state=TrialState.FAIL)
-            if _is_oom(err) and values.get(BATCH_KEY):
-                self.proposals.diagnosis(study, trial, values, {"verdict": "out of memory", "moves": [{
-                    "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
-                            ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
-                    "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
-        rec.duration_s = time.monotonic() - t0
-        trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
-                            "proposed_by": rec.proposed_by, "verdict": trial.user_attrs.get("verdict", "-")}
-        if rec.error:
-            trial_state_tags["prune_reason" if rec.state == "PRUNED" else "trial_error"] = rec.error[:500]
-        self._tag(rec.mlflow_run_id, trial_state_tags)
-        self._record(rec, t0)
+        return monitor
+
+    def _completed(self, study: Any, trial: Any, rec: TrialRecord, result: Dict[str, Any], t0: float) -> None:
+        """A measured trial: its figures on the trial and its MLflow run, its score told, and the
+        guided search's next proposal (the job model's, else the diagnosis')."""
+        values = rec.values
+        rec.metrics = trial_metrics(result)
+        rec.measured_s = rec.metrics.get("measured_s", 0.0)
+        if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
+            raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
+        rec.mlflow_run_id = result.get("mlflow_run_id")
+        self._log_estimate(rec.mlflow_run_id, rec.metrics)
+        for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
+                     "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch"),
+                     "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes")}.items():
+            trial.set_user_attr(k, v)
+        if result.get("diagnosis"):
+            trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
+        study.tell(trial, self._score(study, rec))
+        rec.state = "COMPLETE"
+        if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
+            self.proposals.diagnosis(study, trial, values, result["diagnosis"])
 
     def _interval_bar(self, study: Any) -> Optional[tuple]:
         """tune.pruner=interval: (throughput, why) below which a trial cannot be the pick: the
@@ -498,7 +511,7 @@ class Tuner:
         nor loses it (its processes were already ended by run_job)."""
         TrialState = self.optuna.trial.TrialState
         try:
-            if study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING:
+            if trial.number in {tr.number for tr in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}:
                 trial.set_user_attr("interrupted", True)
                 study.tell(trial, state=TrialState.FAIL)
         except Exception as exc:  # the interrupt matters more than this record
@@ -647,7 +660,7 @@ def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
         covered = False
 
         def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
-            self.covered = not self._get_unvisited_grid_ids(study)
+            self.covered = self.is_exhausted(study)
 
     return Grid(search_space, seed=seed)
 
