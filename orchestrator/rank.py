@@ -17,8 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .rundir import (OWNER_ENV, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths, ranks_dir,
-                     read_job, write_atomic, write_json)
+from .rundir import (OWNER_ENV, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths,
+                     ranks_dir, read_job, write_atomic, write_json)
 
 
 def _early_rank() -> int:
