@@ -177,7 +177,7 @@ class JobModel:
         pred = np.array([self.consume(r.batch, r.accum) for r in runs])
         self.residual = float(np.sqrt(np.mean(((pred - y) / y) ** 2))) if len(runs) > len(used) else 0.0
         inproc = [r.consume / self.consume(r.batch, r.accum) for r in self.runs
-                  if r.workers == 0 and r not in runs and self.consume(r.batch, r.accum) > 0]
+                  if r.workers == 0 and runs is not self.runs and self.consume(r.batch, r.accum) > 0]
         self.inproc_factor = float(np.median(inproc)) if inproc else 1.0
         ratios = [r.consume_cpu / r.consume for r in runs if r.consume_cpu is not None and r.consume > 0]
         self.cpu_ratio = float(np.median(ratios)) if ratios else 1.0
@@ -233,9 +233,10 @@ class JobModel:
         seen = [r.data_wait * r.batch for r in self.runs if r.workers > 0]
         return min([self.handoff(b)] + seen)
 
-    def _raw_rate(self, b: int, w: int, a: int) -> float:
+    def _raw_rate(self, b: int, w: int, a: int, rates: Optional[Dict[str, float]] = None) -> float:
         """The model's per-rank rate before it is anchored to the runs: the soft minimum of the stages'."""
-        return sum(r ** -SOFTMIN_P for r in self.rates(b, w, a).values()) ** (-1 / SOFTMIN_P)
+        rates = rates if rates is not None else self.rates(b, w, a)
+        return sum(r ** -SOFTMIN_P for r in rates.values()) ** (-1 / SOFTMIN_P)
 
     def anchor(self, b: int, w: int, a: int) -> float:
         """The measured / modelled rate of the run nearest to this config (in doublings of batch and
@@ -251,12 +252,13 @@ class JobModel:
             return (abs(math.log2(b / r.batch)) + abs(math.log2((w + 1) / (r.workers + 1)))
                     + 0.5 * abs(math.log2(a / r.accum)))
 
-        near = min(far(r) for r, _ in self.anchors)
-        return float(np.median([k for r, k in self.anchors if far(r) == near]))
+        dist = [(far(r), k) for r, k in self.anchors]
+        near = min(d for d, _ in dist)
+        return float(np.median([k for d, k in dist if d == near]))
 
     def predict(self, b: int, w: int, a: int) -> Prediction:
         rates = self.rates(b, w, a)
-        rate = self._raw_rate(b, w, a) * self.anchor(b, w, a)
+        rate = self._raw_rate(b, w, a, rates) * self.anchor(b, w, a)
         bound = min(rates, key=rates.__getitem__)
         unc = max(BASE_NOISE, float(np.median([r.rel_se for r in self.runs])), self.residual)
         # unmeasured batch sizes and accumulations: a per-micro-batch and a per-step cost (>= 0) the

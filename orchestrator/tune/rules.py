@@ -114,15 +114,16 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     floor_certain = leader.get("throughput_lo", 0.0) >= t.throughput_floor * fastest.user_attrs.get(
         "throughput_hi", float("inf"))
     out = contenders + ([] if floor_certain or fastest in contenders else [fastest])
-    return out + _busier_near_the_floor(done, out, leader, t)
+    return out + _busier_near_the_floor(done, out, leader, top, t)
 
 
-def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str, Any], t: TuneConfig) -> List[Any]:
-    """The busiest trial measured just below the floor whose throughput interval reaches it and
-    whose utilization beats the leader's: one short measurement put it under the floor, a longer
-    one decides whether it keeps up (and then it wins). On the zoo's storage tasks a smaller batch
-    that moves as many samples as the fastest was measured at 0.93 of it and never re-measured."""
-    top = max(tr.user_attrs["throughput"] for tr in done)
+def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str, Any], top: float,
+                           t: TuneConfig) -> List[Any]:
+    """The busiest trial measured just below the floor of the fastest (`top`) whose throughput
+    interval reaches it and whose utilization beats the leader's: one short measurement put it
+    under the floor, a longer one decides whether it keeps up (and then it wins). Last session's
+    zoo: a smaller batch that moves as many samples as the fastest measured just under the floor
+    in one short trial and was never re-measured."""
     near = [tr for tr in done if tr not in chosen and tr.user_attrs["throughput"] < t.throughput_floor * top
             and tr.user_attrs.get("throughput_hi", 0.0) >= t.throughput_floor * top
             and tr.user_attrs["utilization"] > leader["utilization"]]

@@ -321,13 +321,11 @@ class Tuner:
             if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
                 trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
             rec.proposed_by = trial.user_attrs["proposed_by"]
-            twin = self._measured_twin(study, values)
-            if twin is not None:  # the sampler proposed a config already measured: no second launch
-                return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin, f"duplicate of trial {twin}")
-            live = self._live_twin(study, trial)
-            if live is not None:  # running in another tuner (or measured): not a second launch
-                return self._unlaunched(study, trial, rec, t0, "duplicate_of", live.number, f"duplicate of trial "
-                                        f"{live.number} ({live.state.name.lower()})")
+            twin = self._twin(study, trial, values)
+            if twin is not None:  # measured already, or running in another tuner: no second launch
+                running = " (running)" if twin.state == self.optuna.trial.TrialState.RUNNING else ""
+                return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin.number,
+                                        f"duplicate of trial {twin.number}{running}")
         ceiling = self.proposals.memory_ceiling(study)
         if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
             return self._unlaunched(study, trial, rec, t0, "over_memory_of", ceiling[1], f"batch {values[BATCH_KEY]} > "
@@ -518,19 +516,17 @@ class Tuner:
             print(f"[tune] could not record trial {trial.number} as interrupted: {exc}")
         self._say(f"[tune] trial {trial.number} interrupted; rerun with tune.study_name={self.name} to resume")
 
-    def _measured_twin(self, study: Any, values: Dict[str, Any]) -> Optional[int]:
-        """A finished trial that ran exactly these values (COMPLETE or FAIL), if any."""
+    def _twin(self, study: Any, trial: Any, values: Dict[str, Any]) -> Any:
+        """Another trial of any tuner process that ran this config (COMPLETE, or FAIL and not
+        interrupted) or is running it now (RUNNING, by params), if any; called under the study lock."""
         TrialState = self.optuna.trial.TrialState
-        for tr in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
-            if tr.user_attrs.get("values") == values and not tr.user_attrs.get("interrupted"):
-                return tr.number
-        return None
-
-    def _live_twin(self, study: Any, trial: Any) -> Any:
-        """Another trial, RUNNING or COMPLETE (any tuner process's), with this trial's params."""
-        TrialState = self.optuna.trial.TrialState
-        for tr in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
-            if tr.number != trial.number and tr.params == trial.params:
+        for tr in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING)):
+            if tr.number == trial.number:
+                continue
+            if tr.state == TrialState.RUNNING:
+                if tr.params == trial.params:
+                    return tr
+            elif tr.user_attrs.get("values") == values and not tr.user_attrs.get("interrupted"):
                 return tr
         return None
 
