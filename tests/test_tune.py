@@ -46,6 +46,7 @@ def workers_study(tmp_path_factory, mlflow_uri):
     return cfg, run_dir, run_study(cfg, run_dir, echo=False)
 
 
+@pytest.mark.perf
 def test_tuned_workers_beat_the_default(workers_study):
     cfg, run_dir, summary = workers_study
     assert summary["status"] == "FINISHED" and summary["n_trials"] == 5
@@ -112,6 +113,7 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
     assert parent.data.metrics["best_throughput"] == pytest.approx(judged["throughput"])
 
 
+@pytest.mark.perf
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     # transformer with 1 ms reads: batch 1 keeps the step busier by wall time (less efficient
     # kernels: more CPU per sample too) but moves fewer samples per second than batch 64
@@ -385,6 +387,7 @@ def test_a_busier_trial_that_may_not_keep_up_loses_to_one_that_does():
     assert expected_scores(exact, 0.95) == [0.58 / 0.60, 1.0, 0.9]
 
 
+@pytest.mark.perf
 def test_guided_search_follows_the_job_model(make_cfg, tmp_path):
     """The baseline (no workers, 3 ms reads per sample) waits on its reads: the job model fitted to
     it predicts that sleeping workers pay beyond the 2 cores, and its proposal runs next, with the
