@@ -229,6 +229,8 @@ class Tuner:
             self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
                       f"nothing to run. To add more, raise it: tune.study_name={self.name} "
                       f"tune.n_trials={done + self.t.n_trials}")
+        elif self.pool is not None:
+            self.pool.prestart(self.cfg)  # its ranks import torch while the first trial is prepared
         status = Status.FAILED
         try:
             duplicates_in_a_row = 0
