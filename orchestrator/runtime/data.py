@@ -5,12 +5,13 @@ the measurement reads. The loop (runtime/loop.py) only iterates what this builds
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import multiprocessing
 import random
 import time
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -124,12 +125,20 @@ def make_loader(d: DataConfig, dataset: Dataset, sampler: Union[EpochSampler, Sh
             kwargs["prefetch_factor"] = d.prefetch_factor
     return DataLoader(
         dataset,
+        collate_fn=collate_fn(d),
         num_workers=d.num_workers,
         pin_memory=d.pin_memory and device.type == "cuda",
         worker_init_fn=_seed_worker if d.num_workers > 0 else None,
         generator=generator,
         **kwargs,
     )
+
+
+def collate_fn(d: DataConfig) -> Optional[Callable[[list], Any]]:
+    """data.collate_fn as the loaders call it, `fn(items, **args)`; None: torch's default collate."""
+    if d.collate_fn is None:
+        return None
+    return functools.partial(import_target(d.collate_fn["_target_"]), **(d.collate_fn.get("args") or {}))
 
 
 def epoch_iterator(loader: DataLoader, batches_done: int) -> Any:
@@ -154,13 +163,22 @@ def reset_latency(cfg: Config, dataset: Dataset, step: int) -> None:
 
 
 def item_bytes(dataset: Dataset) -> int:
-    """Bytes of one item's tensors (what a DataLoader worker hands over per sample)."""
+    """Bytes of one item's tensors, in any structure (what a DataLoader worker hands over per sample)."""
     try:
         item = dataset[0]
     except Exception:  # an iterable-style or failing dataset: unknown
         return 0
-    parts = item if isinstance(item, (tuple, list)) else (item,)
-    return sum(x.element_size() * x.nelement() if isinstance(x, torch.Tensor) else 8 for x in parts)
+
+    def size(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.element_size() * x.nelement()
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        if isinstance(x, (tuple, list)):
+            return sum(size(v) for v in x)
+        return 8
+
+    return size(item if isinstance(item, (tuple, list, dict)) else (item,))
 
 
 def rewarms_epochs(cfg: Config, loader: DataLoader) -> bool:

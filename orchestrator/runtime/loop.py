@@ -35,7 +35,8 @@ from .flops import mfu_figures
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
                     loader_tuner, overriding)
 from .meter import StepMeter, Window, model_state_mb
-from .step import Stepper, check_loss, loss_fn
+from .batch import loss_fn
+from .step import Stepper, check_loss
 
 __all__ = ["EventLog", "TrainResult", "build_dataset", "build_loader", "build_model", "check_model", "loss_fn",
            "seed_everything", "train"]

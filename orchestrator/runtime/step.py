@@ -1,5 +1,5 @@
 """One optimizer step of the loop (runtime/loop.py): `trainer.accumulation_steps` micro-batches
-forward and backward (seed 001's accumulation, seed 002's AMP, non_blocking copies), the exposed
+forward and backward (gradient accumulation, AMP, non_blocking copies), the exposed
 communication, clipping and the update, each phase marked for the meter. The FLOP counter
 (runtime/flops.py) wraps the forward and backward of the run's first step."""
 
@@ -7,26 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER
-from ..schema import Loss
+from .batch import Feed, to_device
 from .flops import StepCounter
-
-
-def loss_fn(kind: Loss) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if kind is Loss.mse:
-        return nn.functional.mse_loss
-
-    def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if out.dim() > 2:  # sequence models: (B, T, V) logits against (B, T) targets
-            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-        return nn.functional.cross_entropy(out, target)
-
-    return cross_entropy
 
 
 class Stepper:
@@ -38,7 +26,8 @@ class Stepper:
     def __init__(self, run: Any) -> None:
         t = run.cfg.trainer
         self.accum, self.clip, self.log_every = t.accumulation_steps, t.grad_clip, t.log_every
-        self.criterion = loss_fn(run.cfg.model.loss)
+        self.feed = Feed(run.cfg)
+        self.criterion = self.feed.criterion
         self.move = run.device.type != "cpu"
         self.autocast = ((lambda: torch.autocast(run.device.type, dtype=run.amp_dtype)) if run.amp
                          else contextlib.nullcontext)
@@ -61,26 +50,37 @@ class Stepper:
         logged = (step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
         samples = 0
         step_loss = 0.0
+        feed = self.feed
         for m in range(micro):
-            x, y = next(it)
+            batch = next(it)
             mark(DATA)
-            if self.move:
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
-                mark(H2D)
+            if not feed.checked:  # the run's first batch: its structure fits model.loss (one line if not)
+                feed.check(batch, model)
+            if feed.pair:  # (input, target) with cross_entropy / mse: the plain loop, as fast as hand-written
+                x, y = batch
+                if self.move:
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    mark(H2D)
+                n = x.shape[0]
+            else:
+                if self.move:
+                    batch = to_device(batch, device)
+                    mark(H2D)
+                n = feed.size(batch)
             if self.plain:
-                loss = criterion(model(x), y)
-                (loss if balancer is None else weigh(balancer, loss, x.shape[0], b + m)).backward()
+                loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
+                (loss if balancer is None else weigh(balancer, loss, n, b + m)).backward()
             else:
                 with adapter.grad_sync(model, enabled=m == micro - 1), self.autocast():
-                    loss = criterion(model(x), y)
+                    loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
                     if micro > 1:
                         loss = loss / micro
-                    weighted = loss if balancer is None else weigh(balancer, loss, x.shape[0], b + m)
+                    weighted = loss if balancer is None else weigh(balancer, loss, n, b + m)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
             if logged:
                 step_loss += loss.detach()
-            samples += x.shape[0]
+            samples += n
             mark(COMPUTE)
         run.b = b + micro
         if counting:
