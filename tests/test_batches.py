@@ -198,3 +198,22 @@ def test_the_example_on_every_backend_matches_one_process(make_cfg, tmp_path, ba
     want = reference_params(make_cfg, accum, *workload, world=world, b=4)
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
+
+
+def test_a_study_on_the_example(make_cfg, tmp_path):
+    """Trials rebuild the loaders with the collate function, with and without workers."""
+    import optuna
+
+    from orchestrator.tune.study import run_study
+
+    from .test_tune import SHORT, study_of
+
+    cfg = make_cfg(*SEQ, *SHORT, "tune.n_trials=2", "tune.sampler=grid", "tune.baseline=false",
+                   f"tune.storage=sqlite:///{tmp_path}/o.db", "tune.space.batch_size.type=categorical",
+                   "tune.space.batch_size.choices=[8]", "tune.space.num_workers.high=1",
+                   "~tune.space.accumulation_steps", "~tune.space.prefetch_factor", "~tune.space.pin_memory")
+    summary = run_study(cfg, tmp_path, echo=False)
+    done = [t for t in study_of(summary).trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 2 and all(t.user_attrs["throughput"] > 0 for t in done)
+    assert {t.user_attrs["values"]["data.num_workers"] for t in done} == {0, 1}
+    assert summary["best"]["values"]["data.num_workers"] in (0, 1)
