@@ -68,8 +68,12 @@ class Balance(str, Enum):
 
 
 class Loss(str, Enum):
-    cross_entropy = "cross_entropy"
+    cross_entropy = "cross_entropy"  # against the batch's target: (input, target), or a dict's "labels"
     mse = "mse"
+    model = "model"  # the model's output is the loss, or has `.loss` / `["loss"]` (Hugging Face models)
+
+
+LOSS_ALLOWED = f"{_allowed(Loss)}, or {{_target_: pkg.module.fn, args: {{...}}}} called as fn(output, batch, **args)"
 
 
 class OptimizerName(str, Enum):
@@ -91,8 +95,9 @@ def import_target(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
-    """`target` must import, and `args` must bind to its signature (names the bad key)."""
+def check_target(node: str, target: str, args: Dict[str, Any], positional: tuple = ()) -> None:
+    """`target` must import, and `args` must bind to its signature (names the bad key); with
+    `positional` (names), it is called with that many positional values before the args."""
     try:
         obj = import_target(target)
     except ModuleNotFoundError as exc:
@@ -108,11 +113,13 @@ def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return
+    if positional:  # called with these before the args (a collate function's items, a loss's output and batch)
+        sig = _after_positional(node, target, sig, positional)
     params = sig.parameters
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for key in args:
-            _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names)}")
+            _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names) or '(none)'}")
     try:
         sig.bind(**args)
     except TypeError as exc:  # a required argument is missing (docs/running.md: checked before launch)
@@ -124,16 +131,45 @@ def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
         raise ConfigError(f"{node}.args: do not fit the signature of {target} ({exc})") from None
 
 
+def _after_positional(node: str, target: str, sig: inspect.Signature, positional: tuple) -> inspect.Signature:
+    """`sig` less the parameters the first len(`positional`) positional values take."""
+    params = list(sig.parameters.values())
+    taken = 0
+    while taken < len(positional) and taken < len(params) and params[taken].kind in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        taken += 1
+    if taken < len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"{node}._target_: {target} is called as {target.rpartition('.')[2]}"
+                          f"({', '.join(positional)}, **args) and takes {taken} positional argument(s)")
+    return sig.replace(parameters=[p for p in params[taken:] if p.kind is not p.VAR_POSITIONAL])
+
+
+def target_spec(node: str, value: Any) -> tuple:
+    """(target, args) of a `{_target_, args}` mapping; ConfigError naming `node` otherwise."""
+    _require(isinstance(value, dict) and isinstance(value.get("_target_"), str) and value["_target_"] != ""
+             and set(value) <= {"_target_", "args"} and isinstance(value.get("args", {}), dict),
+             f"{node}: expected {{_target_: pkg.module.name, args: {{...}}}}, got {value!r}")
+    return value["_target_"], dict(value.get("args") or {})
+
+
 @dataclass
 class ModelConfig:
     """`_target_` is any importable callable returning an `nn.Module`; `args` are its kwargs."""
 
     _target_: str = MISSING
     args: Dict[str, Any] = field(default_factory=dict)
-    loss: Loss = Loss.cross_entropy
+    # a Loss, or {_target_, args}: a callable (output, batch, **args) -> loss (docs/running.md)
+    loss: Any = Loss.cross_entropy
 
     def __post_init__(self) -> None:
         check_target("model", self._target_, self.args)
+        if isinstance(self.loss, dict):
+            target, args = target_spec("model.loss", self.loss)
+            check_target("model.loss", target, args, positional=("output", "batch"))
+        else:
+            _require(isinstance(self.loss, str) and self.loss in Loss.__members__,
+                     f"model.loss: got {self.loss!r}; allowed: {LOSS_ALLOWED}")
+            self.loss = Loss(self.loss)
 
 
 @dataclass
@@ -155,6 +191,9 @@ class DataConfig:
     read_latency_ms: float = 0.0  # simulated per-sample storage latency, for any dataset
     latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
     latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
+    # {_target_, args}: the loaders' collate_fn, called as fn(items, **args); null: torch's default
+    collate_fn: Optional[Dict[str, Any]] = None
+    batch_key: Optional[str] = None  # a dict batch's key whose leading dimension is the batch size; null: the first tensor's
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, f"data.batch_size: must be an integer >= 1, got {self.batch_size}")
@@ -177,6 +216,11 @@ class DataConfig:
         _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
                  "data.latency_after_ms: applies with data.latency_jump_at > 0 (the step the latency changes at)")
         check_target("data", self._target_, self.args)
+        if self.collate_fn is not None:
+            target, args = target_spec("data.collate_fn", self.collate_fn)
+            check_target("data.collate_fn", target, args, positional=("items",))
+        _require(self.batch_key is None or self.batch_key != "",
+                 "data.batch_key: must be a key of the batch (e.g. input_ids) or null (the first tensor's leading dimension)")
 
 
 @dataclass
