@@ -236,7 +236,8 @@ def _start_run(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], tr
         return tracker.reopen(resumed["mlflow_run_id"], {"resumed_from_step": resumed["step"]})
     tags = {
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
-        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), **cfg.tags, **(extra_tags or {}),
+        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), "run_kind": "job", **cfg.tags,
+        **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
     return tracker.start(name, flatten(cfg), tags)

@@ -212,23 +212,14 @@ class Tuner:
         self._check()
         study = self._study()
         self._close_dead_runs()
-        parent = self.tracker.start(
-            self.cfg.tracking.run_name or f"tune {self.name}",
-            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
-             "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
-             **{f"space.{d.name}": d.describe() for d in self.space.dims}},
-            {"mode": "tune", "study_name": self.name, "backend": self.cfg.backend.name.value,
-             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
-        )
         self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {self.t.n_trials} trials, objective "
                   f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
                   + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims)
                   + "".join(f"; {name} left out: {why}" for name, why in self.space.left_out.items()))
         done = counted(study.get_trials(deepcopy=False))
-        if done >= self.t.n_trials:
-            self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
-                      f"nothing to run. To add more, raise it: tune.study_name={self.name} "
-                      f"tune.n_trials={done + self.t.n_trials}")
+        if done >= self.t.n_trials and not self._confirmation_due(study):
+            return self._nothing_to_run(study, done)
+        parent = self._parent(study)
         status = Status.FAILED
         try:
             duplicates_in_a_row = 0
@@ -288,6 +279,44 @@ class Tuner:
                 self.tracker.end(status)
         return summary
 
+    def _nothing_to_run(self, study: Any, done: int) -> Dict[str, Any]:
+        """A call on a study that has its trials (and its confirmation): said, and nothing is
+        made (no trial, no MLflow run, no files)."""
+        self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
+                  f"nothing to run. To add more, raise it: tune.study_name={self.name} "
+                  f"tune.n_trials={done + self.t.n_trials}")
+        best = best_trials(study, self.t)
+        if best:
+            self._say(f"[tune] its best so far: trial {best[0].number} (its study's run dir has tuned/best.yaml)")
+        return {"status": Status.NOTHING_TO_RUN, "study_name": self.name, "storage": redact(self.storage), "n_trials": done,
+                "best": {"number": best[0].number, "values": best[0].user_attrs["values"]} if best else None,
+                "mlflow_run_id": study.user_attrs.get("mlflow_run_id")}
+
+    def _parent(self, study: Any) -> Optional[str]:
+        """The study's MLflow run, one across calls: the run an earlier call made (the study's
+        user attribute `mlflow_run_id`) is reopened when this tracking store has it and no live
+        tuner holds it (another process of a shared study running now gets its own); else a new one."""
+        known, run = study.user_attrs.get("mlflow_run_id"), None
+        if known and self.tracker.enabled and self.tracker.client is not None:
+            try:
+                run = self.tracker.client.get_run(known)
+            except Exception:  # another tracking store, or deleted there
+                run = None
+            if run is not None and run.info.experiment_id == self.tracker.experiment_id and run.info.status != "RUNNING":
+                self._say(f"[tune] continuing the study's MLflow run {known}")
+                return self.tracker.reopen(known, {"owner": owner_tag(), "resumed_at": f"{datetime.now():%Y-%m-%d %H:%M:%S}"})
+        parent = self.tracker.start(
+            self.cfg.tracking.run_name or f"tune {self.name}",
+            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
+             "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
+             **{f"space.{d.name}": d.describe() for d in self.space.dims}},
+            {"mode": "tune", "run_kind": "study", "study_name": self.name, "backend": self.cfg.backend.name.value,
+             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
+        )
+        if parent and (run is None or run.info.status != "RUNNING"):
+            study.set_user_attr("mlflow_run_id", parent)
+        return parent
+
     def _out_of_patience(self, study: Any) -> bool:
         """tune.patience: the last N counted trials did not beat the best by more than its noise."""
         if not self.t.patience:
@@ -343,7 +372,8 @@ class Tuner:
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
         monitor = self._monitor(study, trial, pruned)
-        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
+        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
+                "run_kind": "trial"} if parent else {}
         try:
             result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
                              ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
@@ -371,6 +401,8 @@ class Tuner:
         if rec.error:
             trial_state_tags["prune_reason" if rec.state == "PRUNED" else "trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
+        if rec.state == "PRUNED" and rec.mlflow_run_id and self.tracker.client is not None:
+            self.tracker.client.set_terminated(rec.mlflow_run_id, "FINISHED")  # stopped on purpose: trial_state says so
         self._record(rec, t0)
 
     def _monitor(self, study: Any, trial: Any, pruned: Dict[str, Any]) -> Callable[[int, Dict[str, float]], bool]:
@@ -475,14 +507,15 @@ class Tuner:
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds, "
                   f"windows x{CONFIRM_LONGER:g}")
         runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
-        tags = {"mlflow.parentRunId": parent, "study_name": self.name} if parent else {}
+        tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
         for r in range(CONFIRM_ROUNDS):
             for tr in top[r % len(top):] + top[:r % len(top)]:
                 cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
                 try:
                     runs[tr.number].append(run_job(
                         cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
-                        extra_tags={**tags, "confirm_of": str(tr.number)} if tags else None, plots=False,
+                        extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
+                                    tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
                         run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
                 except JobFailed as exc:
                     self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
@@ -503,6 +536,11 @@ class Tuner:
                           f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
         study.set_user_attr("confirmed", out)
         self.confirmed_here = True
+
+    def _confirmation_due(self, study: Any) -> bool:
+        """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
+        numbers = sorted(tr.number for tr in confirm_candidates(study, self.t))
+        return len(numbers) >= 2 and sorted(map(int, confirmed(study))) != numbers
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
