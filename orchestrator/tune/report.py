@@ -1,5 +1,5 @@
-"""What a study leaves behind: best.yaml (a Hydra override file), trials.csv, Optuna plots,
-summary.json, and a ranked table on the console."""
+"""What a study leaves behind: best.yaml (a Hydra override file), trials.csv, Optuna plots, the
+tuning picture (picture.py), summary.json, and a ranked table on the console."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from ..commands import orchestrator_command
+from ..progress import console
 from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
 from .edges import advice
-from .rules import completed, confirmed, counted, figures, ranked, refused, separation
+from .picture import FILE as PICTURE, write_picture
+from .rules import best_trials, completed, confirmed, counted, figures, ranked, refused, separation
 
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
            "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "global_batch",
@@ -109,12 +111,29 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         summary["rerun_overrides"] = overrides
     summary["trial_overhead"] = _overhead(trials)
     artifacts += _plots(study, out_dir, t)
+    try:  # the picture in user units, its pick the one best.yaml holds
+        picture = write_picture(study, best, t, out_dir)
+        artifacts += [str(picture)] if picture else []
+    except Exception as exc:
+        print(f"[tune] no {PICTURE} picture: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     write_json(out_dir / "summary.json", summary, indent=2)
     artifacts.append(str(out_dir / "summary.json"))
     summary["artifacts"] = artifacts
     if echo:
         _print_table(study, best, t, name, summary)
     return summary
+
+
+def best_words(study: Any, t: TuneConfig) -> str:
+    """The best so far in a few words (the live progress): its trial, utilization and samples/s
+    with the 95% interval, from its confirmed figures when it was re-measured."""
+    best = best_trials(study, t)
+    if not best:
+        return ""
+    f = figures(best[0], confirmed(study))
+    lo, hi = f.get("throughput_lo"), f.get("throughput_hi")
+    interval = f" ({lo:.1f}-{hi:.1f})" if lo is not None and hi is not None else ""
+    return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%, {f['throughput']:.1f}{interval} samples/s"
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
@@ -163,7 +182,6 @@ def _plots(study: Any, out_dir: Path, t: TuneConfig) -> List[str]:
 
 
 def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary: Dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     best_numbers = {b.number for b in best}
@@ -173,7 +191,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     else:
         done = ranked(study, t)
     table = Table(title=f"study {name}: {summary['states']}")
-    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)", "verdict", ""):
+    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)", "verdict", "notes"):
         table.add_column(col)
 
     def interval(f: Dict[str, Any], name: str, unit: float, fmt: str) -> str:
@@ -188,7 +206,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
                       f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), a.get("verdict", "-"),
                       " ".join(notes))
-    Console(width=140).print(table)
+    console().print(table)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
         print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "

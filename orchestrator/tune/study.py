@@ -28,7 +28,8 @@ from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
-from .report import write_outputs
+from ..progress import StudyProgress
+from .report import best_words, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, refused,
                     stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply
@@ -220,6 +221,9 @@ class Tuner:
         if done >= self.t.n_trials and not self._confirmation_due(study):
             return self._nothing_to_run(study, done)
         parent = self._parent(study)
+        self.progress = StudyProgress(self.name, self.t.n_trials) if self.echo else None
+        if self.progress is not None:
+            self.progress.start()
         status = Status.FAILED
         try:
             duplicates_in_a_row = 0
@@ -263,6 +267,8 @@ class Tuner:
             raise StudyFailed(f"the study's database failed ({store_error(exc, self.storage, 'tune.storage')}); "
                               f"completed trials are kept: rerun with tune.study_name={self.name} to finish the count") from None
         finally:
+            if self.progress is not None:
+                self.progress.stop()
             if self.pool is not None:
                 self.pool.close()
             try:
@@ -372,6 +378,7 @@ class Tuner:
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
         monitor = self._monitor(study, trial, pruned)
+        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), _knobs(values)))
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
                 "run_kind": "trial"} if parent else {}
         try:
@@ -396,6 +403,7 @@ class Tuner:
                             ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
                     "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
         rec.duration_s = time.monotonic() - t0
+        self._show(lambda p: p.ended(best_words(study, self.t)))
         trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
                             "proposed_by": rec.proposed_by, "verdict": trial.user_attrs.get("verdict", "-")}
         if rec.error:
@@ -509,8 +517,10 @@ class Tuner:
         runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
         tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
         for r in range(CONFIRM_ROUNDS):
-            for tr in top[r % len(top):] + top[:r % len(top)]:
+            for i, tr in enumerate(top[r % len(top):] + top[:r % len(top)]):
                 cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
+                self._show(lambda p: p.confirm(r * len(top) + i + 1, CONFIRM_ROUNDS * len(top),
+                                               f"trial {tr.number}: {_knobs(tr.user_attrs['values'])}"))
                 try:
                     runs[tr.number].append(run_job(
                         cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
@@ -519,6 +529,7 @@ class Tuner:
                         run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
                 except JobFailed as exc:
                     self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
+                self._show(lambda p: p.ended(best_words(study, self.t)))
         out: Dict[str, Dict[str, Any]] = {}
         for number, results in runs.items():
             if not results:
@@ -595,6 +606,11 @@ class Tuner:
         if self.echo:
             print(text, flush=True)
 
+    def _show(self, what: Callable[[StudyProgress], None]) -> None:
+        """Tell the live progress (when the study echoes)."""
+        if getattr(self, "progress", None) is not None:
+            what(self.progress)
+
     def _tag(self, run_id: Optional[str], tags: Dict[str, Any]) -> None:
         if run_id and self.tracker.client is not None:
             from mlflow.entities import RunTag
@@ -614,7 +630,7 @@ class Tuner:
     def _record(self, rec: TrialRecord, t0: float) -> None:
         rec.duration_s = rec.duration_s or time.monotonic() - t0
         m = rec.metrics
-        knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in rec.values.items() if v is not None)
+        knobs = _knobs(rec.values)
         pm = f" +-{100 * m['rel_se']:.0f}%" if "rel_se" in m else ""
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
@@ -697,6 +713,10 @@ def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
             self.covered = self.is_exhausted(study)
 
     return Grid(search_space, seed=seed)
+
+
+def _knobs(values: Dict[str, Any]) -> str:
+    return " ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items() if v is not None)
 
 
 def _first_line(exc: BaseException) -> str:
