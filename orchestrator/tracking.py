@@ -35,14 +35,21 @@ SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac",
 # `viewStateShareKey=<key>`) opens it on the columns a user reads first.
 VIEW_KEY = "training"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+# (The UI orders metrics, then tags, each alphabetically; a study's run logs its pick's figures
+# under the same names, so its row reads like its trials'.)
 VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization`", "metrics.`mfu`", "tags.`verdict`",
-                "tags.`trial_state`", "tags.`world_size`", "metrics.`best_throughput`", "metrics.`best_utilization`",
-                "tags.`run_kind`")
+                "tags.`trial_state`", "tags.`world_size`")
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI's training kind (not its GenAI one)
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+def runs_url(base: str, experiment_id: str) -> str:
+    """An experiment's training runs table, with the key columns (VIEW_TAG), in the UI at `base`."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}" \
+           "&workflowType=machine_learning"
 
 
 class Tracker:
@@ -109,9 +116,7 @@ class Tracker:
             self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, view)
 
     def runs_url(self, base: str) -> str:
-        """The experiment's training runs table, with the key columns, in the UI served at `base`."""
-        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs?viewStateShareKey={VIEW_KEY}" \
-               "&workflowType=machine_learning"
+        return runs_url(base, str(self.experiment_id))
 
     def where(self) -> str:
         """Where this job logged and how to look at it, in one line: the UI's URL when `make ui`

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -308,6 +309,7 @@ def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     assert out.returncode == 1  # one job failed; the other still ran
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == ["FINISHED", "FAILED"]
+    assert rows[0]["world_size"] == 1 and re.search(r"┃ job ┃ overrides .*┃ world size ┃", out.stdout)
     assert "1 of 2 sweep jobs did not finish" in out.stderr
     client = MlflowClient(mlflow_uri)
     runs = [client.get_run(r["mlflow_run_id"]) for r in rows]

@@ -310,13 +310,15 @@ class Tuner:
                 run = None
             if run is not None and run.info.experiment_id == self.tracker.experiment_id and run.info.status != "RUNNING":
                 self._say(f"[tune] continuing the study's MLflow run {known}")
-                return self.tracker.reopen(known, {"owner": owner_tag(), "resumed_at": f"{datetime.now():%Y-%m-%d %H:%M:%S}"})
+                return self.tracker.reopen(known, {"owner": owner_tag(), "run_dir": str(self.run_dir),
+                                                   "resumed_at": f"{datetime.now():%Y-%m-%d %H:%M:%S}"})
         parent = self.tracker.start(
             self.cfg.tracking.run_name or f"tune {self.name}",
             {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
              "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
              **{f"space.{d.name}": d.describe() for d in self.space.dims}},
-            {"mode": "tune", "run_kind": "study", "study_name": self.name, "backend": self.cfg.backend.name.value,
+            {"mode": "tune", "run_kind": "study", "study_name": self.name, "run_dir": str(self.run_dir),
+             "backend": self.cfg.backend.name.value,
              "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
         )
         if parent and (run is None or run.info.status != "RUNNING"):
@@ -694,8 +696,11 @@ class Tuner:
         if best:
             fig = {**best[0].user_attrs, **figures(best[0], confirmed(study))}  # the confirmed figures when re-measured
             self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi")
-                                      if isinstance(fig.get(k), (int, float))])
+                                      if isinstance(fig.get(k), (int, float))]
+                                     + [(k, fig[k], 0) for k in ("throughput", "utilization", "mfu")  # its row's columns
+                                        if isinstance(fig.get(k), (int, float))])
         self.tracker.end(status)
+        self._say(f"[tune] {self.tracker.where()}")
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
