@@ -17,6 +17,7 @@ from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
 from .edges import advice
+from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
 from .rules import best_trials, completed, confirmed, counted, figures, ranked, refused, separation
 
@@ -124,6 +125,24 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     return summary
 
 
+def _trials(numbers: List[Any]) -> str:
+    return f"trial{'s' if len(numbers) != 1 else ''} {', '.join(map(str, numbers))}"
+
+
+def _pruning_line(p: Dict[str, Any]) -> str:
+    """What pruning did: the trial time it saved, or that it saved none (the pruned trials ran as
+    long as the completed ones take: their warmup and first windows are the cost of a trial)."""
+    n = p["pruned"]
+    said = f"[tune] pruning ({p.get('pruner', 'median')}) stopped {n} trial{'s' if n != 1 else ''} early"
+    if p["saved_s"] >= 1 or "spent_s" not in p:
+        said += f", saving about {p['saved_s']:.0f}s of trial time"
+    else:
+        said += (f" but saved no trial time: {'they' if n != 1 else 'it'} ran {p['spent_s']:.1f}s in all, where a "
+                 f"completed trial takes {p['median_s']:.1f}s (median)")
+    near = p.get("within_noise_of_best") or []
+    return said + (f"; {_trials(near)} had a last window within the best's interval" if near else "")
+
+
 def best_words(study: Any, t: TuneConfig) -> str:
     """The best so far in a few words (the live progress): its trial, utilization and samples/s
     with the 95% interval, from its confirmed figures when it was re-measured."""
@@ -200,7 +219,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
 
     for i, tr in enumerate(done, 1):
         a, f = tr.user_attrs, figures(tr, conf)
-        knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in a["values"].items() if v is not None)
+        knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t))) if on]
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
@@ -214,15 +233,13 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     if summary.get("stopped"):
         print(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary["refused"]:
-        print(f"[tune] not picked: trial(s) {', '.join(str(r['trial']) for r in summary['refused'])} train one optimizer "
+        print(f"[tune] not picked: {_trials([r['trial'] for r in summary['refused']])} "
+              f"train{'s' if len(summary['refused']) == 1 else ''} one optimizer "
               "step per epoch (the global batch covers the dataset); allow with tune.allow_large_global_batch=true")
     if summary["pruning"]:
-        near = summary["pruning"].get("within_noise_of_best") or []
-        print(f"[tune] pruning ({summary['pruning'].get('pruner', 'median')}) stopped {summary['pruning']['pruned']} "
-              f"trials early, saving about {summary['pruning']['saved_s']:.0f}s of trial time"
-              + (f"; trial(s) {', '.join(map(str, near))} had a last window within the best's interval" if near else ""))
+        print(_pruning_line(summary["pruning"]))
     if summary.get("not_launched"):
-        print(f"[tune] not launched: trial(s) {', '.join(str(r['trial']) for r in summary['not_launched'])}, which the "
+        print(f"[tune] not launched: {_trials([r['trial'] for r in summary['not_launched']])}, which the "
               "job model predicts cannot reach the objective's floor (trials.csv: reason)")
     share = summary.get("measured_share") or {}
     if share.get("wall_s"):

@@ -32,7 +32,7 @@ from ..progress import StudyProgress
 from .report import best_words, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, refused,
                     stale_streak, utilization_score)
-from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply
+from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
 from .storage import is_storage_error, orphaned, study_lock, study_storage
@@ -380,7 +380,7 @@ class Tuner:
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
         monitor = self._monitor(study, trial, pruned)
-        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), _knobs(values)))
+        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values)))
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
                 "run_kind": "trial"} if parent else {}
         try:
@@ -522,7 +522,7 @@ class Tuner:
             for i, tr in enumerate(top[r % len(top):] + top[:r % len(top)]):
                 cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
                 self._show(lambda p: p.confirm(r * len(top) + i + 1, CONFIRM_ROUNDS * len(top),
-                                               f"trial {tr.number}: {_knobs(tr.user_attrs['values'])}"))
+                                               f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
                 try:
                     runs[tr.number].append(run_job(
                         cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
@@ -632,7 +632,7 @@ class Tuner:
     def _record(self, rec: TrialRecord, t0: float) -> None:
         rec.duration_s = rec.duration_s or time.monotonic() - t0
         m = rec.metrics
-        knobs = _knobs(rec.values)
+        knobs = knob_words(rec.values)
         pm = f" +-{100 * m['rel_se']:.0f}%" if "rel_se" in m else ""
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
@@ -650,7 +650,8 @@ class Tuner:
         pruned = [tr for tr in trials if tr.state == TrialState.PRUNED and "prune_reason" in tr.user_attrs]
         if pruned and done:  # each pruned trial would have run about as long as a completed one
             spent = sum(tr.duration.total_seconds() for tr in pruned if tr.duration)
-            notes["pruning"] = {"pruner": self.t.pruner.value, "pruned": len(pruned),
+            notes["pruning"] = {"pruner": self.t.pruner.value, "pruned": len(pruned), "spent_s": spent,
+                                "median_s": statistics.median(done),
                                 "saved_s": max(0.0, len(pruned) * statistics.median(done) - spent)}
             if best and not self.multi:  # a pruned trial whose last window reached the best's interval
                 lo = figures(best[0], confirmed(study)).get("throughput_lo") or best[0].user_attrs["throughput"]
@@ -665,12 +666,13 @@ class Tuner:
         notes["edges"] = summary_of(b, self.space, study.user_attrs.get("extended") or {}, self.proposals.capped)
         base = self.cfg.data.batch_size * self.cfg.trainer.accumulation_steps * self.cfg.world_size
         mine = b.user_attrs.get("global_batch")
-        if mine is not None and mine != base:
+        if mine is not None and mine != base and mine != self.t.global_batch:  # not the one asked for
+            ranks = f"{self.cfg.world_size} rank{'s' if self.cfg.world_size != 1 else ''}"
             notes["global_batch"] = {
                 "base": base, "best": mine, "ratio": mine / base,
-                "note": f"the best trains a global batch of {mine} (batch x accumulation x {self.cfg.world_size} "
-                        f"rank(s)) where the base config trains {base} ({mine / base:.3g}x): different optimization "
-                        f"math (learning rate, steps per epoch); hold it with tune.global_batch={base}"}
+                "note": f"the best trains a global batch of {mine} (batch x accumulation x {ranks}) where the base "
+                        f"config trains {base} ({mine / base:.3g}x): different optimization math (learning rate, "
+                        f"steps per epoch); hold it with tune.global_batch={base}"}
         return notes
 
     def _measured_share(self, study: Any) -> Dict[str, float]:
@@ -718,10 +720,6 @@ def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
             self.covered = self.is_exhausted(study)
 
     return Grid(search_space, seed=seed)
-
-
-def _knobs(values: Dict[str, Any]) -> str:
-    return " ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items() if v is not None)
 
 
 def _first_line(exc: BaseException) -> str:
