@@ -154,6 +154,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
               f"parallelism.nproc_per_node={cfg.parallelism.nproc_per_node} does not apply")
+    if echo:
+        _say_workers_over_cores(cfg, launch.local_ranks)
     cfg_path = write_atomic(config_path(run_dir), to_yaml(cfg))
 
     world = launch.world_size
@@ -209,6 +211,19 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
         if unwritten is not None and status == Status.FINISHED:  # else the job's own failure is on its way
             raise RecordFailed(str(unwritten), result)
     return result
+
+
+def _say_workers_over_cores(cfg: Config, local_ranks: int) -> None:
+    """More loader workers per rank than this machine's usable cores: said once here (each rank's
+    DataLoader would warn twice, at its construction and at each new iterator: rank.py hushes
+    that warning, this line says it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = cfg.data.num_workers
+    if workers > cores:
+        total = f" ({workers * local_ranks} loader processes on this machine)" if local_ranks > 1 else ""
+        print(f"[orchestrator] note: data.num_workers={workers} per rank{total} is more than the {cores} CPU cores this "
+              f"process may use: the workers share them (torch suggests at most {cores}); lower data.num_workers "
+              "unless the loader waits on I/O, or let trainer.loader_autotune=true measure it")
 
 
 def _close_what_the_dead_left(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], owner: RunOwner,
