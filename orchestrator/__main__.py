@@ -65,7 +65,7 @@ def main(dcfg: DictConfig) -> None:
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
     from .app import JobFailed, NothingToResume, RecordFailed, print_summary, run_job
-    from .rundir import RecordError, RunDirOwned, Status, result_path, write_json
+    from .rundir import RecordError, RunDirOwned, Status, remove_if_unused, result_path, write_json
     from .tune.study import StudyFailed
 
     try:
@@ -74,7 +74,9 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         if cfg.mode is Mode.tune:
             from .tune.study import run_study
 
-            run_study(cfg, run_dir, overrides=overrides)
+            summary = run_study(cfg, run_dir, overrides=overrides)
+            if summary["status"] == Status.NOTHING_TO_RUN and remove_if_unused(run_dir):
+                print(f"[orchestrator] nothing ran: {run_dir} removed")
             return 0
         result = run_job(cfg, run_dir, extra_tags=tags)
     except NothingToResume as exc:

@@ -10,13 +10,13 @@ import dataclasses
 import os
 import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from . import checkpoint, load_report
 from .launch import build_launch
+from .progress import JobProgress, console
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, config_path, note_unreadable,
                      own_run_dir, owner_tag, ranks_dir, read_job, read_json, report_paths, result_path, write_atomic,
@@ -55,12 +55,13 @@ Monitor = Callable[[int, Dict[str, float]], bool]
 
 
 class LiveLog:
-    """Turns the ranks' events into MLflow metrics and a progress bar while the job runs."""
+    """Turns the ranks' events into MLflow metrics and the live progress (progress.JobProgress:
+    step/total, loss, samples/s, ETA) while the job runs."""
 
-    def __init__(self, tracker: Tracker, world_size: int, progress: Any = None, monitor: Optional[Monitor] = None) -> None:
+    def __init__(self, tracker: Tracker, world_size: int, progress: Optional[JobProgress] = None,
+                 monitor: Optional[Monitor] = None) -> None:
         self.tracker, self.world, self.progress, self.monitor = tracker, world_size, progress, monitor
         self.stop = False
-        self.task: Any = None
         self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
         self.seen: Dict[int, int] = {}  # rank -> windows seen
         self.loader: Dict[str, float] = {}  # the loader autotune's current settings, logged with each window
@@ -70,15 +71,17 @@ class LiveLog:
         for rank, ev in batch:
             kind, step = ev.get("type"), int(ev.get("step", 0))  # type: ignore[arg-type]
             if kind == "start" and rank == 0 and self.progress is not None:
-                self.task = self.progress.add_task("training", total=ev["total_steps"])
+                self.progress.start(int(ev["total_steps"]))  # type: ignore[typeddict-item]
+            elif kind == "resume" and rank == 0 and self.progress is not None:
+                self.progress.resumed(step)
             elif kind == "loader" and rank == 0:  # the loader autotune's settings, from this step on
                 self.loader = {"loader/num_workers": float(ev["num_workers"]),  # type: ignore[typeddict-item]
                                "loader/prefetch_factor": float(ev["effective_prefetch"])}  # type: ignore[typeddict-item]
                 points += [(k, v, step) for k, v in self.loader.items()]
             elif kind == "log":
                 points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
-                if rank == 0 and self.task is not None:
-                    self.progress.update(self.task, completed=step)
+                if rank == 0 and self.progress is not None:
+                    self.progress.update(step, loss=float(ev["loss"]))  # type: ignore[typeddict-item]
             elif kind == "balance":
                 points += [(f"rank{r}/share", share, step) for r, share in enumerate(ev["shares"])]  # type: ignore[typeddict-item]
             elif kind == "window":
@@ -101,6 +104,8 @@ class LiveLog:
                         "step_time_s": max(float(e["step_time_s"]) for e in evs),  # type: ignore[arg-type]
                     }
                     points += [(k, v, s) for k, v in {**job, **self.loader}.items()]
+                    if self.progress is not None:
+                        self.progress.update(throughput=job["throughput"])
                     if self.monitor is not None and self.monitor(n, job):
                         self.stop = True
         if points:
@@ -109,14 +114,6 @@ class LiveLog:
             except Exception as exc:  # tracking trouble must not kill a training job
                 print(f"[tracking] could not log metrics: {store_error(exc, self.tracker.uri)}")
 
-
-
-def _progress() -> Any:
-    if not sys.stdout.isatty():
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
 
 
 def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
@@ -157,6 +154,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
         print(f"[orchestrator] backend={cfg.backend.name.value} runs one process: "
               f"parallelism.nproc_per_node={cfg.parallelism.nproc_per_node} does not apply")
+    if echo:
+        _say_workers_over_cores(cfg, launch.local_ranks)
     cfg_path = write_atomic(config_path(run_dir), to_yaml(cfg))
 
     world = launch.world_size
@@ -164,16 +163,14 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     expected = world if cfg.parallelism.node_rank == 0 else launch.local_ranks
     run_id = _start_run(cfg, run_dir, resumed, tracker, world, extra_tags, run_name)
     result: Dict[str, Any] = {"status": Status.RUNNING, "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
-                              "run_dir": str(run_dir)}
+                              "run_dir": str(run_dir), "mlflow": tracker.where()}
     status = Status.FAILED
     report_files: List[Path] = []
     t0 = time.monotonic()
-    progress = _progress() if echo else None
+    progress = JobProgress() if echo else None
     try:
         write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
         live = LiveLog(tracker, world, progress, monitor)
-        if progress is not None:
-            progress.start()
         try:
             watch_kwargs = dict(timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
                                 memory_cap_mb=cfg.trainer.memory_cap_mb)
@@ -216,6 +213,19 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     return result
 
 
+def _say_workers_over_cores(cfg: Config, local_ranks: int) -> None:
+    """More loader workers per rank than this machine's usable cores: said once here (each rank's
+    DataLoader would warn twice, at its construction and at each new iterator: rank.py hushes
+    that warning, this line says it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = cfg.data.num_workers
+    if workers > cores:
+        total = f" ({workers * local_ranks} loader processes on this machine)" if local_ranks > 1 else ""
+        print(f"[orchestrator] note: data.num_workers={workers} per rank{total} is more than the {cores} CPU cores this "
+              f"process may use: the workers share them (torch suggests at most {cores}); lower data.num_workers "
+              "unless the loader waits on I/O, or let trainer.loader_autotune=true measure it")
+
+
 def _close_what_the_dead_left(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], owner: RunOwner,
                               tracker: Tracker) -> None:
     """A dead owner's attempt is recorded FAILED (and, unless resumed, archived); MLflow runs left
@@ -236,7 +246,8 @@ def _start_run(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], tr
         return tracker.reopen(resumed["mlflow_run_id"], {"resumed_from_step": resumed["step"]})
     tags = {
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
-        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), **cfg.tags, **(extra_tags or {}),
+        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), "run_kind": "job", **cfg.tags,
+        **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"
     return tracker.start(name, flatten(cfg), tags)
@@ -397,22 +408,23 @@ def _archive_attempt(run_dir: Path) -> None:
 
 
 def print_summary(result: Dict[str, Any], run_dir: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"run {run_dir}", show_header=False)
     for k, v in summary_rows(result):
         table.add_row(k, v)
-    console = Console()
-    console.print(table)
+    out = console()
+    out.print(table)
     diag = result.get("diagnosis")
     if diag:
-        console.print(f"[bold]{diag['verdict']}[/bold]: {diag['reason']}", highlight=False)
+        out.print(f"[bold]{diag['verdict']}[/bold]: {diag['reason']}", highlight=False, soft_wrap=True)
         for advice in diag["advice"]:
-            console.print(f"  - {advice}", highlight=False)
+            out.print(f"  - {advice}", highlight=False, soft_wrap=True)
     if result.get("straggler"):
-        console.print(f"imbalance: {result['straggler']}", highlight=False)
+        out.print(f"imbalance: {result['straggler']}", highlight=False, soft_wrap=True)
     warning = measurement_warning(result)
     if warning:
-        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
-    console.print(f"load report: {run_dir / 'load_report.md'}", highlight=False)
+        out.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
+    out.print(f"load report: {run_dir / 'load_report.md'}", highlight=False, soft_wrap=True)
+    if result.get("mlflow"):
+        out.print(result["mlflow"], highlight=False, soft_wrap=True, markup=False)

@@ -133,13 +133,29 @@ def write_loader_override(tuned: Dict[str, Any], run_dir: Path) -> Path:
     out = run_dir / "tuned"
     out.mkdir(exist_ok=True)
     path = out / "loader.yaml"
-    final = tuned["final"]
+    final = dict(tuned["final"])
+    if final.get("num_workers") and final.get("prefetch_factor") is None:  # torch's default, said as the report says it
+        final["prefetch_factor"] = LoaderSettings(final["num_workers"], None).effective_prefetch
+    command = orchestrator_command(["--config-dir", str(run_dir), *_run_overrides(run_dir), "+tuned=loader"])
     write_atomic(path, "# @package _global_\n"
                     f"# The loader settings trainer.loader_autotune ended with ({LoaderSettings(**tuned['initial']).text} "
                     "at the start).\n"
-                    f"# Use: {orchestrator_command(['--config-dir', str(run_dir), '+tuned=loader'])} and the run's overrides\n"
-                    + yaml.safe_dump({"data": dict(final)}, sort_keys=True))
+                    f"# Use: {command}\n"
+                    + yaml.safe_dump({"data": final}, sort_keys=True))
     return path
+
+
+def _run_overrides(run_dir: Path) -> List[str]:
+    """The run's own command-line overrides (Hydra's .hydra/overrides.yaml), less those that
+    would not rerun it: where it ran, a resume, the autotune itself and the loader's own keys."""
+    import yaml
+
+    try:
+        given = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return []
+    skip = ("hydra.", "trainer.resume=", "trainer.loader_autotune", "data.num_workers=", "data.prefetch_factor=")
+    return [o for o in given if not o.lstrip("+~").startswith(skip)]
 
 
 def _num(x: Any, fmt: str, scale: float = 1.0) -> str:

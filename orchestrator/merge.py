@@ -169,5 +169,5 @@ def measurement_warning(result: Dict[str, Any]) -> str:
     if not measured:
         return (f"nothing was measured: {ran}, inside its warmup ({warm.get('min_steps', '?')} steps and the "
                 f"loader's queue); raise {raise_} or lower trainer.warmup_steps")
-    return (f"only {windows} measured window{'s' if windows != 1 else ''} ({measured} steps after a "
+    return (f"only {windows} measured window{'s' if windows != 1 else ''} ({measured} step{'s' if measured != 1 else ''} after a "
             f"{warm.get('steps', '?')}-step warmup), the figures are rough: {ran}; raise {raise_}")

@@ -117,8 +117,18 @@ def _prefix_if_torchrun(rank: int) -> None:
         prefix_output(f"[rank{rank}] ")  # torchrun merges every rank's output; horovodrun prefixes its own
 
 
+def _hush_said_warnings() -> None:
+    """Warnings the parent already said once, in its own words (app._say_workers_over_cores):
+    torch's DataLoader repeats "suggested max number of worker" at every construction and iterator."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
+                            category=UserWarning)
+
+
 def main(run_dir: str) -> int:
     """One job: set up the backend, train, write the result, tear down."""
+    _hush_said_warnings()
     root = Path(run_dir)
     ranks_dir(root).mkdir(parents=True, exist_ok=True)
     rank = _early_rank()
@@ -217,6 +227,7 @@ def pool_main(pool_dir: str) -> int:
     """Kept-alive ranks (tuning): the backend is set up once, then one job after another, each
     rebuilding its data loader, model and optimizer from its own config. A failed job ends the
     process; the parent starts fresh ranks."""
+    _hush_said_warnings()
     pool = Path(pool_dir)
     rank = _early_rank()
     adapter = None

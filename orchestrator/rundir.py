@@ -33,6 +33,7 @@ class Status(str, Enum):
     KILLED = "KILLED"  # interrupted (Ctrl-C, SIGTERM) or stopped by its monitor (a pruned trial)
     INVALID = "INVALID"  # refused before launch
     NOT_RUN = "NOT RUN"  # a sweep job that wrote no result
+    NOTHING_TO_RUN = "NOTHING TO RUN"  # a study call whose study already has its trials
 
     __str__ = str.__str__  # the word itself in messages and f-strings
     __format__ = str.__format__
@@ -335,6 +336,18 @@ def owner_path(run_dir: Path, node_rank: int = 0) -> Path:
     """owner.json; on the other nodes of a job sharing its run dir, owner.node<R>.json (each node's
     parent owns its own part)."""
     return Path(run_dir) / (OWNER_FILE if not node_rank else f"owner.node{node_rank}.json")
+
+
+def remove_if_unused(run_dir: Path) -> bool:
+    """Remove `run_dir` when it holds nothing but what Hydra and the owner lock put there before a
+    call found nothing to do (.hydra/, Hydra's job log, owner.json): no empty run dirs pile up."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or any(p.name not in (".hydra", OWNER_FILE) and p.suffix != ".log" for p in run_dir.iterdir()):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
 
 
 def _owner_record(fd: int) -> Dict[str, Any]:

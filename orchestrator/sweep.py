@@ -10,9 +10,10 @@ from typing import Any, Dict, List
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .progress import console
 from .rundir import RecordError, Status, read_json, result_path, write_json
 
-COLUMNS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck")
+COLUMNS = ("world_size", "utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck")
 
 
 def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
@@ -30,7 +31,6 @@ def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
 
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from rich.console import Console
         from rich.table import Table
 
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -40,13 +40,15 @@ class SweepSummary(Callback):
         except RecordError as exc:  # the table below is still printed
             print(f"error: {exc}", file=sys.stderr)
         table = Table(title=f"sweep {sweep_dir}")
-        for col in ("job", "overrides", "status", "utilization", "throughput", "data wait", "comm", "bottleneck"):
+        for col in ("job", "overrides", "status", "world size", "utilization", "throughput", "data wait", "comm",
+                    "bottleneck"):
             table.add_column(col)
         fmt = lambda v, pct=False: "-" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:.1f}")  # noqa: E731
         for r in rows:
-            table.add_row(r["job"], r["overrides"], str(r["status"]), fmt(r["utilization"], True), fmt(r["throughput"]),
+            table.add_row(r["job"], r["overrides"], str(r["status"]), str(r["world_size"] or "-"),
+                          fmt(r["utilization"], True), fmt(r["throughput"]),
                           fmt(r["data_wait_frac"], True), fmt(r["comm_frac"], True), str(r["bottleneck"] or "-"))
-        Console(width=140).print(table)
+        console().print(table)
         failed = [r for r in rows if r["status"] != Status.FINISHED]
         if failed:
             print(f"error: {len(failed)} of {len(rows)} sweep jobs did not finish: "

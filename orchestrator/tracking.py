@@ -19,14 +19,37 @@ from .rundir import describe_process, process_gone
 from .schema import ConfigError, TrackingConfig
 from .stores import redact, resolve_uri, sqlite_path, store_error, store_lock
 
+PROJECT = Path(__file__).resolve().parents[1]  # the checkout: scripts/ui.sh serves its outputs/mlflow.db
+PROJECT_STORE = PROJECT / "outputs" / "mlflow.db"
+UI_URL = "http://127.0.0.1:5000"  # `make ui`
+
 # A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
                    "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
                    "nvml_util", "sm_active", "flops_per_sample")
 
+# The runs table of MLflow 3.17's UI shows only Source, Models and Dataset by default, and opens
+# in its GenAI mode unless the URL says `workflowType=machine_learning` (the UI's default workflow
+# is GenAI whatever the experiment's kind). A shared view state (an experiment tag
+# `mlflow.sharedViewState.<key>` holding the table's JSON UI state, read when the URL carries
+# `viewStateShareKey=<key>`) opens it on the columns a user reads first.
+VIEW_KEY = "training"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+# (The UI orders metrics, then tags, each alphabetically; a study's run logs its pick's figures
+# under the same names, so its row reads like its trials'.)
+VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization`", "metrics.`mfu`", "tags.`verdict`",
+                "tags.`trial_state`", "tags.`world_size`")
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI's training kind (not its GenAI one)
+
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+def runs_url(base: str, experiment_id: str) -> str:
+    """An experiment's training runs table, with the key columns (VIEW_TAG), in the UI at `base`."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}" \
+           "&workflowType=machine_learning"
 
 
 class Tracker:
@@ -73,8 +96,7 @@ class Tracker:
                     f"tracking.experiment: '{self.cfg.experiment}' is deleted in {self.shown}; restore it or pick another name"
                 )
             self.experiment_id = exp.experiment_id
-            if "mlflow.experimentKind" not in exp.tags:  # older experiments: show them as training runs
-                self.client.set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "custom_model_development")
+            self._set_view(exp.tags)
         except ConfigError:
             raise
         except Exception as exc:  # driver missing, auth, schema, the server down...
@@ -82,6 +104,31 @@ class Tracker:
             raise ConfigError(f"tracking.uri: {said}" if " unreachable: " in said
                               else f"tracking.uri: cannot use {self.shown}: {said}") from None
         self._check_artifact_home()
+
+    def _set_view(self, tags: Dict[str, str]) -> None:
+        """The experiment's kind (older experiments lack it) and its training view (VIEW_TAG)."""
+        import json
+
+        view = json.dumps({"selectedColumns": list(VIEW_COLUMNS)})
+        if tags.get(KIND_TAG) != KIND:
+            self.client.set_experiment_tag(self.experiment_id, KIND_TAG, KIND)
+        if tags.get(VIEW_TAG) != view:
+            self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, view)
+
+    def runs_url(self, base: str) -> str:
+        return runs_url(base, str(self.experiment_id))
+
+    def where(self) -> str:
+        """Where this job logged and how to look at it, in one line: the UI's URL when `make ui`
+        serves this store (the project's outputs/mlflow.db) or it is a server, else the command
+        that serves it."""
+        if not self.enabled or self.experiment_id is None:
+            return "MLflow: off (tracking.enabled=false)"
+        if self.uri.startswith(("http://", "https://")):
+            return f"MLflow: {self.runs_url(self.shown)}"
+        served = sqlite_path(self.uri) == PROJECT_STORE
+        how = "`make ui`, then" if served else f"`bash {PROJECT / 'scripts' / 'ui.sh'} 5000 {self.shown}`, then"
+        return f"MLflow: {self.shown} (experiment '{self.cfg.experiment}'); browse: {how} {self.runs_url(UI_URL)}"
 
     def _check_artifact_home(self) -> None:
         """An experiment keeps its artifacts either on the disk of its SQLite store's machine
@@ -111,8 +158,7 @@ class Tracker:
             return exp
         try:
             # the UI shows training runs (not its GenAI views) for this kind of experiment
-            self.client.create_experiment(name, self._artifact_root(),
-                                          tags={"mlflow.experimentKind": "custom_model_development"})
+            self.client.create_experiment(name, self._artifact_root(), tags={KIND_TAG: KIND})
         except Exception:  # created meanwhile by someone else, or a real error: the read tells
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
@@ -231,7 +277,7 @@ class Tracker:
                 tags["device"] = result["per_rank"][0].get("device")
                 tags["bottleneck"] = result.get("bottleneck", "-")
             if result.get("diagnosis"):
-                tags["diagnosis"] = result["diagnosis"]["verdict"]
+                tags["diagnosis"] = tags["verdict"] = result["diagnosis"]["verdict"]
             self.set_tags(tags)
             for path in files:
                 self.log_artifact(path)

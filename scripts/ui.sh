@@ -17,5 +17,7 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
 export MLFLOW_BACKEND_STORE_URI="$STORE"  # read by `mlflow server` in place of --backend-store-uri (visible to ps)
 SHOWN=$(printf '%s' "$STORE" | sed -E 's#(://[^/@:]*:)[^/@]+@#\1***@#')
 echo "MLflow UI: http://127.0.0.1:$PORT  (store $SHOWN, artifacts $ARTIFACTS; Ctrl-C stops it)"
+# each experiment's training runs table (the UI opens in its GenAI mode without workflowType=machine_learning)
+MLFLOW_TRACKING_URI="$STORE" .venv/bin/python -m orchestrator.runs --links "http://127.0.0.1:$PORT" 2>/dev/null || true
 exec .venv/bin/mlflow server --host 127.0.0.1 --port "$PORT" --workers 1 \
   --serve-artifacts --artifacts-destination "$ARTIFACTS" --default-artifact-root mlflow-artifacts:/

@@ -87,4 +87,7 @@ class TinyTransformerLM(nn.Module):
         t = tokens.shape[1]
         h = self.tok(tokens) + self.pos[:, :t]
         h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
-        return self.head(self.norm(h))
+        # nn.Linear on a (B, T, D) input computes a 2-D matmul and returns a view of it: FSDP2 hooks
+        # the module's output for its backward all-gather, and an in-place op on a view drops that
+        # hook (torch warns "returned a view tensor"). The logits are returned as their own tensor.
+        return self.head(self.norm(h)).clone()

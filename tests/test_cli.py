@@ -27,6 +27,8 @@ def test_cli_help_and_cfg():
     assert help_.returncode == 0 and "backend: ddp, dp, fsdp, horovod, single" in help_.stdout
     groups = help_.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "schema" not in groups  # the schemas behind the groups are not options
+    assert "python -m orchestrator mode=tune experiment=input_bound" in help_.stdout  # a study, not only runs
+    assert "python -m orchestrator.runs" in help_.stdout
     job = run_cli(["--cfg", "job", "backend=ddp", "data.batch_size=64"])
     assert job.returncode == 0
     assert "batch_size: 64" in job.stdout and "name: ddp" in job.stdout

@@ -164,3 +164,24 @@ def test_merge_names_a_straggler_only_past_the_threshold():
     assert abs(far["imbalance"]["own_time_spread"] - 3.5 / 9.5) < 1e-9
     assert ("imbalance / straggler", "36.8% / rank 1") in summary_rows(far)
     assert far["throughput"] == 200.0 and far["peak_mem_mb"] == 101.0 and far["measured_steps"] == 8
+
+
+def test_the_loader_override_says_its_prefetch_and_a_command_to_paste(tmp_path):
+    """tuned/loader.yaml: torch's default queue depth said as the report says it (2, not null),
+    and a "Use:" line that is a whole command: the run's own overrides, not those it replaces."""
+    import shlex
+
+    import yaml
+
+    from orchestrator.load_report import write_loader_override
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(
+        ["experiment=input_bound", "trainer.loader_autotune=true", "data.num_workers=0", "hydra.run.dir=/x"]))
+    path = write_loader_override({"initial": {"num_workers": 0, "prefetch_factor": None},
+                                  "final": {"num_workers": 4, "prefetch_factor": None}}, tmp_path)
+    text = path.read_text()
+    assert yaml.safe_load(text) == {"data": {"num_workers": 4, "prefetch_factor": 2}}
+    use = next(line for line in text.splitlines() if line.startswith("# Use: "))[len("# Use: "):]
+    args = shlex.split(use)
+    assert args[1:] == ["-m", "orchestrator", "--config-dir", str(tmp_path), "experiment=input_bound", "+tuned=loader"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -92,13 +93,15 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["mode"] == "tune"
     exp = parent.info.experiment_id
-    nested = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    children = [c for c in nested if "trial" in c.data.tags]
-    confirms = [c for c in nested if "confirm_of" in c.data.tags]
-    assert len(children) == 5 and len(confirms) == len(nested) - 5  # the re-measured candidates
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 5 and all(c.data.tags["run_kind"] == "trial" for c in children)
+    # the confirmation runs are nested under the trial they re-measure
+    confirms = client.search_runs([exp], f"tags.study_name = '{summary['study_name']}' and tags.run_kind = 'confirm'")
+    by_run = {c.info.run_id: c.data.tags["trial"] for c in children}
+    assert all(by_run[c.data.tags["mlflow.parentRunId"]] == c.data.tags["confirm_of"] for c in confirms)
     assert len(confirms) >= 2 if summary["best"]["confirmed"] else not confirms
     for child in children:
-        assert child.data.tags["trial_state"] == "COMPLETE"
+        assert child.data.tags["trial_state"] == "COMPLETE" and child.info.status == "FINISHED"
         assert {"data.batch_size", "data.num_workers", "trainer.accumulation_steps"} <= child.data.params.keys()
         metrics = child.data.metrics
         assert {"utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "wall_s", "throughput_estimate",
@@ -194,9 +197,20 @@ def test_resume_adds_up(make_cfg, tmp_path, capsys):
     assert first["n_trials"] == 2 and second["n_trials"] == 4 and counted(trials) == 4
     assert sum(bool(t.user_attrs.get("baseline")) for t in trials) == 1
     assert all(t.state.is_finished() for t in trials)
-    # once more with the same total: nothing to run, and it says so
+    # one MLflow run for the study across its calls: the first one's, reopened
+    assert second["mlflow_run_id"] == first["mlflow_run_id"] == study_of(second).user_attrs["mlflow_run_id"]
+    client = MlflowClient(make_cfg().tracking.uri)
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["run_kind"] == "study"
+    assert len(client.search_runs([parent.info.experiment_id], "tags.study_name = 'resume-me' and tags.mode = 'tune'")) == 1
+    assert len(client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")) == 4
+    # once more with the same total: nothing to run, it says so, and makes nothing
+    capsys.readouterr()
     third = run_study(make_cfg(*common, "tune.n_trials=4"), tmp_path / "c", echo=True)
     out = capsys.readouterr().out
+    assert third["status"] == "NOTHING TO RUN" and third["mlflow_run_id"] == first["mlflow_run_id"]
+    assert not (tmp_path / "c" / "summary.json").exists() and not (tmp_path / "c" / "trials").exists()
+    assert client.get_run(first["mlflow_run_id"]).info.end_time == parent.info.end_time  # not reopened
     assert third["n_trials"] == 4 and len(study_of(third).trials) == len(trials)
     assert "already has 4 counted trials (tune.n_trials=4): nothing to run" in out
     assert "tune.n_trials=8" in out
@@ -297,6 +311,7 @@ def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     assert out.returncode == 1  # one job failed; the other still ran
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == ["FINISHED", "FAILED"]
+    assert rows[0]["world_size"] == 1 and re.search(r"┃ job ┃ overrides .*┃ world size ┃", out.stdout)
     assert "1 of 2 sweep jobs did not finish" in out.stderr
     client = MlflowClient(mlflow_uri)
     runs = [client.get_run(r["mlflow_run_id"]) for r in rows]
@@ -665,8 +680,9 @@ def test_a_pruned_trial_shows_its_last_window_and_the_pruners_reason(make_cfg, t
         assert a["last_window_throughput"] > 0 and 0 <= a["last_window_utilization"] <= 1
         assert "below the median" in a["prune_reason"] and "of earlier trials at that window" in a["prune_reason"]
         assert f"[tune] trial {t.number:3d} PRUNED" in out and a["prune_reason"].split(";")[0] in out
-        tags = MlflowClient(cfg.tracking.uri).get_run(a["mlflow_run_id"]).data.tags
-        assert tags["prune_reason"] == a["prune_reason"]
+        run = MlflowClient(cfg.tracking.uri).get_run(a["mlflow_run_id"])
+        assert run.data.tags["prune_reason"] == a["prune_reason"]
+        assert run.info.status == "FINISHED" and run.data.tags["trial_state"] == "PRUNED"  # stopped on purpose
     assert summary["pruning"]["pruned"] == len(pruned) and summary["pruning"]["saved_s"] >= 0
     assert "[tune] pruning (median) stopped" in out
 

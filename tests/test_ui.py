@@ -71,10 +71,23 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     run_name = client.get_run(job["mlflow_run_id"]).info.run_name
     parent_name = client.get_run(summary["mlflow_run_id"]).info.run_name
 
-    # the runs table: the job and the study's parent run
-    browser.get(f"{url}/#/experiments/{exp_id}/runs")
+    # the training runs table (not MLflow's GenAI overview) with the key figures as columns, at the
+    # URL the run's summary prints
+    from orchestrator.tracking import Tracker
+
+    tracker = Tracker(make_cfg(f"tracking.uri={url}", "tracking.experiment=ui-check").tracking)
+    tracker.check()
+    assert job["mlflow"].endswith(tracker.runs_url(url)) and exp_id == tracker.experiment_id
+    browser.set_window_size(2200, 1000)  # the table renders the columns in view
+    browser.get(tracker.runs_url(url))
     body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
     wait_for(lambda: run_name in body() and parent_name in body(), browser=browser, what="runs table")
+    headers = lambda: [h.text for h in browser.find_elements("css selector", "[role='columnheader']")]  # noqa: E731
+    wait_for(lambda: {"throughput", "utilization", "verdict"} <= set(headers()), browser=browser,
+             what="throughput, utilization and verdict columns")
+    assert "Overview" not in headers() and "/overview" not in browser.current_url
+    verdict = client.get_run(job["mlflow_run_id"]).data.tags["verdict"]
+    wait_for(lambda: verdict in body(), browser=browser, what="the job's verdict in its row")
 
     # the study's trials are nested under it: expand the parent row
     expander = "button[data-component-id*='runnamecellrenderer']"  # the (+) before a parent run's name

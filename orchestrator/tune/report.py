@@ -1,5 +1,5 @@
-"""What a study leaves behind: best.yaml (a Hydra override file), trials.csv, Optuna plots,
-summary.json, and a ranked table on the console."""
+"""What a study leaves behind: best.yaml (a Hydra override file), trials.csv, Optuna plots, the
+tuning picture (picture.py), summary.json, and a ranked table on the console."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from ..commands import orchestrator_command
+from ..progress import console
 from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
 from .edges import advice
-from .rules import completed, confirmed, counted, figures, ranked, refused, separation
+from .space import knob_words
+from .picture import FILE as PICTURE, write_picture
+from .rules import best_trials, completed, confirmed, counted, figures, ranked, refused, separation
 
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
            "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "global_batch",
@@ -109,12 +112,47 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         summary["rerun_overrides"] = overrides
     summary["trial_overhead"] = _overhead(trials)
     artifacts += _plots(study, out_dir, t)
+    try:  # the picture in user units, its pick the one best.yaml holds
+        picture = write_picture(study, best, t, out_dir)
+        artifacts += [str(picture)] if picture else []
+    except Exception as exc:
+        print(f"[tune] no {PICTURE} picture: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     write_json(out_dir / "summary.json", summary, indent=2)
     artifacts.append(str(out_dir / "summary.json"))
     summary["artifacts"] = artifacts
     if echo:
         _print_table(study, best, t, name, summary)
     return summary
+
+
+def _trials(numbers: List[Any]) -> str:
+    return f"trial{'s' if len(numbers) != 1 else ''} {', '.join(map(str, numbers))}"
+
+
+def _pruning_line(p: Dict[str, Any]) -> str:
+    """What pruning did: the trial time it saved, or that it saved none (the pruned trials ran as
+    long as the completed ones take: their warmup and first windows are the cost of a trial)."""
+    n = p["pruned"]
+    said = f"[tune] pruning ({p.get('pruner', 'median')}) stopped {n} trial{'s' if n != 1 else ''} early"
+    if p["saved_s"] >= 1 or "spent_s" not in p:
+        said += f", saving about {p['saved_s']:.0f}s of trial time"
+    else:
+        said += (f" but saved no trial time: {'they' if n != 1 else 'it'} ran {p['spent_s']:.1f}s in all, where a "
+                 f"completed trial takes {p['median_s']:.1f}s (median)")
+    near = p.get("within_noise_of_best") or []
+    return said + (f"; {_trials(near)} had a last window within the best's interval" if near else "")
+
+
+def best_words(study: Any, t: TuneConfig) -> str:
+    """The best so far in a few words (the live progress): its trial, utilization and samples/s
+    with the 95% interval, from its confirmed figures when it was re-measured."""
+    best = best_trials(study, t)
+    if not best:
+        return ""
+    f = figures(best[0], confirmed(study))
+    lo, hi = f.get("throughput_lo"), f.get("throughput_hi")
+    interval = f" ({lo:.1f}-{hi:.1f})" if lo is not None and hi is not None else ""
+    return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%, {f['throughput']:.1f}{interval} samples/s"
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
@@ -163,7 +201,6 @@ def _plots(study: Any, out_dir: Path, t: TuneConfig) -> List[str]:
 
 
 def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary: Dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     best_numbers = {b.number for b in best}
@@ -173,7 +210,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     else:
         done = ranked(study, t)
     table = Table(title=f"study {name}: {summary['states']}")
-    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)", "verdict", ""):
+    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)", "verdict", "notes"):
         table.add_column(col)
 
     def interval(f: Dict[str, Any], name: str, unit: float, fmt: str) -> str:
@@ -182,13 +219,13 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
 
     for i, tr in enumerate(done, 1):
         a, f = tr.user_attrs, figures(tr, conf)
-        knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in a["values"].items() if v is not None)
+        knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t))) if on]
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
                       f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), a.get("verdict", "-"),
                       " ".join(notes))
-    Console(width=140).print(table)
+    console().print(table)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
         print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
@@ -196,15 +233,13 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     if summary.get("stopped"):
         print(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary["refused"]:
-        print(f"[tune] not picked: trial(s) {', '.join(str(r['trial']) for r in summary['refused'])} train one optimizer "
+        print(f"[tune] not picked: {_trials([r['trial'] for r in summary['refused']])} "
+              f"train{'s' if len(summary['refused']) == 1 else ''} one optimizer "
               "step per epoch (the global batch covers the dataset); allow with tune.allow_large_global_batch=true")
     if summary["pruning"]:
-        near = summary["pruning"].get("within_noise_of_best") or []
-        print(f"[tune] pruning ({summary['pruning'].get('pruner', 'median')}) stopped {summary['pruning']['pruned']} "
-              f"trials early, saving about {summary['pruning']['saved_s']:.0f}s of trial time"
-              + (f"; trial(s) {', '.join(map(str, near))} had a last window within the best's interval" if near else ""))
+        print(_pruning_line(summary["pruning"]))
     if summary.get("not_launched"):
-        print(f"[tune] not launched: trial(s) {', '.join(str(r['trial']) for r in summary['not_launched'])}, which the "
+        print(f"[tune] not launched: {_trials([r['trial'] for r in summary['not_launched']])}, which the "
               "job model predicts cannot reach the objective's floor (trials.csv: reason)")
     share = summary.get("measured_share") or {}
     if share.get("wall_s"):

@@ -41,6 +41,14 @@ NEEDS_WORKERS = (PREFETCH_KEY, "data.persistent_workers")  # sampled only when n
 NEEDS_CUDA = ("data.pin_memory",)  # left out of the space on a machine without a CUDA device
 
 
+def knob_words(values: Dict[str, Any]) -> str:
+    """A trial's knobs as a person reads them: `batch_size=64 num_workers=4 ...`, without those
+    that do not apply (None, and the worker-only knobs of a trial without workers)."""
+    workers = values.get("data.num_workers")
+    return " ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items()
+                    if v is not None and not (k in NEEDS_WORKERS and workers == 0))
+
+
 @dataclass
 class Dimension:
     """One searched knob. Ordered values are sampled as ordinals so the sampler sees their order:

@@ -28,10 +28,11 @@ from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..stores import redact, resolve_uri, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
-from .report import write_outputs
+from ..progress import StudyProgress
+from .report import best_words, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, refused,
                     stale_streak, utilization_score)
-from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply
+from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
 from .storage import is_storage_error, orphaned, study_lock, study_storage
@@ -212,27 +213,21 @@ class Tuner:
         self._check()
         study = self._study()
         self._close_dead_runs()
-        parent = self.tracker.start(
-            self.cfg.tracking.run_name or f"tune {self.name}",
-            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
-             "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
-             **{f"space.{d.name}": d.describe() for d in self.space.dims}},
-            {"mode": "tune", "study_name": self.name, "backend": self.cfg.backend.name.value,
-             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
-        )
         self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {self.t.n_trials} trials, objective "
                   f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
                   + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims)
                   + "".join(f"; {name} left out: {why}" for name, why in self.space.left_out.items()))
         done = counted(study.get_trials(deepcopy=False))
-        if done >= self.t.n_trials:
-            self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
-                      f"nothing to run. To add more, raise it: tune.study_name={self.name} "
-                      f"tune.n_trials={done + self.t.n_trials}")
-        elif self.pool is not None:
-            self.pool.prestart(self.cfg)  # its ranks import torch while the first trial is prepared
+        if done >= self.t.n_trials and not self._confirmation_due(study):
+            return self._nothing_to_run(study, done)
+        parent = self._parent(study)
+        self.progress = StudyProgress(self.name, self.t.n_trials) if self.echo else None
+        if self.progress is not None:
+            self.progress.start()
         status = Status.FAILED
         try:
+            if self.pool is not None and done < self.t.n_trials:
+                self.pool.prestart(self.cfg)  # its ranks import torch while the first trial is prepared
             duplicates_in_a_row = 0
             while True:
                 with study_lock(self.storage, self.name):
@@ -274,6 +269,8 @@ class Tuner:
             raise StudyFailed(f"the study's database failed ({store_error(exc, self.storage, 'tune.storage')}); "
                               f"completed trials are kept: rerun with tune.study_name={self.name} to finish the count") from None
         finally:
+            if self.progress is not None:
+                self.progress.stop()
             if self.pool is not None:
                 self.pool.close()
             try:
@@ -289,6 +286,46 @@ class Tuner:
                 print(f"[tune] could not write the study's outputs: {store_error(exc, self.storage, 'tune.storage')}")
                 self.tracker.end(status)
         return summary
+
+    def _nothing_to_run(self, study: Any, done: int) -> Dict[str, Any]:
+        """A call on a study that has its trials (and its confirmation): said, and nothing is
+        made (no trial, no MLflow run, no files)."""
+        self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
+                  f"nothing to run. To add more, raise it: tune.study_name={self.name} "
+                  f"tune.n_trials={done + self.t.n_trials}")
+        best = best_trials(study, self.t)
+        if best:
+            self._say(f"[tune] its best so far: trial {best[0].number} (its study's run dir has tuned/best.yaml)")
+        return {"status": Status.NOTHING_TO_RUN, "study_name": self.name, "storage": redact(self.storage), "n_trials": done,
+                "best": {"number": best[0].number, "values": best[0].user_attrs["values"]} if best else None,
+                "mlflow_run_id": study.user_attrs.get("mlflow_run_id")}
+
+    def _parent(self, study: Any) -> Optional[str]:
+        """The study's MLflow run, one across calls: the run an earlier call made (the study's
+        user attribute `mlflow_run_id`) is reopened when this tracking store has it and no live
+        tuner holds it (another process of a shared study running now gets its own); else a new one."""
+        known, run = study.user_attrs.get("mlflow_run_id"), None
+        if known and self.tracker.enabled and self.tracker.client is not None:
+            try:
+                run = self.tracker.client.get_run(known)
+            except Exception:  # another tracking store, or deleted there
+                run = None
+            if run is not None and run.info.experiment_id == self.tracker.experiment_id and run.info.status != "RUNNING":
+                self._say(f"[tune] continuing the study's MLflow run {known}")
+                return self.tracker.reopen(known, {"owner": owner_tag(), "run_dir": str(self.run_dir),
+                                                   "resumed_at": f"{datetime.now():%Y-%m-%d %H:%M:%S}"})
+        parent = self.tracker.start(
+            self.cfg.tracking.run_name or f"tune {self.name}",
+            {"tune.n_trials": self.t.n_trials, "tune.objective": self.t.objective.value, "tune.storage": redact(self.storage),
+             "tune.study_name": self.name, "backend.name": self.cfg.backend.name.value,
+             **{f"space.{d.name}": d.describe() for d in self.space.dims}},
+            {"mode": "tune", "run_kind": "study", "study_name": self.name, "run_dir": str(self.run_dir),
+             "backend": self.cfg.backend.name.value,
+             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
+        )
+        if parent and (run is None or run.info.status != "RUNNING"):
+            study.set_user_attr("mlflow_run_id", parent)
+        return parent
 
     def _out_of_patience(self, study: Any) -> bool:
         """tune.patience: the last N counted trials did not beat the best by more than its noise."""
@@ -345,7 +382,9 @@ class Tuner:
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
         monitor = self._monitor(study, trial, pruned)
-        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name} if parent else {}
+        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values)))
+        tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
+                "run_kind": "trial"} if parent else {}
         try:
             result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
                              ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
@@ -368,11 +407,14 @@ class Tuner:
                             ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
                     "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
         rec.duration_s = time.monotonic() - t0
+        self._show(lambda p: p.ended(best_words(study, self.t)))
         trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
                             "proposed_by": rec.proposed_by, "verdict": trial.user_attrs.get("verdict", "-")}
         if rec.error:
             trial_state_tags["prune_reason" if rec.state == "PRUNED" else "trial_error"] = rec.error[:500]
         self._tag(rec.mlflow_run_id, trial_state_tags)
+        if rec.state == "PRUNED" and rec.mlflow_run_id and self.tracker.client is not None:
+            self.tracker.client.set_terminated(rec.mlflow_run_id, "FINISHED")  # stopped on purpose: trial_state says so
         self._record(rec, t0)
 
     def _monitor(self, study: Any, trial: Any, pruned: Dict[str, Any]) -> Callable[[int, Dict[str, float]], bool]:
@@ -477,17 +519,21 @@ class Tuner:
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds, "
                   f"windows x{CONFIRM_LONGER:g}")
         runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
-        tags = {"mlflow.parentRunId": parent, "study_name": self.name} if parent else {}
+        tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
         for r in range(CONFIRM_ROUNDS):
-            for tr in top[r % len(top):] + top[:r % len(top)]:
+            for i, tr in enumerate(top[r % len(top):] + top[:r % len(top)]):
                 cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
+                self._show(lambda p: p.confirm(r * len(top) + i + 1, CONFIRM_ROUNDS * len(top),
+                                               f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
                 try:
                     runs[tr.number].append(run_job(
                         cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
-                        extra_tags={**tags, "confirm_of": str(tr.number)} if tags else None, plots=False,
+                        extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
+                                    tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
                         run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
                 except JobFailed as exc:
                     self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
+                self._show(lambda p: p.ended(best_words(study, self.t)))
         out: Dict[str, Dict[str, Any]] = {}
         for number, results in runs.items():
             if not results:
@@ -505,6 +551,11 @@ class Tuner:
                           f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
         study.set_user_attr("confirmed", out)
         self.confirmed_here = True
+
+    def _confirmation_due(self, study: Any) -> bool:
+        """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
+        numbers = sorted(tr.number for tr in confirm_candidates(study, self.t))
+        return len(numbers) >= 2 and sorted(map(int, confirmed(study))) != numbers
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
@@ -559,6 +610,11 @@ class Tuner:
         if self.echo:
             print(text, flush=True)
 
+    def _show(self, what: Callable[[StudyProgress], None]) -> None:
+        """Tell the live progress (when the study echoes)."""
+        if getattr(self, "progress", None) is not None:
+            what(self.progress)
+
     def _tag(self, run_id: Optional[str], tags: Dict[str, Any]) -> None:
         if run_id and self.tracker.client is not None:
             from mlflow.entities import RunTag
@@ -578,7 +634,7 @@ class Tuner:
     def _record(self, rec: TrialRecord, t0: float) -> None:
         rec.duration_s = rec.duration_s or time.monotonic() - t0
         m = rec.metrics
-        knobs = " ".join(f"{k.split('.')[-1]}={v}" for k, v in rec.values.items() if v is not None)
+        knobs = knob_words(rec.values)
         pm = f" +-{100 * m['rel_se']:.0f}%" if "rel_se" in m else ""
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
@@ -596,7 +652,8 @@ class Tuner:
         pruned = [tr for tr in trials if tr.state == TrialState.PRUNED and "prune_reason" in tr.user_attrs]
         if pruned and done:  # each pruned trial would have run about as long as a completed one
             spent = sum(tr.duration.total_seconds() for tr in pruned if tr.duration)
-            notes["pruning"] = {"pruner": self.t.pruner.value, "pruned": len(pruned),
+            notes["pruning"] = {"pruner": self.t.pruner.value, "pruned": len(pruned), "spent_s": spent,
+                                "median_s": statistics.median(done),
                                 "saved_s": max(0.0, len(pruned) * statistics.median(done) - spent)}
             if best and not self.multi:  # a pruned trial whose last window reached the best's interval
                 lo = figures(best[0], confirmed(study)).get("throughput_lo") or best[0].user_attrs["throughput"]
@@ -611,12 +668,13 @@ class Tuner:
         notes["edges"] = summary_of(b, self.space, study.user_attrs.get("extended") or {}, self.proposals.capped)
         base = self.cfg.data.batch_size * self.cfg.trainer.accumulation_steps * self.cfg.world_size
         mine = b.user_attrs.get("global_batch")
-        if mine is not None and mine != base:
+        if mine is not None and mine != base and mine != self.t.global_batch:  # not the one asked for
+            ranks = f"{self.cfg.world_size} rank{'s' if self.cfg.world_size != 1 else ''}"
             notes["global_batch"] = {
                 "base": base, "best": mine, "ratio": mine / base,
-                "note": f"the best trains a global batch of {mine} (batch x accumulation x {self.cfg.world_size} "
-                        f"rank(s)) where the base config trains {base} ({mine / base:.3g}x): different optimization "
-                        f"math (learning rate, steps per epoch); hold it with tune.global_batch={base}"}
+                "note": f"the best trains a global batch of {mine} (batch x accumulation x {ranks}) where the base "
+                        f"config trains {base} ({mine / base:.3g}x): different optimization math (learning rate, "
+                        f"steps per epoch); hold it with tune.global_batch={base}"}
         return notes
 
     def _measured_share(self, study: Any) -> Dict[str, float]:
@@ -642,8 +700,11 @@ class Tuner:
         if best:
             fig = {**best[0].user_attrs, **figures(best[0], confirmed(study))}  # the confirmed figures when re-measured
             self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi")
-                                      if isinstance(fig.get(k), (int, float))])
+                                      if isinstance(fig.get(k), (int, float))]
+                                     + [(k, fig[k], 0) for k in ("throughput", "utilization", "mfu")  # its row's columns
+                                        if isinstance(fig.get(k), (int, float))])
         self.tracker.end(status)
+        self._say(f"[tune] {self.tracker.where()}")
         summary["status"] = status
         summary["mlflow_run_id"] = parent
         return summary
