@@ -61,6 +61,12 @@ class DistBackend(str, Enum):
     nccl = "nccl"
 
 
+class Launcher(str, Enum):
+    auto = "auto"  # slurm inside a SLURM job that spans more than one node, else local
+    slurm = "slurm"  # the ranks of the SLURM allocation's nodes, started with srun (orchestrator/slurm.py)
+    local = "local"  # this machine (or the nodes given by hand: nnodes, node_rank, master_addr)
+
+
 class Balance(str, Enum):
     even = "even"  # every rank data.batch_size samples per micro-step
     speed = "speed"  # each rank's share of the global batch set by its measured speed (runtime/balance.py)
@@ -204,6 +210,7 @@ class BackendConfig:
 class ParallelismConfig:
     """Degrees of parallelism; the world size the ranks see must agree (checked in the ranks)."""
 
+    launcher: Launcher = Launcher.auto  # how the ranks start: see Launcher, docs/distributed.md
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -228,8 +235,13 @@ class ParallelismConfig:
         )
         _require(0 <= self.master_port <= 65535, f"parallelism.master_port: must be 0..65535, got {self.master_port}")
         _require(
-            self.master_port != 0 or self.nnodes == 1,
+            self.master_port != 0 or self.nnodes == 1 or self.launcher is Launcher.slurm,
             "parallelism.master_port: set a fixed port when nnodes > 1 (every node must agree on it)",
+        )
+        _require(
+            self.launcher is not Launcher.slurm or (self.node_rank == 0 and not (self.hosts or self.hostfile)),
+            "parallelism.launcher: slurm takes the nodes from the allocation; leave parallelism.node_rank, hosts and "
+            "hostfile unset (allowed with them: parallelism.launcher=local)",
         )
         _require(
             not (self.hosts and self.hostfile), "parallelism.hosts / parallelism.hostfile: give one or the other"
@@ -610,7 +622,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 
 __all__: List[str] = [
-    "AmpDtype", "Balance", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
+    "AmpDtype", "Balance", "Launcher", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
     "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "to_config", "to_yaml",

@@ -25,6 +25,7 @@ from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
 from ..rundir import RecordError, Status, own_run_dir, owner_tag
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
+from ..slurm import resolve as resolve_allocation
 from ..stores import redact, resolve_uri, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
@@ -66,6 +67,7 @@ class Tuner:
 
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
+        cfg = resolve_allocation(cfg)  # inside a SLURM allocation: its nodes (orchestrator/slurm.py)
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
         self.space = SearchSpace(cfg)  # raises ConfigError before any trial

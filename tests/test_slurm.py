@@ -1,0 +1,96 @@
+"""Runs, sweeps and studies on a real SLURM: a 2-node cluster on this machine (tests/slurm.py).
+Its two nodes share this machine's cores, so the tests run one SLURM job at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from orchestrator import slurm
+from orchestrator.launch import build_launch
+from orchestrator.schema import ConfigError
+
+from .conftest import ROOT
+from .slurm import SlurmCluster, skip_reason
+from .test_distributed import WORKLOAD, reference_params
+
+needs_slurm = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+ALLOC = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1,n2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)", "SLURMD_NODENAME": "n1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = SlurmCluster().start()
+    yield c
+    c.stop()
+
+
+def sbatch(cluster: SlurmCluster, tmp_path: Path, args: list, sbatch_args: tuple = ("--nodes=2", "--exclusive"),
+           timeout: float = 300) -> tuple:
+    """`python -m orchestrator ARGS` as the batch script of a SLURM job; waits for it. (returncode, output)"""
+    out = tmp_path / "job.out"
+    cmd = " ".join([sys.executable, "-m", "orchestrator", *[f"'{a}'" for a in args]])
+    done = cluster.run("sbatch", "--wait", *sbatch_args, f"--output={out}", f"--chdir={ROOT}", "--wrap", cmd,
+                       timeout=timeout, check=False)
+    cluster.wait_idle()
+    return done.returncode, (out.read_text() if out.exists() else "") + done.stderr
+
+
+def test_allocation_resolves_and_refuses_in_one_line(make_cfg, tmp_path):
+    said: list = []
+    cfg = slurm.resolve(make_cfg("backend=ddp"), ALLOC, say=said.append)
+    p = cfg.parallelism
+    assert (p.launcher.value, p.nnodes, p.nproc_per_node, cfg.world_size) == ("slurm", 2, 1, 2)
+    assert len(said) == 1 and "SLURM job 7 spans 2 nodes" in said[0]  # auto says it picked slurm
+    cmd = build_launch(cfg, tmp_path, environ=ALLOC).cmd
+    srun_end = cmd.index("--unbuffered")
+    assert cmd[0].endswith("srun") and {"--nodes=2", "--ntasks-per-node=1", "--nodelist=n1,n2", "--overlap"} <= set(cmd[:srun_end])
+    assert "--rdzv-backend=c10d" in cmd and any(a.startswith("--rdzv-endpoint=n1:") for a in cmd)
+    assert not any(a.startswith(("--node-rank", "--master-addr")) for a in cmd)
+    one = slurm.resolve(make_cfg("backend=single"), ALLOC, say=said.append)
+    assert one.world_size == 1 and "--nodelist=n1" in build_launch(one, tmp_path, environ=ALLOC).cmd
+    # a one-node job under auto, and launcher=local, stay on this machine
+    assert slurm.resolve(make_cfg("backend=ddp"), {**ALLOC, "SLURM_JOB_NODELIST": "n1"}).parallelism.launcher.value == "auto"
+    assert slurm.resolve(make_cfg("backend=ddp", "parallelism.launcher=local"), ALLOC).parallelism.nnodes == 1
+    gpus = slurm.resolve(make_cfg("backend=ddp"), {**ALLOC, "SLURM_GPUS_ON_NODE": "2"}, say=said.append)
+    assert gpus.parallelism.nproc_per_node == 2  # GPUs per node where the job holds GPUs
+    for overrides, env, field in ((["parallelism.launcher=slurm"], {}, "parallelism.launcher"),
+                                  (["backend=ddp", "parallelism.nproc_per_node=3"], ALLOC, "parallelism.nproc_per_node"),
+                                  (["backend=ddp", "parallelism.nnodes=3", "parallelism.master_port=1234"], ALLOC,
+                                   "parallelism.nnodes")):
+        with pytest.raises(ConfigError) as err:
+            slurm.resolve(make_cfg(*overrides), env, say=said.append)
+        assert str(err.value).startswith(field + ":") and "\n" not in str(err.value) and "allowed" in str(err.value)
+    with pytest.raises(ConfigError, match="^parallelism.launcher: slurm takes the nodes"):
+        make_cfg("parallelism.launcher=slurm", "parallelism.nnodes=2", "parallelism.node_rank=1",
+                 "parallelism.master_port=5")
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_two_node_ddp_under_srun_equals_one_process(cluster, make_cfg, mlflow_uri, tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = sbatch(cluster, tmp_path, ["backend=ddp", *WORKLOAD, "trainer.warmup_steps=1", "trainer.window_steps=2",
+                                           "trainer.log_every=1", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"])
+    assert code == 0, out + cluster.logs()
+    assert "spans 2 nodes: launching on them with srun" in out
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "FINISHED" and result["world_size"] == 2 and result["steps"] == 6
+    assert len({r["param_digest"] for r in result["per_rank"]}) == 1
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+    assert len(ranks) == 2 and {r["rank"] for r in ranks} == {0, 1}
+    got = torch.load(run_dir / "model.pt")
+    want = reference_params(make_cfg, 1)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
+    run = MlflowClient(mlflow_uri).get_run(result["mlflow_run_id"])  # one run, node 0's, as on one machine
+    assert (run.data.tags["world_size"], run.data.tags["nnodes"], run.data.params["parallelism.launcher"]) == ("2", "2", "slurm")
+    assert run.info.status == "FINISHED" and "rank1/throughput" in run.data.metrics
