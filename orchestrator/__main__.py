@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import format_error
 from .schema import Config, ConfigError, Mode, register_configs, to_config
+from .slurm import secondary_task
 from .stores import redact, redact_files
 
 register_configs()
@@ -45,6 +46,8 @@ _started = False  # the job function was entered: Hydra made the run dir and wro
 def main(dcfg: DictConfig) -> None:
     global _started
     _started = True
+    if secondary_task():  # a submitit job's other tasks: its first one starts the ranks on every node
+        return
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN

@@ -130,6 +130,13 @@ def resolve(cfg: Config, environ: Optional[Mapping[str, str]] = None, say=print)
                                                                     nproc_per_node=nproc))
 
 
+def secondary_task(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """A submitit job of several tasks (hydra.launcher.nodes > 1) runs the Hydra job on each of
+    them; all but the first return at once: the first launches the ranks on every node (srun)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("SUBMITIT_EXECUTOR") == "slurm" and environ.get("SLURM_PROCID", "0") not in ("", "0")
+
+
 def _port(alloc: Allocation, fixed: int) -> int:
     """The rendezvous port on the first node: parallelism.master_port when set; a free one when
     this process runs there; else one derived from the job id (a login node cannot probe it)."""
@@ -177,4 +184,4 @@ def single_args(environ: Mapping[str, str]) -> tuple:
     return srun(alloc, 1, 1), alloc.cpus_per_node
 
 
-__all__ = ["Allocation", "allocation", "resolve", "srun", "torchrun_args", "single_args", "uses_slurm"]
+__all__ = ["Allocation", "allocation", "resolve", "secondary_task", "srun", "torchrun_args", "single_args", "uses_slurm"]

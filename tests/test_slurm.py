@@ -94,3 +94,33 @@ def test_two_node_ddp_under_srun_equals_one_process(cluster, make_cfg, mlflow_ur
     run = MlflowClient(mlflow_uri).get_run(result["mlflow_run_id"])  # one run, node 0's, as on one machine
     assert (run.data.tags["world_size"], run.data.tags["nnodes"], run.data.params["parallelism.launcher"]) == ("2", "2", "slurm")
     assert run.info.status == "FINISHED" and "rank1/throughput" in run.data.metrics
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_submitit_sweep_ddp_and_horovod_on_two_nodes(cluster, mlflow_uri, tmp_path):
+    """hydra/launcher=submitit_slurm: each sweep job a SLURM job of 2 nodes, its ranks over both;
+    one sweep id, the final table and sweep_summary.json; exit 1 as the allocation refuses 3 ranks per node."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2", "hydra.launcher.cpus_per_task=2",
+            "hydra.launcher.array_parallelism=1", "hydra.launcher.timeout_min=10", "backend=ddp,horovod",
+            "parallelism.nproc_per_node=1,3", *WORKLOAD, "trainer.warmup_steps=1", "trainer.window_steps=2",
+            f"tracking.uri={mlflow_uri}", f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **cluster.env})
+    cluster.wait_idle()
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "error: 2 of 4 sweep jobs did not finish" in out and f"sweep {sweep}" in out  # the final table
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    status = {r["overrides"].split(" parallelism.nproc_per_node=")[0] + f" x{r['overrides'].split('nproc_per_node=')[1][0]}":
+              r["status"] for r in rows}
+    assert status == {"backend=ddp x1": "FINISHED", "backend=ddp x3": "INVALID",
+                      "backend=horovod x1": "FINISHED", "backend=horovod x3": "INVALID"}, rows
+    client = MlflowClient(mlflow_uri)
+    runs = [client.get_run(r["mlflow_run_id"]) for r in rows if r["status"] == "FINISHED"]
+    assert {r.data.tags["sweep_id"] for r in runs} == {str(sweep)}
+    assert [(r.data.tags["backend"], r.data.tags["world_size"], r.data.tags["nnodes"]) for r in runs] == \
+        [("ddp", "2", "2"), ("horovod", "2", "2")]
+    invalid = json.loads((sweep / "1" / "result.json").read_text())["error"]
+    assert invalid.startswith("parallelism.nproc_per_node: 3 ranks per node and SLURM job") and "\n" not in invalid
