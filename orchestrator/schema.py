@@ -407,7 +407,9 @@ class TuneConfig:
 
     n_trials: int = 20
     study_name: Optional[str] = None  # null: a new study; a name resumes that study
-    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL, e.g. postgresql+psycopg://user@host/db
+    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL (postgresql+psycopg://user@host/db), or journal:///<file>
+    workers: int = 1  # > 1: tuner workers sharing the study, a SLURM job array (hydra/launcher=submitit_slurm)
+    wait: bool = True  # with workers > 1: follow them to the end; false: submit, say how to follow and collect, return
     objective: Objective = Objective.utilization  # utilization | throughput | mfu | both (a Pareto front)
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
@@ -439,6 +441,7 @@ class TuneConfig:
     def __post_init__(self) -> None:
         self.space = {name: _param_spec(name, spec) for name, spec in self.space.items()}
         _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
+        _require(self.workers >= 1, f"tune.workers: must be an integer >= 1 (1: this process tunes), got {self.workers}")
         _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
         _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")

@@ -124,3 +124,76 @@ def test_submitit_sweep_ddp_and_horovod_on_two_nodes(cluster, mlflow_uri, tmp_pa
         [("ddp", "2", "2"), ("horovod", "2", "2")]
     invalid = json.loads((sweep / "1" / "result.json").read_text())["error"]
     assert invalid.startswith("parallelism.nproc_per_node: 3 ranks per node and SLURM job") and "\n" not in invalid
+
+
+TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
+        "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
+        "tune.space.num_workers.high=0"]
+
+
+def test_journal_study_lock_and_shared_storage_rules(tmp_path):
+    """journal:/// is Optuna's JournalStorage with owned trials; its count lock excludes another
+    process; SQLite is refused for workers on several nodes and warned on a network file system."""
+    import threading
+
+    import optuna
+
+    from orchestrator.stores import resolve_uri
+    from orchestrator.tune.storage import check_shared, journal_path, study_lock, study_storage
+
+    url = resolve_uri(f"journal:///{os.path.relpath(tmp_path / 'j' / 'study.log')}")
+    assert url == f"journal:///{tmp_path}/j/study.log" and journal_path(url) == tmp_path / "j" / "study.log"
+    study = optuna.create_study(study_name="s", storage=study_storage(url))
+    trial = study.ask()
+    assert optuna.load_study(study_name="s", storage=study_storage(url)).trials[trial.number].user_attrs["owner"]
+    order: list = []
+    with study_lock(url, "s"):
+        other = threading.Thread(target=lambda: (study_lock(url, "s").__enter__(), order.append("other")))
+        other.start()
+        other.join(timeout=1.0)
+        order.append("holder")
+    other.join(timeout=10)
+    assert order == ["holder", "other"]  # the other waited for the lock
+    with pytest.raises(ConfigError, match=r"^tune.storage: SQLite .* allowed: journal:///"):
+        check_shared(f"sqlite:///{tmp_path}/o.db", machines=True)
+    assert check_shared(f"sqlite:///{tmp_path}/o.db", machines=False) is None  # a local file: no warning
+    assert check_shared(url, machines=True) is None
+
+
+def test_workers_need_the_slurm_launcher(tmp_path):
+    from .conftest import run_cli
+
+    done = run_cli(["mode=tune", "tune.workers=2", f"hydra.run.dir={tmp_path}/r"], timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(
+        "error: tune.workers: 2 workers run as a SLURM job array; add hydra/launcher=submitit_slurm"), done.stderr
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_study_of_two_workers_runs_exactly_n_trials(cluster, mlflow_uri, tmp_path):
+    """tune.workers=2: a SLURM job array of 2 tuner workers sharing one journal study; the command
+    follows them and ends with the study's table and best.yaml; exactly n trials in Optuna and MLflow."""
+    import optuna
+
+    from orchestrator.tune.rules import counted
+    from orchestrator.tune.storage import study_storage
+
+    journal = f"journal:///{tmp_path}/study.log"
+    args = [*TUNE, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", "tune.workers=2", "tune.n_trials=4",
+            "tune.study_name=two", f"tune.storage={journal}", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}/run"]
+    done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **cluster.env})
+    cluster.wait_idle()
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "2 workers submitted as SLURM job array" in out and "workers alive 2" in out and "4/4 done" in out
+    assert (tmp_path / "run" / "tuned" / "best.yaml").exists() and "rerun it:" in out
+    study = optuna.load_study(study_name="two", storage=study_storage(f"journal:///{tmp_path}/study.log"))
+    assert counted(study.trials) == 4 and all(t.state.is_finished() for t in study.trials)
+    owners = {t.user_attrs["owner"] for t in study.trials}
+    assert len(owners) == 2  # both workers ran trials
+    runs = MlflowClient(mlflow_uri).search_runs(
+        [MlflowClient(mlflow_uri).get_experiment_by_name("orchestrator").experiment_id],
+        "tags.study_name = 'two'")
+    trial_runs = [r for r in runs if "trial" in r.data.tags and "confirm_of" not in r.data.tags]
+    assert sorted(int(r.data.tags["trial"]) for r in trial_runs) == [t.number for t in study.trials if counted([t])]

@@ -35,7 +35,7 @@ from .rules import (best_trials, confirm_candidates, confirmed, counted, figures
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
-from .storage import is_storage_error, orphaned, study_lock, study_storage
+from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
 MAX_REJECTED = 10  # sampler configs in a row the job model may keep from a launch; the next one tests the model
@@ -76,6 +76,8 @@ class Tuner:
                               f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
         self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
         self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
+        if check_shared(self.storage, machines=False) and echo:  # SQLite on a network file system: one line
+            print(check_shared(self.storage, machines=False), flush=True)
         # a new study's name is its own: studies started in the same second (or microsecond) never merge
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
                                          f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
