@@ -137,8 +137,8 @@ def _run_workers(cfg: Config, run_dir: Path, overrides: list) -> int:
     summary = run_workers(cfg, run_dir, launcher, overrides, [redact(o) for o in study_overrides])  # type: ignore[arg-type]
     if summary["status"] == "FAILED":
         failed = summary.get("workers", {}).get("failed") or []
-        print(f"error: tune: {summary['n_trials']} of {cfg.tune.n_trials} trials counted"
-              + (f"; {len(failed)} worker(s) did not finish: {'; '.join(failed)}" if failed else ""), file=sys.stderr)
+        print(f"error: tune: the workers ended with {summary['n_trials']} of tune.n_trials={cfg.tune.n_trials} trials "
+              f"counted ({len(failed)} did not finish); to finish the count: {summary['workers']['collect']}", file=sys.stderr)
         return EXIT_FAILED
     return 0
 

@@ -197,3 +197,57 @@ def test_study_of_two_workers_runs_exactly_n_trials(cluster, mlflow_uri, tmp_pat
         "tags.study_name = 'two'")
     trial_runs = [r for r in runs if "trial" in r.data.tags and "confirm_of" not in r.data.tags]
     assert sorted(int(r.data.tags["trial"]) for r in trial_runs) == [t.number for t in study.trials if counted([t])]
+
+
+def _job_of(pid: int) -> str:
+    """The SLURM job (array task: <array>_<i>) a process of this machine runs in."""
+    env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_scancel_of_a_worker_mid_trial_loses_nothing(cluster, mlflow_uri, tmp_path):
+    """scancel of one worker while it runs a trial: that trial is recorded interrupted (not
+    counted), the other worker finishes the count, the command ends 0 naming the cancelled worker."""
+    import time
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from orchestrator.tune.rules import counted
+    from orchestrator.tune.storage import study_storage
+
+    journal = f"journal:///{tmp_path}/study.log"
+    args = [*TUNE, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", "tune.workers=2", "tune.n_trials=4",
+            "tune.study_name=cut", f"tune.storage={journal}", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}/run",
+            "data.read_latency_ms=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **cluster.env})
+    cancelled, trial = None, None
+    deadline = time.monotonic() + 300
+    while cancelled is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            study = optuna.load_study(study_name="cut", storage=study_storage(journal))
+            running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.number > 0]
+        except (KeyError, OSError):
+            running = []
+        if running:
+            trial = running[0]
+            cancelled = _job_of(int(trial.user_attrs["owner"].split(":")[1]))
+            cluster.run("scancel", cancelled)
+        time.sleep(0.2)
+    out = proc.communicate(timeout=600)[0]
+    cluster.wait_idle()
+    assert cancelled is not None, out
+    assert proc.returncode == 0, out
+    assert f"[tune] worker {cancelled}: left no result" in out
+    study = optuna.load_study(study_name="cut", storage=study_storage(journal))
+    cut = study.trials[trial.number]
+    assert cut.state == TrialState.FAIL and cut.user_attrs.get("interrupted") is True, cut
+    assert counted(study.trials) == 4 and all(t.state.is_finished() for t in study.trials)
+    assert sum(bool(t.user_attrs.get("interrupted")) for t in study.trials) == 1
+    # recorded by the cancelled worker itself on SLURM's SIGTERM (not only reclaimed later by the
+    # other worker, which on another host could not tell that the owner is gone)
+    log = next((tmp_path / "run" / "workers").glob(f"{cancelled}/{cancelled}_0_log.out")).read_text()
+    assert f"[tune] trial {trial.number} interrupted" in log, log[-3000:]

@@ -9,6 +9,7 @@ and rerun line; `tune.wait=false` returns once they are queued, saying how to fo
 from __future__ import annotations
 
 import dataclasses
+import signal
 import shutil
 import subprocess
 import time
@@ -57,8 +58,15 @@ def work(cfg: Config, run_dir: str, overrides: List[str]) -> Optional[Dict[str, 
         return None
     from .study import run_study
 
+    # scancel, preemption: SLURM sends SIGTERM (submitit only logs it), then SIGKILL after KillWait;
+    # as Ctrl-C, the running trial is recorded interrupted (not counted, rerun by another worker)
+    signal.signal(signal.SIGTERM, _terminated)
     summary = run_study(cfg, Path(run_dir), overrides=overrides)
     return {"status": summary.get("status"), "n_trials": summary.get("n_trials")}
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_workers(cfg: Config, run_dir: Path, launcher: Dict[str, Any], overrides: List[str], study_overrides: List[str],
@@ -96,7 +104,9 @@ def run_workers(cfg: Config, run_dir: Path, launcher: Dict[str, Any], overrides:
                           f"see their logs in {folder}")
     summary = write_outputs(study, best_trials(study, t), t=t, out_dir=Path(run_dir), name=tuner.name, storage=storage,
                             overrides=overrides, echo=True, notes={"workers": {**record, "failed": failed}})
-    summary["status"] = "FINISHED" if not failed and counted(study.trials) >= t.n_trials else "FAILED"
+    for line in failed:  # a cancelled or preempted worker: its trial was recorded interrupted, the others went on
+        say(f"[tune] worker {line}")
+    summary["status"] = "FINISHED" if counted(study.trials) >= t.n_trials else "FAILED"
     return summary
 
 
