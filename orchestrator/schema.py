@@ -62,6 +62,12 @@ class DistBackend(str, Enum):
     nccl = "nccl"
 
 
+class Launcher(str, Enum):
+    auto = "auto"  # slurm inside a SLURM job that spans more than one node, else local
+    slurm = "slurm"  # the ranks of the SLURM allocation's nodes, started with srun (orchestrator/slurm.py)
+    local = "local"  # this machine (or the nodes given by hand: nnodes, node_rank, master_addr)
+
+
 class Balance(str, Enum):
     even = "even"  # every rank data.batch_size samples per micro-step
     speed = "speed"  # each rank's share of the global batch set by its measured speed (runtime/balance.py)
@@ -249,6 +255,7 @@ class BackendConfig:
 class ParallelismConfig:
     """Degrees of parallelism; the world size the ranks see must agree (checked in the ranks)."""
 
+    launcher: Launcher = Launcher.auto  # how the ranks start: see Launcher, docs/distributed.md
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -273,8 +280,13 @@ class ParallelismConfig:
         )
         _require(0 <= self.master_port <= 65535, f"parallelism.master_port: must be 0..65535, got {self.master_port}")
         _require(
-            self.master_port != 0 or self.nnodes == 1,
+            self.master_port != 0 or self.nnodes == 1 or self.launcher is Launcher.slurm,
             "parallelism.master_port: set a fixed port when nnodes > 1 (every node must agree on it)",
+        )
+        _require(
+            self.launcher is not Launcher.slurm or (self.node_rank == 0 and not (self.hosts or self.hostfile)),
+            "parallelism.launcher: slurm takes the nodes from the allocation; leave parallelism.node_rank, hosts and "
+            "hostfile unset (allowed with them: parallelism.launcher=local)",
         )
         _require(
             not (self.hosts and self.hostfile), "parallelism.hosts / parallelism.hostfile: give one or the other"
@@ -440,7 +452,9 @@ class TuneConfig:
 
     n_trials: int = 20
     study_name: Optional[str] = None  # null: a new study; a name resumes that study
-    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL, e.g. postgresql+psycopg://user@host/db
+    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL (postgresql+psycopg://user@host/db), or journal:///<file>
+    workers: int = 1  # > 1: tuner workers sharing the study, a SLURM job array (hydra/launcher=submitit_slurm)
+    wait: bool = True  # with workers > 1: follow them to the end; false: submit, say how to follow and collect, return
     objective: Objective = Objective.utilization  # utilization | throughput | mfu | both (a Pareto front)
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
@@ -472,6 +486,7 @@ class TuneConfig:
     def __post_init__(self) -> None:
         self.space = {name: _param_spec(name, spec) for name, spec in self.space.items()}
         _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
+        _require(self.workers >= 1, f"tune.workers: must be an integer >= 1 (1: this process tunes), got {self.workers}")
         _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
         _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")
@@ -662,7 +677,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 
 __all__: List[str] = [
-    "AmpDtype", "Balance", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
+    "AmpDtype", "Balance", "Launcher", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
     "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "to_config", "to_yaml",
