@@ -22,7 +22,7 @@ from .stores import redact, resolve_uri, sqlite_path, store_error, store_lock
 # A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
                    "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
-                   "nvml_util", "sm_active", "flops_per_sample")
+                   "nvml_util", "sm_active", "flops_per_sample", "tokens_per_s", "padding_frac")
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")

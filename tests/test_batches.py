@@ -194,6 +194,7 @@ def test_the_example_on_every_backend_matches_one_process(make_cfg, tmp_path, ba
     result = run_job(cfg, tmp_path, echo=False)
     assert result["status"] == "FINISHED" and result["steps"] == 3
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1
+    assert result["tokens_per_s"] > 0 and 0 < result["padding_frac"] < 1  # merged over the ranks
     got = torch.load(tmp_path / "model.pt")
     want = reference_params(make_cfg, accum, *workload, world=world, b=4)
     for k in want:
@@ -217,3 +218,23 @@ def test_a_study_on_the_example(make_cfg, tmp_path):
     assert len(done) == 2 and all(t.user_attrs["throughput"] > 0 for t in done)
     assert {t.user_attrs["values"]["data.num_workers"] for t in done} == {0, 1}
     assert summary["best"]["values"]["data.num_workers"] in (0, 1)
+
+
+def test_tokens_per_second_exclude_the_padding(make_cfg, tmp_path):
+    """Sequences of exactly 6 tokens padded to 8 (pad_collate's multiple_of): 25% padding, and
+    real tokens/s is 6 x samples/s, in the rank's figures, the job's, its report and MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = make_cfg(*SEQ, "data.args.min_len=6", "data.args.max_len=6", "+data.collate_fn.args.multiple_of=8",
+                   "model.args.max_len=8", "trainer.max_steps=6")
+    res = trained(cfg)
+    assert res.meter["padding_frac"] == pytest.approx(0.25)
+    assert res.meter["tokens_per_s"] == pytest.approx(6 * res.meter["throughput"])
+    result = run_job(cfg, tmp_path, echo=False)
+    assert result["padding_frac"] == pytest.approx(0.25)
+    assert result["tokens_per_s"] == pytest.approx(6 * result["throughput"])
+    assert "**Padding**: 25.0% of the token positions computed were padding" in (tmp_path / "load_report.md").read_text()
+    metrics = MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"]).data.metrics
+    assert metrics["tokens_per_s"] == pytest.approx(result["tokens_per_s"])
+    plain = trained(make_cfg("trainer.max_steps=4"))  # (input, target) batches: no tokens to count
+    assert plain.meter["tokens_per_s"] is None and plain.meter["padding_frac"] is None
