@@ -54,7 +54,8 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
         "job": {k: result.get(k) for k in ("utilization", "utilization_source", "throughput", "step_time_s",
                                             "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac",
                                             "optimizer_frac", "other_frac", "peak_mem_mb", "mfu", "mfu_source",
-                                            "nvml_util", "nvml_util_source", "sm_active", "sm_active_source")},
+                                            "nvml_util", "nvml_util_source", "sm_active", "sm_active_source",
+                                            "tokens_per_s", "padding_frac")},
         "per_rank": per_rank,
         "share_check": {"tolerance": SHARE_TOLERANCE,
                         "phase_sum_over_step_time": {r["rank"]: phase_sum[r["rank"]] / r["step_time_s"] for r in per_rank}},
@@ -75,6 +76,10 @@ def to_markdown(report: Dict[str, Any]) -> str:
     if report.get("balance"):
         lines += [f"**Balance** (parallelism.balance=speed): {balance_line(report['balance'])}.", ""]
     job = report["job"]
+    if job.get("tokens_per_s") is not None:
+        lines += [f"**Padding**: {100 * job['padding_frac']:.1f}% of the token positions computed were padding "
+                  f"(attention_mask zeros); real tokens/s {job['tokens_per_s']:.0f}, beside "
+                  f"{job['throughput']:.1f} samples/s.", ""]
     lines += ["| figure | value | source |", "|---|---|---|"]
     for key in ("utilization", "mfu", "nvml_util", "sm_active"):
         value = job.get(key)

@@ -65,6 +65,7 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "measured_steps": min(r["measured_steps"] for r in measured),
         "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
         **_device_figures(measured),
+        **_token_figures(measured),
     })
     windows = job_windows(measured)
     job["estimate"] = estimate_of(windows)  # the throughput's mean over windows, its interval
@@ -105,6 +106,17 @@ def _device_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _token_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Real tokens/s summed over ranks, and the job's padding share (of every position computed),
+    where every rank counted tokens (dict batches with an attention_mask); else None."""
+    rates = [(r.get("tokens_per_s"), r.get("padding_frac")) for r in measured]
+    if not rates or any(t is None or p is None for t, p in rates):
+        return {"tokens_per_s": None, "padding_frac": None}
+    real = sum(t for t, _ in rates)
+    computed = sum(t / (1.0 - p) if p < 1.0 else 0.0 for t, p in rates)
+    return {"tokens_per_s": real, "padding_frac": 1.0 - real / computed if computed > 0 else None}
+
+
 def job_windows(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The job's measured windows: window i's throughput is the sum of every rank's window i (the
     ranks close windows at the same steps), its utilization their mean."""
@@ -135,6 +147,8 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         *[(label, f"{pct(result[key])} ({result.get(key + '_source')})") for key, label in
           (("nvml_util", "nvml utilization.gpu"), ("sm_active", "SM active")) if result.get(key) is not None],
         ("throughput", f"{result['throughput']:.1f} samples/s" if result.get("throughput") else "-"),
+        *([("real tokens/s", f"{result['tokens_per_s']:.0f} ({pct(result.get('padding_frac'))} of the positions "
+                               f"computed were padding)")] if result.get("tokens_per_s") is not None else []),
         ("step time", f"{1000 * result['step_time_s']:.2f} ms" if result.get("step_time_s") else "-"),
         ("data wait / h2d", f"{pct(result.get('data_wait_frac'))} / {pct(result.get('h2d_frac'))}"),
         ("compute / comm / optimizer", f"{pct(result.get('compute_frac'))} / {pct(result.get('comm_frac'))} / "

@@ -26,7 +26,7 @@ UI_URL = "http://127.0.0.1:5000"  # `make ui`
 # A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
                    "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
-                   "nvml_util", "sm_active", "flops_per_sample")
+                   "nvml_util", "sm_active", "flops_per_sample", "tokens_per_s", "padding_frac")
 
 # The runs table of MLflow 3.17's UI shows only Source, Models and Dataset by default, and opens
 # in its GenAI mode unless the URL says `workflowType=machine_learning` (the UI's default workflow

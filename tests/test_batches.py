@@ -8,8 +8,10 @@ import collections
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from orchestrator.app import run_job
+from orchestrator.merge import load_rank_results
 from orchestrator.runtime.batch import Feed, loss_of, to_device
 from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.loop import EventLog, build_dataset, build_loader, train
@@ -157,12 +159,11 @@ def test_model_returned_loss_trains_and_accumulation_equals_one_large_batch(make
 
 
 def test_a_custom_loss_callable_gets_output_and_batch(make_cfg):
-    base = trained(make_cfg(*SEQ))
-    custom = trained(make_cfg(*SEQ, "model.loss={_target_:tasks.sequences.smoothed_loss,args:{smoothing:0.0}}"))
-    smooth = trained(make_cfg(*SEQ, "model.loss={_target_:tasks.sequences.smoothed_loss,args:{smoothing:0.3}}"))
-    assert custom.first_loss == pytest.approx(base.first_loss, rel=1e-6)  # no smoothing: the model's own loss
-    assert custom.param_digest == base.param_digest
-    assert smooth.first_loss > base.first_loss  # smoothing raises the loss of the same logits
+    base = trained(make_cfg(*SEQ, "trainer.max_steps=2"))
+    custom = trained(make_cfg(*SEQ, "trainer.max_steps=2",
+                              "model.loss={_target_:tests.test_batches.weighted_loss,args:{weight:3.0}}"))
+    assert custom.first_loss == pytest.approx(3 * base.first_loss, rel=1e-5)  # fn(output, batch, weight=3)
+    assert custom.param_digest != base.param_digest  # and its gradient is what trains
 
 
 def test_loader_autotune_on_dict_batches(make_cfg, monkeypatch):
@@ -194,12 +195,21 @@ def test_the_example_on_every_backend_matches_one_process(make_cfg, tmp_path, ba
     result = run_job(cfg, tmp_path, echo=False)
     assert result["status"] == "FINISHED" and result["steps"] == 3
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1
+    # real tokens/s summed over the ranks, the padding share of their totals: the report and MLflow
+    ranks = load_rank_results(tmp_path)
+    assert result["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in ranks))
+    assert 0 < result["padding_frac"] < 1
+    assert f"**Padding**: {100 * result['padding_frac']:.1f}% of the token positions computed were padding" in (
+        tmp_path / "load_report.md").read_text()
+    metrics = MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"]).data.metrics
+    assert metrics["tokens_per_s"] == pytest.approx(result["tokens_per_s"])
     got = torch.load(tmp_path / "model.pt")
     want = reference_params(make_cfg, accum, *workload, world=world, b=4)
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
 
 
+@pytest.mark.slow  # ~20 s: two trials launched; the trials' ranks run the loop the tests above check
 def test_a_study_on_the_example(make_cfg, tmp_path):
     """Trials rebuild the loaders with the collate function, with and without workers."""
     import optuna
@@ -217,3 +227,15 @@ def test_a_study_on_the_example(make_cfg, tmp_path):
     assert len(done) == 2 and all(t.user_attrs["throughput"] > 0 for t in done)
     assert {t.user_attrs["values"]["data.num_workers"] for t in done} == {0, 1}
     assert summary["best"]["values"]["data.num_workers"] in (0, 1)
+
+
+def test_tokens_per_second_exclude_the_padding(make_cfg):
+    """Sequences of exactly 6 tokens padded to 8 (pad_collate's multiple_of): 25% padding, and
+    real tokens/s is 6 x samples/s (the job's figures, report and MLflow: the ddp test below)."""
+    res = trained(make_cfg(*SEQ, "data.args.min_len=6", "data.args.max_len=6", "+data.collate_fn.args.multiple_of=8",
+                           "model.args.max_len=8"))
+    assert res.meter["padding_frac"] == pytest.approx(0.25)
+    assert res.meter["tokens_per_s"] == pytest.approx(6 * res.meter["throughput"])
+    assert sum(w["padded_tokens"] for w in res.windows) == 8 * sum(w["tokens"] for w in res.windows) / 6
+    plain = trained(make_cfg("trainer.max_steps=4"))  # (input, target) batches: no tokens to count
+    assert plain.meter["tokens_per_s"] is None and plain.meter["padding_frac"] is None

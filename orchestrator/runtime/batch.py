@@ -14,6 +14,8 @@ Tensors anywhere in the batch (nested dicts, tuples, lists) are moved with `non_
 DataLoader's `pin_memory` pins them all). The batch size is the leading dimension of
 `data.batch_key`, or of the first tensor found. `Feed.check` reads the run's first real batch and
 turns a wrong combination into one line naming what it found (a ConfigError, as the rank reports it).
+A dict batch with an `attention_mask` also counts its real tokens (the mask's ones) and the
+positions computed: real tokens/s and the padding's share (`meter.token_figures`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from ..schema import Config, ConfigError, Loss, import_target
 
 TARGET_KEY = "labels"  # a dict batch's target for model.loss=cross_entropy / mse
+MASK_KEY = "attention_mask"  # a dict batch's real tokens (1) and padding (0): real tokens/s
 
 
 def loss_fn(kind: Loss) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -106,6 +109,7 @@ class Feed:
         self.criterion = loss_fn(self.kind) if self.kind in (Loss.cross_entropy, Loss.mse) else None
         self.batch_key = cfg.data.batch_key
         self.pair = False  # (input, target) with cross_entropy / mse: the loop's own fast path
+        self.masked = False  # a dict batch with an attention_mask: its real tokens are counted
         self.checked = False
 
     @property
@@ -127,8 +131,16 @@ class Feed:
                                   f"callable (output, batch) -> loss")
         if isinstance(batch, Mapping):
             self._check_forward(batch, model)
+            self.masked = isinstance(batch.get(MASK_KEY), torch.Tensor)
         self.size(batch)
         self.checked = True
+
+    @staticmethod
+    def tokens(batch: Mapping) -> tuple:
+        """(real tokens, positions computed) of a batch with an attention_mask, counted where the
+        loader left it (host memory: no device sync)."""
+        mask = batch[MASK_KEY]
+        return int(mask.count_nonzero()), mask.numel()
 
     def _check_forward(self, batch: Mapping, model: nn.Module) -> None:
         """model(**batch): every key the model is given must be an argument of its forward."""

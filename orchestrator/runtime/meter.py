@@ -243,6 +243,8 @@ class Window:
     busy_cpu_s: Optional[float] = None  # CPU only: the loop thread's CPU time in compute + optimizer
     warmup: bool = False
     partial: bool = False  # cut short (the run's end, a new epoch): left out of the estimate
+    tokens: int = 0  # dict batches with an attention_mask: the real tokens (mask ones) in the window
+    padded_tokens: int = 0  # and every position computed (the mask's size): real + padding
 
     @property
     def throughput(self) -> float:
@@ -258,7 +260,7 @@ class Window:
             "wall_s": self.wall_s, "throughput": self.throughput, "utilization": self.utilization,
             "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end, "sm_active": self.sm_active,
             "warmup": self.warmup, "partial": self.partial, "phases_cpu_s": self.phases_cpu_s,
-            "busy_cpu_s": self.busy_cpu_s,
+            "busy_cpu_s": self.busy_cpu_s, "tokens": self.tokens, "padded_tokens": self.padded_tokens,
         }
 
 
@@ -299,6 +301,7 @@ class StepMeter:
         self._span0: Optional[Dict[str, float]] = None  # loader and process CPU when the measurement began
         self._span_samples = 0  # samples since then (measured, re-warm and partial windows alike)
         self._samples = 0
+        self._tokens = self._padded = 0
         self._step = 0
         self._window_first = 0
         self._wall0 = 0.0
@@ -357,6 +360,11 @@ class StepMeter:
         self._hook_token = self._token()
         if not self.cuda:
             self._hook_cpu, self._hook_thread = time.process_time(), time.thread_time()
+
+    def add_tokens(self, tokens: int, padded: int) -> None:
+        """The step's real tokens and the positions computed (called only for batches with a mask)."""
+        self._tokens += tokens
+        self._padded += padded
 
     def end_step(self, samples: int, micro: int = 1) -> Optional[Window]:
         """Close a step of `micro` micro-batches; returns the window it completed, if any (a
@@ -473,6 +481,7 @@ class StepMeter:
             wall_s=wall, phases_s=phases, utilization=util, t_start=self._wall0, t_end=wall1, sm_active=sm,
             warmup=warmup, partial=partial, phases_cpu_s=cpu if not self.cuda or self._inproc else None,
             busy_cpu_s=sum(loop[p] for p in BUSY) if not self.cuda else None,
+            tokens=self._tokens, padded_tokens=self._padded,
         )
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
@@ -480,6 +489,7 @@ class StepMeter:
         self._marks = [(-1, last[1])]
         self._window_first = self._step
         self._samples = 0
+        self._tokens = self._padded = 0
         self._wall0 = wall1
         return win
 
@@ -593,8 +603,18 @@ class StepMeter:
             if sm_wins else None,
             "sm_active_source": self.sampler.sm_source if self.sampler is not None else "absent: no NVML device",
             "estimate": estimate_of(self.windows),
+            **token_figures(used, wall),
             **base,
         }
+
+
+def token_figures(used: List[Window], wall: float) -> Dict[str, Any]:
+    """Real tokens/s (padding excluded) and the share of the positions computed that were padding,
+    over the measured windows; None for batches without an attention_mask."""
+    tokens, padded = sum(w.tokens for w in used), sum(w.padded_tokens for w in used)
+    if not padded:
+        return {"tokens_per_s": None, "padding_frac": None}
+    return {"tokens_per_s": tokens / wall if wall > 0 else 0.0, "padding_frac": 1.0 - tokens / padded}
 
 
 def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:

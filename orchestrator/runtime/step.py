@@ -64,6 +64,8 @@ class Stepper:
                     mark(H2D)
                 n = x.shape[0]
             else:
+                if feed.masked:  # before the copy: the mask is counted in host memory
+                    run.meter.add_tokens(*feed.tokens(batch))
                 if self.move:
                     batch = to_device(batch, device)
                     mark(H2D)
