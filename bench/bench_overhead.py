@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from orchestrator.runtime import loop as loop_mod  # noqa: E402
+from orchestrator.runtime import data as data_mod, loop as loop_mod  # noqa: E402
 from orchestrator.runtime.dist import Adapter  # noqa: E402
 from orchestrator.runtime.meter import StepMeter  # noqa: E402
 from orchestrator.schema import Config, register_configs, to_config  # noqa: E402
@@ -212,7 +212,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     cfg = compose_cfg(args.steps)
-    loop_mod.DataLoader = ProbedLoader  # the orchestrator's build_loader gets the same probe
+    data_mod.DataLoader = ProbedLoader  # the orchestrator's build_loader (runtime/data.py) gets the same probe
 
     def orch() -> Dict[str, float]:
         return run_orch(cfg, args.skip)

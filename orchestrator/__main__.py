@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import format_error
 from .schema import Config, ConfigError, Mode, register_configs, to_config
+from .slurm import secondary_task
 from .stores import redact, redact_files
 
 register_configs()
@@ -45,6 +46,8 @@ _started = False  # the job function was entered: Hydra made the run dir and wro
 def main(dcfg: DictConfig) -> None:
     global _started
     _started = True
+    if secondary_task():  # a submitit job's other tasks: its first one starts the ranks on every node
+        return
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
@@ -71,6 +74,8 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
     try:
         cfg = to_config(dcfg)
         print(f"[orchestrator] run dir: {run_dir}")
+        if cfg.mode is Mode.tune and cfg.tune.workers > 1:
+            return _run_workers(cfg, run_dir, overrides)
         if cfg.mode is Mode.tune:
             from .tune.study import run_study
 
@@ -117,6 +122,26 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         _resume_hint(run_dir, overrides)
         sys.exit(EXIT_SIGINT)
     print_summary(result, run_dir)
+    return 0
+
+
+def _run_workers(cfg: Config, run_dir: Path, overrides: list) -> int:
+    """tune.workers > 1: the study's workers as a SLURM job array (tune/workers.py), with the
+    Hydra launcher's resources; the collect line keeps the study's own tune.* overrides."""
+    from omegaconf import OmegaConf
+
+    from .tune.workers import run_workers
+
+    hc = HydraConfig.get()
+    launcher = OmegaConf.to_container(hc.launcher, resolve=True)
+    study_overrides = [o for o in hc.overrides.task if not o.lstrip("+~").startswith(
+        ("hydra.", "hydra/", "mode=", "tune.workers=", "tune.wait=", "tune.study_name=", "tune.storage=", "tune.n_trials="))]
+    summary = run_workers(cfg, run_dir, launcher, overrides, [redact(o) for o in study_overrides])  # type: ignore[arg-type]
+    if summary["status"] == "FAILED":
+        failed = summary.get("workers", {}).get("failed") or []
+        print(f"error: tune: the workers ended with {summary['n_trials']} of tune.n_trials={cfg.tune.n_trials} trials "
+              f"counted ({len(failed)} did not finish); to finish the count: {summary['workers']['collect']}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from . import checkpoint, load_report
+from . import checkpoint, load_report, slurm
 from .launch import build_launch
 from .progress import JobProgress, console
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
@@ -23,7 +23,7 @@ from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_
                      write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .runtime.loop import check_model
-from .schema import Config, ConfigError, flatten, load_config, to_yaml
+from .schema import Config, ConfigError, Launcher, flatten, load_config, to_yaml
 from .stores import store_error
 from .supervise import FreshRanks, Outcome, Ranks
 from .tracking import Tracker
@@ -129,6 +129,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
     dir is this process's while the job runs (rundir.RunOwner): RunDirOwned, before anything
     changes, when another live process runs a job there.
     """
+    cfg = slurm.resolve(cfg)  # inside a SLURM allocation: its nodes and ranks per node (ConfigError if it cannot)
     cfg, run_dir, resumed = resume_target(cfg, Path(run_dir).resolve())
     # everything that can refuse the job is checked before the run dir is touched (a refused resume
     # prints nothing about resuming and archives nothing)
@@ -230,7 +231,8 @@ def _close_what_the_dead_left(cfg: Config, run_dir: Path, resumed: Optional[Dict
                               tracker: Tracker) -> None:
     """A dead owner's attempt is recorded FAILED (and, unless resumed, archived); MLflow runs left
     RUNNING in this run dir by a process that died are closed FAILED."""
-    if owner.previous and cfg.parallelism.nnodes == 1:  # else other nodes' parents share the dir: theirs to keep
+    # else other nodes' parents share the dir: theirs to keep (under SLURM this process is the only parent)
+    if owner.previous and (cfg.parallelism.nnodes == 1 or cfg.parallelism.launcher is Launcher.slurm):
         _close_dead_attempt(run_dir, owner.previous)
         if resumed is None and ranks_dir(run_dir).exists():  # a dead job's files: kept, not mixed in
             _archive_attempt(run_dir)

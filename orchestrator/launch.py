@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
-from .schema import BackendName, Config, ConfigError
+from . import slurm
+from .schema import BackendName, Config, ConfigError, Launcher
 
 RANK_MODULE = "orchestrator.rank"
 
@@ -39,18 +40,24 @@ def _base_env(local_ranks: int, environ: Mapping[str, str], cpu_count: Optional[
 
 
 def _single(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
-    return Launch([sys.executable, "-m", RANK_MODULE, *target], {"PYTHONUNBUFFERED": "1"})
+    prefix: List[str] = []
+    if cfg.parallelism.launcher is Launcher.slurm:  # one task on the allocation's first node
+        prefix, _ = slurm.single_args(environ)
+    return Launch([*prefix, sys.executable, "-m", RANK_MODULE, *target], {"PYTHONUNBUFFERED": "1"})
 
 
 def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
     p = cfg.parallelism
-    if p.nnodes == 1 and not p.master_port:
+    prefix: List[str] = []
+    if p.launcher is Launcher.slurm:  # one agent per node of the allocation (srun), c10d rendezvous on the first
+        prefix, where, cpu_count = slurm.torchrun_args(cfg, environ)
+    elif p.nnodes == 1 and not p.master_port:
         where = ["--standalone"]  # one node: torchrun picks a free port on localhost itself
     else:
         where = [f"--nnodes={p.nnodes}", f"--node-rank={p.node_rank}", f"--master-addr={p.master_addr}",
                  f"--master-port={p.master_port}"]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        *prefix, sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={p.nproc_per_node}", *where,
         "--max-restarts=0",
         # torchrun's per-rank log folders (empty: ranks print to this console, tracebacks go to the run
@@ -86,7 +93,10 @@ def _horovodrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_
     cmd = [horovodrun or horovodrun_path(), "-np", str(world)]
     if cfg.backend.gloo:
         cmd.append("--gloo")
-    if p.hostfile:
+    if p.launcher is Launcher.slurm:  # the allocation's nodes, nproc_per_node slots each (docs/distributed.md)
+        cmd += ["-H", slurm.horovod_hosts(cfg, environ)]
+        local = p.nproc_per_node
+    elif p.hostfile:
         cmd += ["-hostfile", p.hostfile]
         local = p.nproc_per_node
     elif p.hosts:

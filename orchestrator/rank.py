@@ -137,6 +137,7 @@ def main(run_dir: str) -> int:
         from .runtime.dist import make_adapter
         from .schema import load_config
 
+        _warm_imports()
         _prefix_if_torchrun(rank)
         cfg = load_config(str(config_path(root)))
         adapter = make_adapter(cfg)
@@ -213,6 +214,15 @@ def next_job(pool_dir: Path, seq: int) -> Optional[dict]:
         time.sleep(POLL_S)
 
 
+def _warm_imports() -> None:
+    """What the first job would import, imported while the pool waits for it (the tuner starts
+    its ranks before its first trial is ready): the training loop, and torch._dynamo, which the
+    first optimizer imports (about 2 s on 2 cores)."""
+    import torch._dynamo  # noqa: F401
+
+    from .runtime import loop  # noqa: F401
+
+
 def pool_main(pool_dir: str) -> int:
     """Kept-alive ranks (tuning): the backend is set up once, then one job after another, each
     rebuilding its data loader, model and optimizer from its own config. A failed job ends the
@@ -228,6 +238,7 @@ def pool_main(pool_dir: str) -> int:
         from .runtime.dist import make_adapter
         from .schema import load_config
 
+        _warm_imports()
         _prefix_if_torchrun(rank)
         seq = 0
         datasets: dict = {}

@@ -9,6 +9,7 @@ an error at compose time. Choices are Enums so the error lists the allowed value
 from __future__ import annotations
 
 import copy
+import functools
 import dataclasses
 import importlib
 import inspect
@@ -61,14 +62,24 @@ class DistBackend(str, Enum):
     nccl = "nccl"
 
 
+class Launcher(str, Enum):
+    auto = "auto"  # slurm inside a SLURM job that spans more than one node, else local
+    slurm = "slurm"  # the ranks of the SLURM allocation's nodes, started with srun (orchestrator/slurm.py)
+    local = "local"  # this machine (or the nodes given by hand: nnodes, node_rank, master_addr)
+
+
 class Balance(str, Enum):
     even = "even"  # every rank data.batch_size samples per micro-step
     speed = "speed"  # each rank's share of the global batch set by its measured speed (runtime/balance.py)
 
 
 class Loss(str, Enum):
-    cross_entropy = "cross_entropy"
+    cross_entropy = "cross_entropy"  # against the batch's target: (input, target), or a dict's "labels"
     mse = "mse"
+    model = "model"  # the model's output is the loss, or has `.loss` / `["loss"]` (Hugging Face models)
+
+
+LOSS_ALLOWED = f"{_allowed(Loss)}, or {{_target_: pkg.module.fn, args: {{...}}}} called as fn(output, batch, **args)"
 
 
 class OptimizerName(str, Enum):
@@ -90,8 +101,9 @@ def import_target(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
-    """`target` must import, and `args` must bind to its signature (names the bad key)."""
+def check_target(node: str, target: str, args: Dict[str, Any], positional: tuple = ()) -> None:
+    """`target` must import, and `args` must bind to its signature (names the bad key); with
+    `positional` (names), it is called with that many positional values before the args."""
     try:
         obj = import_target(target)
     except ModuleNotFoundError as exc:
@@ -107,11 +119,13 @@ def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return
+    if positional:  # called with these before the args (a collate function's items, a loss's output and batch)
+        sig = _after_positional(node, target, sig, positional)
     params = sig.parameters
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for key in args:
-            _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names)}")
+            _require(key in names, f"{node}.args.{key}: not an argument of {target}; allowed: {', '.join(names) or '(none)'}")
     try:
         sig.bind(**args)
     except TypeError as exc:  # a required argument is missing (docs/running.md: checked before launch)
@@ -123,16 +137,45 @@ def check_target(node: str, target: str, args: Dict[str, Any]) -> None:
         raise ConfigError(f"{node}.args: do not fit the signature of {target} ({exc})") from None
 
 
+def _after_positional(node: str, target: str, sig: inspect.Signature, positional: tuple) -> inspect.Signature:
+    """`sig` less the parameters the first len(`positional`) positional values take."""
+    params = list(sig.parameters.values())
+    taken = 0
+    while taken < len(positional) and taken < len(params) and params[taken].kind in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        taken += 1
+    if taken < len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"{node}._target_: {target} is called as {target.rpartition('.')[2]}"
+                          f"({', '.join(positional)}, **args) and takes {taken} positional argument(s)")
+    return sig.replace(parameters=[p for p in params[taken:] if p.kind is not p.VAR_POSITIONAL])
+
+
+def target_spec(node: str, value: Any) -> tuple:
+    """(target, args) of a `{_target_, args}` mapping; ConfigError naming `node` otherwise."""
+    _require(isinstance(value, dict) and isinstance(value.get("_target_"), str) and value["_target_"] != ""
+             and set(value) <= {"_target_", "args"} and isinstance(value.get("args", {}), dict),
+             f"{node}: expected {{_target_: pkg.module.name, args: {{...}}}}, got {value!r}")
+    return value["_target_"], dict(value.get("args") or {})
+
+
 @dataclass
 class ModelConfig:
     """`_target_` is any importable callable returning an `nn.Module`; `args` are its kwargs."""
 
     _target_: str = MISSING
     args: Dict[str, Any] = field(default_factory=dict)
-    loss: Loss = Loss.cross_entropy
+    # a Loss, or {_target_, args}: a callable (output, batch, **args) -> loss (docs/running.md)
+    loss: Any = Loss.cross_entropy
 
     def __post_init__(self) -> None:
         check_target("model", self._target_, self.args)
+        if isinstance(self.loss, dict):
+            target, args = target_spec("model.loss", self.loss)
+            check_target("model.loss", target, args, positional=("output", "batch"))
+        else:
+            _require(isinstance(self.loss, str) and self.loss in Loss.__members__,
+                     f"model.loss: got {self.loss!r}; allowed: {LOSS_ALLOWED}")
+            self.loss = Loss(self.loss)
 
 
 @dataclass
@@ -154,6 +197,9 @@ class DataConfig:
     read_latency_ms: float = 0.0  # simulated per-sample storage latency, for any dataset
     latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
     latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
+    # {_target_, args}: the loaders' collate_fn, called as fn(items, **args); null: torch's default
+    collate_fn: Optional[Dict[str, Any]] = None
+    batch_key: Optional[str] = None  # a dict batch's key whose leading dimension is the batch size; null: the first tensor's
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, f"data.batch_size: must be an integer >= 1, got {self.batch_size}")
@@ -176,6 +222,11 @@ class DataConfig:
         _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
                  "data.latency_after_ms: applies with data.latency_jump_at > 0 (the step the latency changes at)")
         check_target("data", self._target_, self.args)
+        if self.collate_fn is not None:
+            target, args = target_spec("data.collate_fn", self.collate_fn)
+            check_target("data.collate_fn", target, args, positional=("items",))
+        _require(self.batch_key is None or self.batch_key != "",
+                 "data.batch_key: must be a key of the batch (e.g. input_ids) or null (the first tensor's leading dimension)")
 
 
 @dataclass
@@ -204,6 +255,7 @@ class BackendConfig:
 class ParallelismConfig:
     """Degrees of parallelism; the world size the ranks see must agree (checked in the ranks)."""
 
+    launcher: Launcher = Launcher.auto  # how the ranks start: see Launcher, docs/distributed.md
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -228,8 +280,13 @@ class ParallelismConfig:
         )
         _require(0 <= self.master_port <= 65535, f"parallelism.master_port: must be 0..65535, got {self.master_port}")
         _require(
-            self.master_port != 0 or self.nnodes == 1,
+            self.master_port != 0 or self.nnodes == 1 or self.launcher is Launcher.slurm,
             "parallelism.master_port: set a fixed port when nnodes > 1 (every node must agree on it)",
+        )
+        _require(
+            self.launcher is not Launcher.slurm or (self.node_rank == 0 and not (self.hosts or self.hostfile)),
+            "parallelism.launcher: slurm takes the nodes from the allocation; leave parallelism.node_rank, hosts and "
+            "hostfile unset (allowed with them: parallelism.launcher=local)",
         )
         _require(
             not (self.hosts and self.hostfile), "parallelism.hosts / parallelism.hostfile: give one or the other"
@@ -395,7 +452,9 @@ class TuneConfig:
 
     n_trials: int = 20
     study_name: Optional[str] = None  # null: a new study; a name resumes that study
-    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL, e.g. postgresql+psycopg://user@host/db
+    storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL (postgresql+psycopg://user@host/db), or journal:///<file>
+    workers: int = 1  # > 1: tuner workers sharing the study, a SLURM job array (hydra/launcher=submitit_slurm)
+    wait: bool = True  # with workers > 1: follow them to the end; false: submit, say how to follow and collect, return
     objective: Objective = Objective.utilization  # utilization | throughput | mfu | both (a Pareto front)
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
@@ -427,6 +486,7 @@ class TuneConfig:
     def __post_init__(self) -> None:
         self.space = {name: _param_spec(name, spec) for name, spec in self.space.items()}
         _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
+        _require(self.workers >= 1, f"tune.workers: must be an integer >= 1 (1: this process tunes), got {self.workers}")
         _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
         _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")
@@ -554,6 +614,13 @@ def register_configs() -> None:
         cs.store(name=f"{group}_schema", node=node)
 
 
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    """The schema as an OmegaConf node, built once (0.06 s each time on 2 cores; a study validates
+    a config per trial and per confirmation run, and several times for each)."""
+    return OmegaConf.structured(Config)
+
+
 def to_config(cfg: DictConfig | dict) -> Config:
     """Validate a composed config and return the typed object. Raises ConfigError."""
     from omegaconf.errors import OmegaConfBaseException
@@ -561,7 +628,7 @@ def to_config(cfg: DictConfig | dict) -> Config:
     try:
         # A plain container merged into a fresh schema: keys added with `+key=` are rejected too.
         plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-        node = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        node = OmegaConf.merge(_schema(), plain)  # a new node: the cached schema is not changed
         return OmegaConf.to_object(node)  # type: ignore[return-value]
     except ConfigError:
         raise
@@ -610,7 +677,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 
 __all__: List[str] = [
-    "AmpDtype", "Balance", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
+    "AmpDtype", "Balance", "Launcher", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
     "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "to_config", "to_yaml",

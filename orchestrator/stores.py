@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 SQLITE = "sqlite:///"
+JOURNAL = "journal:///"
 
 
 def resolve_uri(uri: str) -> str:
     """Relative SQLite paths are relative to the working directory; make them absolute so ranks,
     subprocesses and the UI agree."""
-    if uri.startswith(SQLITE) and not uri.startswith(SQLITE + "/"):
-        return SQLITE + str(Path(uri[len(SQLITE):]).resolve())
+    for scheme in (SQLITE, JOURNAL):  # journal:///path: an Optuna journal file (tune/storage.py)
+        if uri.startswith(scheme) and not uri.startswith(scheme + "/"):
+            return scheme + str(Path(uri[len(scheme):]).resolve())
     return uri
 
 

@@ -27,7 +27,7 @@ STAMP=.venv/.orchestrator-deps
 WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import orchestrator, hydra, mlflow, optuna" >/dev/null 2>&1; then
   echo "setup: installing the project and its dependencies"
-  "$PY" -m pip install -q -e ".[test,postgres]"
+  "$PY" -m pip install -q -e ".[test,postgres,slurm]"
   echo "$WANT" > "$STAMP"
 fi
 
@@ -54,6 +54,18 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb 
       || echo "setup: could not install postgresql; tests/test_postgres.py will be skipped" >&2
   else
     echo "setup: install Debian's postgresql for tests/test_postgres.py (sudo apt-get install postgresql)" >&2
+  fi
+fi
+
+# SLURM and munge for the cluster tests (a throwaway 2-node cluster on this machine: tests/slurm.py).
+if ! command -v slurmctld >/dev/null && [ ! -x /usr/sbin/slurmctld ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing slurm-wlm and munge (tests of runs, sweeps and studies on SLURM)"
+    (DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null 2>&1 || \
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; }) \
+      || echo "setup: could not install slurm-wlm and munge; tests/test_slurm.py's cluster tests will be skipped" >&2
+  else
+    echo "setup: install Debian's slurm-wlm and munge for tests/test_slurm.py (sudo apt-get install slurm-wlm munge)" >&2
   fi
 fi
 

@@ -136,9 +136,10 @@ def test_passwords_in_store_urls_are_masked_everywhere(tmp_path):
 def test_cli_unknown_group_option_is_one_line_exit_2(tmp_path):
     """A typo in a group option never runs the default job: one line listing the options."""
     for group, options in [("experiment", "comm_heavy, input_bound, linear_classifier, linear_regression, "
-                                          "mlp_accumulation, transformer_lm"),
-                           ("model", "convnet, custom, linear, linear_regression, many_small, mlp, transformer"),
-                           ("data", "custom, dummy, images, random_classification, regression, small_features, tokens"),
+                                          "mlp_accumulation, transformer_lm, variable_length_lm"),
+                           ("model", "convnet, custom, linear, linear_regression, many_small, mlp, seq_lm, transformer"),
+                           ("data", "custom, dummy, images, random_classification, regression, small_features, tokens, "
+                                    "var_tokens"),
                            ("backend", "ddp, dp, fsdp, horovod, single")]:
         out = run_cli([f"{group}=nope", f"hydra.run.dir={tmp_path / group}"])
         lines = [line for line in out.stderr.splitlines() if line.strip()]

@@ -50,6 +50,7 @@ def test_injected_latency_is_data_wait(latency_runs):
     assert slow["utilization_source"] == "cpu-time"
 
 
+@pytest.mark.perf
 def test_no_latency_no_wait(latency_runs):
     fast, slow = latency_runs["fast"], latency_runs["slow"]
     assert fast["data_wait_frac"] < slow["data_wait_frac"] - 0.2
@@ -57,6 +58,7 @@ def test_no_latency_no_wait(latency_runs):
     assert fast["phase_s"]["data"] < 0.5 * slow["phase_s"]["data"]
 
 
+@pytest.mark.perf
 def test_workers_hide_latency(latency_runs):
     assert latency_runs["workers"]["phase_s"]["data"] < 0.75 * latency_runs["slow"]["phase_s"]["data"]
 
@@ -180,6 +182,7 @@ def test_windows_span_whole_rounds_of_a_bursty_loader():
     assert loader_round(cfg) == 2  # 2 steps of 2 micro-batches hand over one batch from each of 4 workers
 
 
+@pytest.mark.perf
 def test_figures_are_those_of_the_measured_time_not_of_the_median_window():
     # A bursty loader: windows alternate between batches ready (20 ms compute a step) and waiting
     # (60 ms for data, then 20 ms compute). 3 ready windows of 5: a median reads utilization 1 and no
@@ -277,6 +280,7 @@ def test_windows_fit_in_what_a_rewarming_epoch_leaves():
     assert [(w["first_step"], w["steps"]) for w in full_windows(res)] == [(3, 7), (13, 7), (23, 7), (33, 7)]
 
 
+@pytest.mark.perf
 def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
     from orchestrator.runtime import loop
 

@@ -69,6 +69,7 @@ def test_crashed_trial_gets_fresh_ranks(make_cfg, tmp_path):
     assert not job_processes(tmp_path)
 
 
+@pytest.mark.perf
 def test_kept_alive_rank_reports_each_jobs_own_peak_memory(make_cfg, tmp_path):
     """A big job then a small one on the same ranks: the small one's peak is its own, not the
     process's lifetime peak (ru_maxrss) nor the big job's."""

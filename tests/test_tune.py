@@ -47,6 +47,7 @@ def workers_study(tmp_path_factory, mlflow_uri):
     return cfg, run_dir, run_study(cfg, run_dir, echo=False)
 
 
+@pytest.mark.perf
 def test_tuned_workers_beat_the_default(workers_study):
     cfg, run_dir, summary = workers_study
     assert summary["status"] == "FINISHED" and summary["n_trials"] == 5
@@ -115,6 +116,7 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
     assert parent.data.metrics["best_throughput"] == pytest.approx(judged["throughput"])
 
 
+@pytest.mark.perf
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     # transformer with 1 ms reads: batch 1 keeps the step busier by wall time (less efficient
     # kernels: more CPU per sample too) but moves fewer samples per second than batch 64
@@ -376,6 +378,32 @@ def test_a_busier_trial_just_below_the_floor_is_confirmed():
     assert [tr.number for tr in confirm_candidates(study, t)] == [0, 1, 2]
 
 
+def test_a_busier_trial_that_may_not_keep_up_loses_to_one_that_does():
+    """The utilization objective's pick is its expected score: a trial 2% busier than the fastest,
+    measured just inside the 0.95 floor but with an interval reaching far below it, keeps up only
+    about half the time, and then trains 11% slower; the fastest wins. Measured as precisely as
+    the fastest, the busier one keeps up for certain and wins."""
+    from orchestrator.schema import TuneConfig
+    from orchestrator.tune.rules import best_trials, expected_scores
+
+    def study_of(busier_lo, busier_hi):
+        study = optuna.create_study(direction="maximize")
+        for util, thr, lo, hi in ((0.58, 1000.0, 990.0, 1010.0), (0.60, 955.0, busier_lo, busier_hi)):
+            study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+                "values": {"b": thr}, "utilization": util, "throughput": thr, "throughput_lo": lo,
+                "throughput_hi": hi, "utilization_lo": util - 0.01, "utilization_hi": util + 0.01}))
+        return study
+
+    t = TuneConfig(confirm_top=2)
+    assert best_trials(study_of(800.0, 1110.0), t)[0].number == 0
+    assert best_trials(study_of(953.0, 957.0), t)[0].number == 1
+    # without intervals the figures are exact: the point rule (the busiest within the floor)
+    exact = [{"utilization": 0.58, "throughput": 1000.0}, {"utilization": 0.60, "throughput": 955.0},
+             {"utilization": 0.90, "throughput": 900.0}]
+    assert expected_scores(exact, 0.95) == [0.58 / 0.60, 1.0, 0.9]
+
+
+@pytest.mark.perf
 def test_guided_search_follows_the_job_model(make_cfg, tmp_path):
     """The baseline (no workers, 3 ms reads per sample) waits on its reads: the job model fitted to
     it predicts that sleeping workers pay beyond the 2 cores, and its proposal runs next, with the

@@ -64,6 +64,12 @@ def check_world(cfg: Config, world_size: int) -> None:
         )
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DDP."""
+    wrapped = isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+    return model.module if wrapped else model
+
+
 class Adapter:
     """One process, one device (backend=single)."""
 

@@ -46,13 +46,18 @@ class RankPool:
         self.launched = Launched(launch, echo=False, log=self.dir / "output.log")
         self.key, self.seq = pool_key(cfg), 0
 
+    def prestart(self, cfg: Config) -> None:
+        """Start the ranks for jobs like `cfg` now, so that they import torch and the training
+        loop while the study prepares its first trial; the first `run` uses them."""
+        if not self.alive() or self.key != pool_key(cfg):
+            self._start(cfg)
+
     def alive(self) -> bool:
         return self.launched is not None and self.launched.proc.poll() is None
 
     def run(self, cfg: Config, run_dir: Path, **watch_kwargs: Any) -> Outcome:
         """Run the job in `run_dir` (its config.yaml and job.json written) on the pool's ranks."""
-        if not self.alive() or self.key != pool_key(cfg):
-            self._start(cfg)
+        self.prestart(cfg)
         assert self.launched is not None and self.dir is not None
         write_json(pool_job_path(self.dir, self.seq), {"run_dir": str(run_dir)})
         self.seq += 1

@@ -4,6 +4,7 @@ study.py (the loop) and report.py (the files and the table) both follow them."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..schema import Objective, TuneConfig
@@ -65,9 +66,9 @@ def figures(trial: Any, confirmed_: Dict[str, Dict[str, Any]]) -> Dict[str, Any]
 
 def ranked(study: Any, t: TuneConfig) -> List[Any]:
     """Completed trials best first by the objective's rule on their figures; the confirmed ones
-    (when there are) come first and decide. utilization: the highest utilization among trials
-    within throughput_floor of the best throughput, then the rest by throughput; throughput: by
-    throughput."""
+    (when there are) come first and decide. utilization: by `expected_scores` (utilization within
+    throughput_floor of the best throughput, discounted by the chance, from the intervals, that the
+    trial's throughput is in truth below the floor); throughput and mfu: by that figure."""
     done = completed(study)
     if not done:
         return []
@@ -75,7 +76,9 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
     fig = {tr.number: figures(tr, conf) for tr in done}
     eligible = [tr for tr in done if not refused(tr, t)] or done  # the floor is measured from a possible pick
     pool = [tr for tr in eligible if str(tr.number) in conf] or eligible
-    top = max(fig[tr.number]["throughput"] for tr in pool)
+    # the pool's own scores decide; the rest (unconfirmed when some were confirmed) follow by theirs
+    expected = {tr.number: e for tr, e in zip(done, expected_scores([fig[tr.number] for tr in done], t.throughput_floor))}
+    expected.update(zip((tr.number for tr in pool), expected_scores([fig[tr.number] for tr in pool], t.throughput_floor)))
 
     def key(tr: Any) -> tuple:
         f, outside = fig[tr.number], tr not in pool
@@ -83,10 +86,47 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
             return (outside, -f["mfu"])
         if t.objective in (Objective.throughput, Objective.mfu):  # confirmed figures: mfu moves with samples/s
             return (outside, -f["throughput"])
-        within = f["throughput"] >= t.throughput_floor * top
-        return (outside, not within, -(f["utilization"] if within else f["throughput"]))
+        return (outside, -expected[tr.number])
 
     return sorted(done, key=key)
+
+
+def expected_scores(figs: List[Dict[str, Any]], floor: float) -> List[float]:
+    """The utilization objective's score of each trial as a share of the best one's, expected over
+    its noise: within the floor, its utilization / the busiest that keeps up (at most 1: were it
+    to keep up, it would be the busiest); below it, its throughput / the fastest's. Each branch is
+    weighted by its chance (`keeps_up`), and the throughput below the floor is the mean of that
+    side of its distribution. A busy trial measured just inside the floor is often below it in a
+    longer run; on its point figures alone it would be picked over one that keeps up for certain.
+    Figures without intervals are taken as exact (the point rule)."""
+    if not figs:
+        return []
+    top = max(figs, key=lambda f: f["throughput"])
+    if top["throughput"] <= 0:
+        return [0.0] * len(figs)
+    odds = [(1.0, 0.0) if f is top else keeps_up(f, top, floor) for f in figs]
+    busiest = max((f["utilization"] for f, (p, _) in zip(figs, odds) if p >= 0.5), default=0.0) or 1.0
+    return [p * min(1.0, f["utilization"] / busiest) + (1 - p) * (f["throughput"] + short) / top["throughput"]
+            for f, (p, short) in zip(figs, odds)]
+
+
+def keeps_up(f: Dict[str, Any], top: Dict[str, Any], floor: float) -> Tuple[float, float]:
+    """The chance that `f`'s true throughput is at least `floor` x `top`'s, and how far below its
+    measured figure it lies on average when it is not (both normal, with the standard errors
+    their 95% intervals imply; an interval missing: that figure is exact)."""
+    def se(g: Dict[str, Any]) -> float:
+        lo, hi = g.get("throughput_lo"), g.get("throughput_hi")
+        return 0.0 if lo is None or hi is None else max(hi - lo, 0.0) / (2 * 1.96)
+
+    gap = f["throughput"] - floor * top["throughput"]
+    spread = math.hypot(se(f), floor * se(top))
+    if spread == 0:
+        return (1.0, 0.0) if gap >= 0 else (0.0, 0.0)
+    z = gap / spread
+    below = 0.5 * math.erfc(z / math.sqrt(2))  # P(true gap < 0)
+    density = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    # E[gap | gap < 0] = gap - spread * density / below: how far under its measurement it sits then
+    return 1.0 - below, (-spread * density / below if below > 1e-12 else 0.0)
 
 
 def best_trials(study: Any, t: TuneConfig) -> List[Any]:
@@ -105,7 +145,11 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     if not done or t.objective is Objective.both or t.confirm_top == 0:
         return []
     top = max(tr.user_attrs["throughput"] for tr in done)
-    by_score = sorted(done, key=lambda tr: -final_score(tr, t, top))[:t.confirm_top]
+    if t.objective is Objective.utilization:
+        score = dict(zip((tr.number for tr in done), expected_scores([tr.user_attrs for tr in done], t.throughput_floor)))
+    else:
+        score = {tr.number: final_score(tr, t, top) for tr in done}
+    by_score = sorted(done, key=lambda tr: -score[tr.number])[:t.confirm_top]
     leader = by_score[0].user_attrs
     contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader)]
     fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])

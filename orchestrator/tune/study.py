@@ -25,6 +25,7 @@ from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
 from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
+from ..slurm import resolve as resolve_allocation
 from ..stores import redact, resolve_uri, sqlite_path, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
@@ -35,7 +36,7 @@ from .rules import (best_trials, confirm_candidates, confirmed, counted, figures
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
-from .storage import is_storage_error, orphaned, study_lock, study_storage
+from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
 MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the space covered
 MAX_REJECTED = 10  # sampler configs in a row the job model may keep from a launch; the next one tests the model
@@ -67,6 +68,7 @@ class Tuner:
 
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
+        cfg = resolve_allocation(cfg)  # inside a SLURM allocation: its nodes (orchestrator/slurm.py)
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
         self.space = SearchSpace(cfg)  # raises ConfigError before any trial
@@ -75,6 +77,8 @@ class Tuner:
                               f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
         self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
         self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
+        if check_shared(self.storage, machines=False) and echo:  # SQLite on a network file system: one line
+            print(check_shared(self.storage, machines=False), flush=True)
         # a new study's name is its own: studies started in the same second (or microsecond) never merge
         self.name = self.t.study_name or f"{cfg.model._target_.rsplit('.', 1)[-1]}-{cfg.backend.name.value}-" \
                                          f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
@@ -231,6 +235,8 @@ class Tuner:
             self.progress.start()
         status = Status.FAILED
         try:
+            if self.pool is not None and done < self.t.n_trials:
+                self.pool.prestart(self.cfg)  # its ranks import torch while the first trial is prepared
             duplicates_in_a_row = 0
             while True:
                 with study_lock(self.storage, self.name):

@@ -1,0 +1,232 @@
+"""The data side of a rank: the dataset (and its simulated storage latency), the loader over the
+adapter's sampler, an epoch started part-way (resume, loader switches) and the epoch arithmetic
+the measurement reads. The loop (runtime/loop.py) only iterates what this builds."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import multiprocessing
+import random
+import time
+from typing import Any, Callable, Dict, Optional, Union
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+
+from ..measure.plan import loader_queue, loader_round, rewarm_steps
+from ..schema import Balance, Config, ConfigError, DataConfig, import_target
+from .autotune import LoaderSettings
+from .balance import ShareSampler
+from .dist import Adapter
+
+
+class LatencyDataset(Dataset):
+    """Adds a per-item read latency, as remote storage would (`data.read_latency_ms`). `set_latency`
+    changes it in the loader's workers too (shared memory they inherit): `data.latency_jump_at`."""
+
+    def __init__(self, inner: Dataset, latency_ms: float) -> None:
+        self.inner = inner
+        self._delay = multiprocessing.RawValue("d", latency_ms / 1000.0)
+
+    def set_latency(self, latency_ms: float) -> None:
+        self._delay.value = latency_ms / 1000.0
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, idx: int):
+        delay = self._delay.value
+        if delay:
+            time.sleep(delay)
+        return self.inner[idx]
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def build_dataset(cfg: Config) -> Dataset:
+    ds = import_target(cfg.data._target_)(**cfg.data.args)
+    size = len(ds) if hasattr(ds, "__len__") else None  # type: ignore[arg-type]
+    if size == 0:  # else torch's "num_samples should be a positive integer"
+        raise ConfigError(f"data._target_: {cfg.data._target_} returned a dataset of 0 items (data.args: "
+                          f"{dict(cfg.data.args)}); it needs at least data.batch_size={cfg.data.batch_size} per rank")
+    if cfg.data.read_latency_ms > 0 or cfg.data.latency_jump_at > 0:
+        ds = LatencyDataset(ds, cfg.data.read_latency_ms)
+    return ds
+
+
+class EpochSampler(Sampler):
+    """The loader's sampler (the adapter's, or a seeded shuffle in one process), able to start an
+    epoch part-way: with `skip` set, the next epoch's first `skip` indices are drawn (its order
+    stays the same) but not handed to the loader, so batches already trained are never loaded.
+    Resume and the loader autotune restart an epoch this way (`epoch_iterator`). The shuffle's own
+    generator, apart from the DataLoader's (workers' base seeds), makes the order independent of
+    num_workers and persistent_workers."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner, self.skip = inner, 0
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        """The shuffle's generator, whose state at an epoch's start fixes its order (None: the
+        order depends on the epoch alone, as DistributedSampler's)."""
+        return getattr(self.inner, "generator", None) if isinstance(self.inner, RandomSampler) else None
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __iter__(self):
+        it, skip = iter(self.inner), self.skip
+        self.skip = 0
+        for _ in itertools.islice(it, skip):
+            pass
+        return it
+
+
+def build_loader(cfg: Config, dataset: Dataset, adapter: Adapter) -> DataLoader:
+    """The rank's loader: the adapter's sampler (an even split), or with parallelism.balance=speed
+    its piece of every global micro-batch (`ShareSampler`, runtime/balance.py)."""
+    d = cfg.data
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    if cfg.parallelism.balance is Balance.speed:
+        return make_loader(d, dataset, ShareSampler(len(dataset), adapter.rank, adapter.world_size,  # type: ignore[arg-type]
+                                                    d.batch_size, d.shuffle, cfg.trainer.seed, d.drop_last),
+                           generator, adapter.device)
+    sampler = adapter.sampler(dataset, d.shuffle, cfg.trainer.seed, d.drop_last)
+    if sampler is None:  # one process: shuffled by its own seeded generator
+        sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(cfg.trainer.seed)) if d.shuffle
+                   else SequentialSampler(dataset))
+    return make_loader(d, dataset, EpochSampler(sampler), generator, adapter.device)
+
+
+def make_loader(d: DataConfig, dataset: Dataset, sampler: Union[EpochSampler, ShareSampler], generator: torch.Generator,
+                device: torch.device) -> DataLoader:
+    """A DataLoader with `d`'s knobs over `sampler` (built once per run, kept across rebuilds): an
+    EpochSampler of indices, or balance=speed's ShareSampler of whole micro-batches."""
+    kwargs: Dict[str, Any] = {}
+    if isinstance(sampler, ShareSampler):
+        kwargs["batch_sampler"] = sampler
+    else:
+        kwargs.update(batch_size=d.batch_size, sampler=sampler, drop_last=d.drop_last)
+    if d.num_workers > 0:
+        kwargs["persistent_workers"] = d.persistent_workers
+        if d.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = d.prefetch_factor
+    return DataLoader(
+        dataset,
+        collate_fn=collate_fn(d),
+        num_workers=d.num_workers,
+        pin_memory=d.pin_memory and device.type == "cuda",
+        worker_init_fn=_seed_worker if d.num_workers > 0 else None,
+        generator=generator,
+        **kwargs,
+    )
+
+
+def collate_fn(d: DataConfig) -> Optional[Callable[[list], Any]]:
+    """data.collate_fn as the loaders call it, `fn(items, **args)`; None: torch's default collate."""
+    if d.collate_fn is None:
+        return None
+    return functools.partial(import_target(d.collate_fn["_target_"]), **(d.collate_fn.get("args") or {}))
+
+
+def epoch_iterator(loader: DataLoader, batches_done: int) -> Any:
+    """An iterator over the epoch the sampler is set to, from its `batches_done`-th batch: the
+    same batches in the same order as an uninterrupted epoch, those before not loaded (with
+    balance=speed's ShareSampler, loaded and dropped: its shares schedule counts what was drawn)."""
+    if isinstance(loader.batch_sampler, ShareSampler):
+        it = iter(loader)
+        for _ in range(batches_done):
+            next(it)
+        return it
+    loader.sampler.skip = batches_done * (loader.batch_size or 1)  # type: ignore[union-attr]
+    return iter(loader)
+
+
+def reset_latency(cfg: Config, dataset: Dataset, step: int) -> None:
+    """The per-item latency a run starting at `step` reads with (data.latency_jump_at passed or
+    not); a kept-alive rank's dataset may carry an earlier job's jump."""
+    if isinstance(dataset, LatencyDataset):
+        jumped = 0 < cfg.data.latency_jump_at <= step
+        dataset.set_latency(cfg.data.latency_after_ms if jumped else cfg.data.read_latency_ms)
+
+
+def item_bytes(dataset: Dataset) -> int:
+    """Bytes of one item's tensors, in any structure (what a DataLoader worker hands over per sample)."""
+    try:
+        item = dataset[0]
+    except Exception:  # an iterable-style or failing dataset: unknown
+        return 0
+
+    def size(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.element_size() * x.nelement()
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        if isinstance(x, (tuple, list)):
+            return sum(size(v) for v in x)
+        return 8
+
+    return size(item if isinstance(item, (tuple, list, dict)) else (item,))
+
+
+def rewarms_epochs(cfg: Config, loader: DataLoader) -> bool:
+    """A new epoch's iterator refills the loader's queue: warm up again at each epoch, unless there
+    is no queue (no workers: an epoch restart is only a reshuffle) or the epoch is too short to get
+    past it, counted in optimizer steps: the steps left after the re-warmup (`epoch_measured_steps`)
+    must be at least as many as the re-warmup and hold a whole round of the loader's workers. Then
+    epoch restarts are part of the steady state. Counted in micro-batches instead, a 1-step epoch of
+    8 micro-batches (batch 512 x accumulation 8 on a small dataset) re-warmed at every epoch and
+    never measured a window: its trial ran to the trial timeout."""
+    if loader_queue(cfg) == 0:
+        return False
+    left = epoch_measured_steps(cfg, loader)
+    return left >= rewarm_steps(cfg) and left >= loader_round(cfg)
+
+
+def epoch_measured_steps(cfg: Config, loader: DataLoader) -> int:
+    """Steps of an epoch after its re-warmup: when epochs re-warm, a measured window must fit in
+    them (StepMeter.epoch_steps), else every window is cut short by the next epoch, none enters the
+    estimate and a trial's stop rule never stops it (a 4-step epoch with windows of 10 steps)."""
+    return steps_per_epoch(loader, cfg.trainer.accumulation_steps) - rewarm_steps(cfg)
+
+
+def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:
+    """Optimizer steps in one epoch: every N micro-batches and once more for a remainder."""
+    return math.ceil(len(loader) / accumulation)
+
+
+# -- loader autotune (runtime/autotune.py decides; these apply its settings to the loop) ----------
+def loader_config(cfg: Config, ck: Optional[Dict[str, Any]]) -> Config:
+    """`cfg`, or with trainer.loader_autotune, `cfg` with the loader settings its checkpoint kept."""
+    saved = (ck or {}).get("meta", {}).get("loader")
+    if not cfg.trainer.loader_autotune or not saved:
+        return cfg
+    settings = LoaderSettings(int(saved["num_workers"]), saved.get("prefetch_factor"))
+    return dataclasses.replace(cfg, data=settings.data(cfg.data))
+
+
+def switch_loader(cfg: Config, new: LoaderSettings, loader: DataLoader, it: Any, generator: Optional[torch.Generator],
+                  epoch_generator: Optional[torch.Tensor], batches_done: int, device: torch.device) -> tuple:
+    """(cfg, loader, iterator) with `new` loader settings, the iterator at the same batch of the
+    same epoch: the old workers end, the sampler's order is restored to the epoch's start and the
+    batches already trained are skipped unloaded (`epoch_iterator`, as a resume does)."""
+    shutdown = getattr(it, "_shutdown_workers", None)  # torch's own teardown of the old iterator's workers
+    if shutdown is not None:
+        shutdown()
+    cfg = dataclasses.replace(cfg, data=new.data(cfg.data))
+    if generator is not None and epoch_generator is not None:
+        generator.set_state(epoch_generator)
+    loader = make_loader(cfg.data, loader.dataset, loader.sampler, loader.generator, device)  # type: ignore[arg-type]
+    return cfg, loader, epoch_iterator(loader, batches_done)

@@ -1,0 +1,117 @@
+"""One optimizer step of the loop (runtime/loop.py): `trainer.accumulation_steps` micro-batches
+forward and backward (gradient accumulation, AMP, non_blocking copies), the exposed
+communication, clipping and the update, each phase marked for the meter. The FLOP counter
+(runtime/flops.py) wraps the forward and backward of the run's first step."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER
+from .batch import Feed, to_device
+from .flops import StepCounter
+
+
+class Stepper:
+    """Runs `run`'s next optimizer step (`loop.Run`: its model, optimizer, iterator, meter).
+
+    Hot path: on a ~200 us step every microsecond shows, so work that does nothing is skipped
+    (CPU copies, a disabled autocast, a division by 1, loss bookkeeping on unlogged steps)."""
+
+    def __init__(self, run: Any) -> None:
+        t = run.cfg.trainer
+        self.accum, self.clip, self.log_every = t.accumulation_steps, t.grad_clip, t.log_every
+        self.feed = Feed(run.cfg)
+        self.criterion = self.feed.criterion
+        self.move = run.device.type != "cpu"
+        self.autocast = ((lambda: torch.autocast(run.device.type, dtype=run.amp_dtype)) if run.amp
+                         else contextlib.nullcontext)
+        self.plain = not run.amp and self.accum == 1  # no context to enter: the micro-step is the seed's own code
+        # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
+        self.counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
+        self.counted_step = run.step
+        self.flops: Dict[str, Any] = {"flops": None,
+                                      "reason": "not counted: trainer.warmup_steps=0 leaves no unmeasured step"}
+
+    def __call__(self, run: Any) -> tuple:
+        """(samples, micro-batches, the step's loss or None when the step is not logged); advances
+        run.step and run.b (the batch in the epoch)."""
+        step, b, model, it, device, mark = run.step, run.b, run.model, run.it, run.device, run.meter.mark
+        adapter, balancer, scaler, criterion = run.adapter, run.balancer, run.scaler, self.criterion
+        counting = self.counter is not None and step == self.counted_step
+        if counting:
+            self.counter.__enter__()  # type: ignore[union-attr]
+        micro = min(self.accum, run.n_batches - b)  # the epoch's last step takes the remainder
+        logged = (step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
+        samples = 0
+        step_loss = 0.0
+        feed = self.feed
+        for m in range(micro):
+            batch = next(it)
+            mark(DATA)
+            if not feed.checked:  # the run's first batch: its structure fits model.loss (one line if not)
+                feed.check(batch, model)
+            if feed.pair:  # (input, target) with cross_entropy / mse: the plain loop, as fast as hand-written
+                x, y = batch
+                if self.move:
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    mark(H2D)
+                n = x.shape[0]
+            else:
+                if self.move:
+                    batch = to_device(batch, device)
+                    mark(H2D)
+                n = feed.size(batch)
+            if self.plain:
+                loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
+                (loss if balancer is None else weigh(balancer, loss, n, b + m)).backward()
+            else:
+                with adapter.grad_sync(model, enabled=m == micro - 1), self.autocast():
+                    loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
+                    if micro > 1:
+                        loss = loss / micro
+                    weighted = loss if balancer is None else weigh(balancer, loss, n, b + m)
+                    (scaler.scale(weighted) if scaler is not None else weighted).backward()
+            if logged:
+                step_loss += loss.detach()
+            samples += n
+            mark(COMPUTE)
+        run.b = b + micro
+        if counting:
+            self.counter.__exit__(None, None, None)  # type: ignore[union-attr]
+            self.flops, self.counter = self.counter.per_sample(samples), None  # type: ignore[union-attr]
+        self.update(run)
+        run.step = step + 1
+        return samples, micro, (step_loss if logged else None)
+
+    def update(self, run: Any) -> None:
+        """The exposed communication, clipping and the optimizer step."""
+        optimizer, scaler, mark = run.optimizer, run.scaler, run.meter.mark
+        if run.adapter.exposed_comm:
+            run.adapter.synchronize(optimizer)
+            mark(COMM)
+        if self.clip:  # the global norm, also over sharded (DTensor) gradients
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(run.model.parameters(), self.clip)
+        run.adapter.step(optimizer, scaler)
+        optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
+        mark(OPTIMIZER)
+
+
+def weigh(balancer: Any, loss: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """balance=speed: the loss times world x this rank's share of global micro-batch k."""
+    w = balancer.sampler.weight(n, k)
+    return loss if w == 1.0 else loss * w
+
+
+def check_loss(loss: float, step: int) -> float:
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step}; lower trainer.lr or turn off trainer.amp")
+    return loss
