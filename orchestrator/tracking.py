@@ -44,6 +44,9 @@ KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI's
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+# MLflow prints "View run ... / View experiment at: <server>/#/experiments/<id>" for each run ended
+# through a server: that page opens in the UI's GenAI mode. Tracker.where() says the training view.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def runs_url(base: str, experiment_id: str) -> str:

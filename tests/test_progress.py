@@ -80,8 +80,9 @@ def test_a_run_shows_its_progress_and_its_table(tmp_path, pty):
 def test_a_study_shows_trial_k_of_n_the_best_and_its_table(tmp_path, pty):
     text = watch([*STUDY, f"tune.storage=sqlite:///{tmp_path}/optuna.db"], tmp_path, pty)
     assert re.search(r"\[tune\] trial 1/2 running \d+:\d\d: batch_size=\d+ .*\| ETA \?", text), text[-3000:]
+    # (the interval when the best has two windows or more)
     assert re.search(r"\[tune\] trial 2/2 running \d+:\d\d: .* \| best so far: trial \d+: utilization [\d.]+%, "
-                     r"[\d.]+ \(-?[\d.]+--?[\d.]+\) samples/s \| ETA \d+:\d\d", text), text[-3000:]
+                     r"[\d.]+( \(-?[\d.]+--?[\d.]+\))? samples/s \| ETA \d+:\d\d", text), text[-3000:]
     header = [line for line in text.splitlines() if "rank" in line and "knobs" in line]
     assert header and "notes" in header[0] and header[0].rstrip()[-1] in "┃│"
     assert re.search(r"^\[tune\] rerun it: \S+ -m orchestrator .*\+tuned=best$", text, re.M)

@@ -214,6 +214,7 @@ def test_resume_adds_up(make_cfg, tmp_path, capsys):
     assert third["n_trials"] == 4 and len(study_of(third).trials) == len(trials)
     assert "already has 4 counted trials (tune.n_trials=4): nothing to run" in out
     assert "tune.n_trials=8" in out
+    assert f"[tune] its best: trial {second['best']['number']}; rerun it: {second['rerun']}" in out
     assert "num_workers [0, 0]" in out and "0.0" not in out.split("space:")[1].splitlines()[0]
 
 

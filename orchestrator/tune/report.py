@@ -111,12 +111,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         summary["rerun"] = rerun
         summary["rerun_overrides"] = overrides
     summary["trial_overhead"] = _overhead(trials)
-    artifacts += _plots(study, out_dir, t)
-    try:  # the picture in user units, its pick the one best.yaml holds
-        picture = write_picture(study, best, t, out_dir)
-        artifacts += [str(picture)] if picture else []
-    except Exception as exc:
-        print(f"[tune] no {PICTURE} picture: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    artifacts += _plots(study, best, out_dir, t)
     write_json(out_dir / "summary.json", summary, indent=2)
     artifacts.append(str(out_dir / "summary.json"))
     summary["artifacts"] = artifacts
@@ -170,8 +165,9 @@ def _overhead(trials: List[Any]) -> Dict[str, float]:
     return {"median": shares[len(shares) // 2], "min": shares[0], "max": shares[-1]}
 
 
-def _plots(study: Any, out_dir: Path, t: TuneConfig) -> List[str]:
-    """Optuna's matplotlib plots as PNG (each skipped, with a note, when the study can't make it)."""
+def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig) -> List[str]:
+    """Optuna's matplotlib plots as PNG (each skipped, with a note, when the study can't make it),
+    and the tuning picture in user units (picture.py), its pick `best[0]`, the one best.yaml holds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,6 +193,11 @@ def _plots(study: Any, out_dir: Path, t: TuneConfig) -> List[str]:
             made.append(str(path))
         except Exception as exc:  # e.g. importances need 2+ completed trials with varied params
             print(f"[tune] no {name} plot: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    try:
+        picture = write_picture(study, best, t, out_dir)
+        made += [str(picture)] if picture else []
+    except Exception as exc:
+        print(f"[tune] no {PICTURE} picture: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     return made
 
 

@@ -23,10 +23,10 @@ from typing import Any, Callable, Dict, List, Optional
 from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.stats import MIN_WINDOWS, estimate
-from ..rundir import RecordError, Status, own_run_dir, owner_tag
+from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
-from ..stores import redact, resolve_uri, store_error, store_lock
+from ..stores import redact, resolve_uri, sqlite_path, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
@@ -116,8 +116,7 @@ class Tuner:
         """A study keeps the tune.space it was made with (user attribute `space`, as given: caps
         that follow each machine's cores are not part of it): resuming it with another space is
         refused, in one line naming the dimensions that differ."""
-        given = {name: " ".join(f"{k}={v.value if isinstance(v, Enum) else v}" for k, v in vars(spec).items())
-                 for name, spec in sorted(self.t.space.items())}
+        given = self._given_space()
         made = study.user_attrs.get("space")
         if made is None:  # a new study (or one made before the space was recorded)
             study.set_user_attr("space", given)
@@ -126,6 +125,10 @@ class Tuner:
                                for n in sorted(set(made) | set(given)) if made.get(n) != given.get(n))
             raise ConfigError(f"tune.space: study '{self.name}' was made with another space ({differ}); resume it "
                               "with its own tune.space, or start another study (a new tune.study_name)")
+
+    def _given_space(self) -> Dict[str, str]:
+        return {name: " ".join(f"{k}={v.value if isinstance(v, Enum) else v}" for k, v in vars(spec).items())
+                for name, spec in sorted(self.t.space.items())}
 
     def _baseline_interrupted(self, study: Any) -> bool:
         """The study's baseline trials were all interrupted (Ctrl-C, a killed tuner): a resumed
@@ -214,17 +217,19 @@ class Tuner:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
+        finished = self._finished_study()
+        if finished is not None:  # nothing to check, launch or record
+            self._say_study()
+            return self._nothing_to_run(finished, counted(finished.get_trials(deepcopy=False)))
         self._check()
         study = self._study()
         self._close_dead_runs()
-        self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {self.t.n_trials} trials, objective "
-                  f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
-                  + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims)
-                  + "".join(f"; {name} left out: {why}" for name, why in self.space.left_out.items()))
+        self._say_study()
         done = counted(study.get_trials(deepcopy=False))
         if done >= self.t.n_trials and not self._confirmation_due(study):
             return self._nothing_to_run(study, done)
         parent = self._parent(study)
+        study.set_user_attr("run_dir", str(self.run_dir))  # its latest outputs (summary.json, tuned/best.yaml)
         self.progress = StudyProgress(self.name, self.t.n_trials) if self.echo else None
         if self.progress is not None:
             self.progress.start()
@@ -291,15 +296,39 @@ class Tuner:
                 self.tracker.end(status)
         return summary
 
+    def _say_study(self) -> None:
+        n = self.t.n_trials
+        self._say(f"[tune] study '{self.name}' in {redact(self.storage)}: {n} trial{'s' if n != 1 else ''}, objective "
+                  f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
+                  + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims)
+                  + "".join(f"; {name} left out: {why}" for name, why in self.space.left_out.items()))
+
+    def _finished_study(self) -> Any:
+        """The named study, read without changing it, when it already has its trials and its
+        confirmation under this space (a call with nothing to run returns at once); else None
+        (the full path creates, checks or refuses it)."""
+        db = sqlite_path(self.storage)
+        if not self.t.study_name or (db is not None and not db.exists()):
+            return None
+        try:
+            study = self.optuna.load_study(study_name=self.name, storage=study_storage(self.storage))
+        except Exception:  # not there yet, or a store the full path reports on
+            return None
+        if study.user_attrs.get("space") != self._given_space() or self._confirmation_due(study):
+            return None
+        return study if counted(study.get_trials(deepcopy=False)) >= self.t.n_trials else None
+
     def _nothing_to_run(self, study: Any, done: int) -> Dict[str, Any]:
         """A call on a study that has its trials (and its confirmation): said, and nothing is
         made (no trial, no MLflow run, no files)."""
-        self._say(f"[tune] study '{self.name}' already has {done} counted trials (tune.n_trials={self.t.n_trials}): "
+        self._say(f"[tune] study '{self.name}' already has {done} counted trial{'s' if done != 1 else ''} "
+                  f"(tune.n_trials={self.t.n_trials}): "
                   f"nothing to run. To add more, raise it: tune.study_name={self.name} "
                   f"tune.n_trials={done + self.t.n_trials}")
         best = best_trials(study, self.t)
+        rerun = read_json(Path(study.user_attrs.get("run_dir", "")) / "summary.json", {}).get("rerun")
         if best:
-            self._say(f"[tune] its best so far: trial {best[0].number} (its study's run dir has tuned/best.yaml)")
+            self._say(f"[tune] its best: trial {best[0].number}" + (f"; rerun it: {rerun}" if rerun else ""))
         return {"status": Status.NOTHING_TO_RUN, "study_name": self.name, "storage": redact(self.storage), "n_trials": done,
                 "best": {"number": best[0].number, "values": best[0].user_attrs["values"]} if best else None,
                 "mlflow_run_id": study.user_attrs.get("mlflow_run_id")}
