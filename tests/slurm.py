@@ -108,10 +108,19 @@ class SlurmCluster:
         end = time.monotonic() + timeout_s
         while not ok():
             if time.monotonic() > end:
-                raise RuntimeError(f"{what}; logs in {self.root}: " + self.logs())
+                raise RuntimeError(f"{what}: " + self.logs())
             time.sleep(0.2)
 
     def start(self) -> "SlurmCluster":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # what did start is ended; the error says why
+            raise
+        os.environ.update(self.env)
+        return self
+
+    def _start(self) -> None:
         self._start_munge()
         _hosts_entries()
         self._write_conf()
@@ -124,8 +133,6 @@ class SlurmCluster:
             if len(self.procs) == 1:
                 self._wait(lambda: self.sinfo_ok(), 30, "slurmctld did not answer")
         self._wait(lambda: self.idle_nodes() == len(NODES), 60, "the nodes did not come up idle")
-        os.environ.update(self.env)
-        return self
 
     def run(self, *cmd: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env={**os.environ, **self.env}, capture_output=True, text=True,

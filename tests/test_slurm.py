@@ -131,15 +131,16 @@ TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window
         "tune.space.num_workers.high=0"]
 
 
-def test_journal_study_lock_and_shared_storage_rules(tmp_path):
+def test_journal_study_lock_and_the_rules_of_workers(tmp_path):
     """journal:/// is Optuna's JournalStorage with owned trials; its count lock excludes another
-    process; SQLite is refused for workers on several nodes and warned on a network file system."""
+    holder; SQLite is refused for workers on several nodes; tune.workers needs the SLURM launcher."""
     import threading
 
     import optuna
 
     from orchestrator.stores import resolve_uri
     from orchestrator.tune.storage import check_shared, journal_path, study_lock, study_storage
+    from orchestrator.tune.workers import SUBMITIT_SLURM, check_launcher
 
     url = resolve_uri(f"journal:///{os.path.relpath(tmp_path / 'j' / 'study.log')}")
     assert url == f"journal:///{tmp_path}/j/study.log" and journal_path(url) == tmp_path / "j" / "study.log"
@@ -147,8 +148,12 @@ def test_journal_study_lock_and_shared_storage_rules(tmp_path):
     trial = study.ask()
     assert optuna.load_study(study_name="s", storage=study_storage(url)).trials[trial.number].user_attrs["owner"]
     order: list = []
+    def other_holder() -> None:
+        with study_lock(url, "s"):
+            order.append("other")
+
     with study_lock(url, "s"):
-        other = threading.Thread(target=lambda: (study_lock(url, "s").__enter__(), order.append("other")))
+        other = threading.Thread(target=other_holder)
         other.start()
         other.join(timeout=1.0)
         order.append("holder")
@@ -158,14 +163,9 @@ def test_journal_study_lock_and_shared_storage_rules(tmp_path):
         check_shared(f"sqlite:///{tmp_path}/o.db", machines=True)
     assert check_shared(f"sqlite:///{tmp_path}/o.db", machines=False) is None  # a local file: no warning
     assert check_shared(url, machines=True) is None
-
-
-def test_workers_need_the_slurm_launcher(tmp_path):
-    from .conftest import run_cli
-
-    done = run_cli(["mode=tune", "tune.workers=2", f"hydra.run.dir={tmp_path}/r"], timeout=120)
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(
-        "error: tune.workers: 2 workers run as a SLURM job array; add hydra/launcher=submitit_slurm"), done.stderr
+    check_launcher({"_target_": SUBMITIT_SLURM}, 2)
+    with pytest.raises(ConfigError, match=r"^tune.workers: 2 workers run as a SLURM job array; add hydra/launcher=submitit_slurm"):
+        check_launcher({"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}, 2)
 
 
 @pytest.mark.slow
@@ -205,17 +205,14 @@ def _job_of(pid: int) -> str:
     return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
 
 
-@pytest.mark.slow
-@needs_slurm
-def test_scancel_of_a_worker_mid_trial_loses_nothing(cluster, mlflow_uri, tmp_path):
-    """scancel of one worker while it runs a trial: that trial is recorded interrupted (not
-    counted), the other worker finishes the count, the command ends 0 naming the cancelled worker."""
+def cut_a_worker(cluster, mlflow_uri, tmp_path, *action: str) -> tuple:
+    """A study of 2 workers, 4 trials; once a worker runs a trial (after the baseline),
+    `action <its array job>` (scancel, scontrol requeue). (output, returncode, that job, the trial, the study)"""
     import time
 
     import optuna
     from optuna.trial import TrialState
 
-    from orchestrator.tune.rules import counted
     from orchestrator.tune.storage import study_storage
 
     journal = f"journal:///{tmp_path}/study.log"
@@ -224,9 +221,9 @@ def test_scancel_of_a_worker_mid_trial_loses_nothing(cluster, mlflow_uri, tmp_pa
             "data.read_latency_ms=1"]
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **cluster.env})
-    cancelled, trial = None, None
+    job, trial = None, None
     deadline = time.monotonic() + 300
-    while cancelled is None and time.monotonic() < deadline and proc.poll() is None:
+    while job is None and time.monotonic() < deadline and proc.poll() is None:
         try:
             study = optuna.load_study(study_name="cut", storage=study_storage(journal))
             running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.number > 0]
@@ -234,20 +231,50 @@ def test_scancel_of_a_worker_mid_trial_loses_nothing(cluster, mlflow_uri, tmp_pa
             running = []
         if running:
             trial = running[0]
-            cancelled = _job_of(int(trial.user_attrs["owner"].split(":")[1]))
-            cluster.run("scancel", cancelled)
+            job = _job_of(int(trial.user_attrs["owner"].split(":")[1]))
+            cluster.run(*action, job)
         time.sleep(0.2)
     out = proc.communicate(timeout=600)[0]
     cluster.wait_idle()
-    assert cancelled is not None, out
-    assert proc.returncode == 0, out
-    assert f"[tune] worker {cancelled}: left no result" in out
-    study = optuna.load_study(study_name="cut", storage=study_storage(journal))
+    assert job is not None, out
+    return out, proc.returncode, job, trial, optuna.load_study(study_name="cut", storage=study_storage(journal))
+
+
+def assert_nothing_lost(study, trial, tmp_path, job: str, own_log: bool = True) -> None:
+    from optuna.trial import TrialState
+
+    from orchestrator.tune.rules import counted
+
     cut = study.trials[trial.number]
     assert cut.state == TrialState.FAIL and cut.user_attrs.get("interrupted") is True, cut
     assert counted(study.trials) == 4 and all(t.state.is_finished() for t in study.trials)
     assert sum(bool(t.user_attrs.get("interrupted")) for t in study.trials) == 1
-    # recorded by the cancelled worker itself on SLURM's SIGTERM (not only reclaimed later by the
-    # other worker, which on another host could not tell that the owner is gone)
-    log = next((tmp_path / "run" / "workers").glob(f"{cancelled}/{cancelled}_0_log.out")).read_text()
+    if not own_log:
+        return
+    # recorded by the worker itself on SLURM's SIGTERM (not only reclaimed later by the other
+    # worker, which on another host could not tell that the owner is gone)
+    log = next((tmp_path / "run" / "workers").glob(f"{job}/{job}_0_log.out")).read_text()
     assert f"[tune] trial {trial.number} interrupted" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_scancel_of_a_worker_mid_trial_loses_nothing(cluster, mlflow_uri, tmp_path):
+    """scancel of one worker while it runs a trial: that trial is recorded interrupted (not
+    counted), the other worker finishes the count, the command ends 0 naming the cancelled worker."""
+    out, code, job, trial, study = cut_a_worker(cluster, mlflow_uri, tmp_path, "scancel")
+    assert code == 0, out
+    assert f"[tune] worker {job}: left no result" in out
+    assert_nothing_lost(study, trial, tmp_path, job)
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_a_requeued_worker_rejoins_the_study(cluster, mlflow_uri, tmp_path):
+    """scontrol requeue (as a preemption does) of a worker mid-trial: its trial is recorded
+    interrupted, the job runs again and its tuner rejoins the same study; the count is exact."""
+    out, code, job, trial, study = cut_a_worker(cluster, mlflow_uri, tmp_path, "scontrol", "requeue")
+    assert code == 0, out
+    assert_nothing_lost(study, trial, tmp_path, job, own_log=False)  # the job's log starts again on requeue
+    assert study.user_attrs["workers"] == 3  # the two workers, then the requeued one joined again
+    assert "workers alive 2" in out

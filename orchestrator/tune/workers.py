@@ -51,6 +51,20 @@ def executor(folder: Path, launcher: Dict[str, Any]) -> Any:
     return ex
 
 
+class Worker:
+    """What each array job runs: `work`. Requeued (preempted, `scontrol requeue`, or its time
+    limit near with hydra.launcher.max_num_timeout > 0: submitit's checkpoint hook), it runs again
+    with the same arguments and rejoins the study; its interrupted trial was not counted."""
+
+    def __call__(self, cfg: Config, run_dir: str, overrides: List[str]) -> Optional[Dict[str, Any]]:
+        return work(cfg, run_dir, overrides)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
 def work(cfg: Config, run_dir: str, overrides: List[str]) -> Optional[Dict[str, Any]]:
     """One worker, in its SLURM job: a tuner of the shared study (its first task only; with
     hydra.launcher.nodes > 1 the others return, the first starts the ranks on every node)."""
@@ -73,7 +87,7 @@ def run_workers(cfg: Config, run_dir: Path, launcher: Dict[str, Any], overrides:
                 say: Callable[[str], None] = print) -> Dict[str, Any]:
     """Check, submit the job array, then follow it (tune.wait) and collect; returns the summary.
     `overrides`: the user's own, for the rerun line; `study_overrides`: with tune.*, for collecting."""
-    from .study import Tuner
+    from .study import StudyFailed, Tuner
 
     t = cfg.tune
     check_launcher(launcher, t.workers)
@@ -84,7 +98,7 @@ def run_workers(cfg: Config, run_dir: Path, launcher: Dict[str, Any], overrides:
     worker_cfg = dataclasses.replace(cfg, tune=dataclasses.replace(t, workers=1, study_name=tuner.name, storage=storage))
     folder = Path(run_dir).resolve() / "workers"
     jobs = executor(folder, launcher).map_array(
-        work, [worker_cfg] * t.workers, [str(folder / f"{i}") for i in range(t.workers)], [overrides] * t.workers)
+        Worker(), [worker_cfg] * t.workers, [str(folder / f"{i}") for i in range(t.workers)], [overrides] * t.workers)
     array = jobs[0].job_id.split("_")[0]
     collect = orchestrator_command([*study_overrides, "mode=tune", f"tune.study_name={tuner.name}", f"tune.storage={redact(storage)}",
                                     f"tune.n_trials={t.n_trials}"])
@@ -97,11 +111,15 @@ def run_workers(cfg: Config, run_dir: Path, launcher: Dict[str, Any], overrides:
         say(f"[tune] follow: squeue -j {array}   (and tail -f {folder}/{array}_*/*_0_log.out)")
         say(f"[tune] collect once they ended (the table, best.yaml, the rerun line): {collect}")
         return {"status": "SUBMITTED", **record}
-    failed = follow(tuner.name, storage, jobs, t.n_trials, say)
+    try:
+        failed = follow(tuner.name, storage, jobs, t.n_trials, say)
+    except KeyboardInterrupt:  # the workers are SLURM's: they go on
+        say(f"[tune] stopped following; the workers keep running (scancel {array} ends them); follow: squeue -j "
+            f"{array}; collect once they ended: {collect}")
+        raise
     study = _load(tuner.name, storage)
     if study is None:
-        raise ConfigError(f"tune.workers: no worker of SLURM job array {array} created study '{tuner.name}'; "
-                          f"see their logs in {folder}")
+        raise StudyFailed(f"no worker of SLURM job array {array} created study '{tuner.name}'; their logs: {folder}")
     summary = write_outputs(study, best_trials(study, t), t=t, out_dir=Path(run_dir), name=tuner.name, storage=storage,
                             overrides=overrides, echo=True, notes={"workers": {**record, "failed": failed}})
     for line in failed:  # a cancelled or preempted worker: its trial was recorded interrupted, the others went on
@@ -176,4 +194,4 @@ def failed_workers(jobs: List[Any]) -> List[str]:
     return out
 
 
-__all__ = ["check_launcher", "failed_workers", "follow", "progress_line", "run_workers", "work"]
+__all__ = ["Worker", "check_launcher", "failed_workers", "follow", "progress_line", "run_workers", "work"]
