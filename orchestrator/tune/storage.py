@@ -119,22 +119,13 @@ def study_storage(url: str) -> Any:
     restarted in the middle of a study (seconds) is waited for, not a reason to die."""
     import optuna
     import sqlalchemy.exc
-    from optuna.trial import FrozenTrial, TrialState
+    from optuna.trial import FrozenTrial
 
-    class OwnedStorage(optuna.storages.RDBStorage):
+    class OwnedStorage(_TakenOwned, optuna.storages.RDBStorage):
         def _create_new_trial(self, study_id: int, template_trial: Optional[FrozenTrial] = None) -> FrozenTrial:
             if template_trial is None:
-                template_trial = FrozenTrial(
-                    number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(),
-                    datetime_complete=None, params={}, distributions={}, user_attrs={"owner": process_tag()},
-                    system_attrs={}, intermediate_values={}, trial_id=-1)
+                template_trial = _owned_trial()
             return super()._create_new_trial(study_id, template_trial)
-
-        def set_trial_state_values(self, trial_id: int, state: TrialState, values: Any = None) -> bool:
-            taken = super().set_trial_state_values(trial_id, state, values)
-            if taken and state == TrialState.RUNNING:
-                self.set_trial_user_attr(trial_id, "owner", process_tag())
-            return taken
 
     journal = journal_path(url)
     if journal is not None:
@@ -163,26 +154,39 @@ def study_storage(url: str) -> Any:
     return RetryingStorage(url, engine_kwargs={"pool_pre_ping": True})
 
 
+def _owned_trial() -> Any:
+    """A new trial's template that names its owner from birth (a tuner that dies before it sets
+    the attribute still leaves a trial another process can reclaim)."""
+    from optuna.trial import FrozenTrial, TrialState
+
+    return FrozenTrial(number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(),
+                       datetime_complete=None, params={}, distributions={}, user_attrs={"owner": process_tag()},
+                       system_attrs={}, intermediate_values={}, trial_id=-1)
+
+
+class _TakenOwned:
+    """Mixed into a storage: a WAITING trial a process takes (RUNNING) is re-owned by it."""
+
+    def set_trial_state_values(self, trial_id: int, state: Any, values: Any = None) -> bool:
+        from optuna.trial import TrialState
+
+        taken = super().set_trial_state_values(trial_id, state, values)  # type: ignore[misc]
+        if taken and state == TrialState.RUNNING:
+            self.set_trial_user_attr(trial_id, "owner", process_tag())  # type: ignore[attr-defined]
+        return taken
+
+
 def _owned_journal(path: Path) -> Any:
     """Optuna's JournalStorage over `path` whose trials carry their owner from birth (as OwnedStorage)."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock, JournalStorage
-    from optuna.trial import FrozenTrial, TrialState
+    from optuna.trial import FrozenTrial
 
-    class OwnedJournal(JournalStorage):
+    class OwnedJournal(_TakenOwned, JournalStorage):
         def create_new_trial(self, study_id: int, template_trial: Optional[FrozenTrial] = None) -> int:
             if template_trial is None:
-                template_trial = FrozenTrial(
-                    number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(),
-                    datetime_complete=None, params={}, distributions={}, user_attrs={"owner": process_tag()},
-                    system_attrs={}, intermediate_values={}, trial_id=-1)
+                template_trial = _owned_trial()
             return super().create_new_trial(study_id, template_trial)
-
-        def set_trial_state_values(self, trial_id: int, state: TrialState, values: Any = None) -> bool:
-            taken = super().set_trial_state_values(trial_id, state, values)
-            if taken and state == TrialState.RUNNING:
-                self.set_trial_user_attr(trial_id, "owner", process_tag())
-            return taken
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
