@@ -84,6 +84,7 @@ def sampler_order(cfg, rank: int, world: int, steps: int) -> list:
 
 
 @pytest.mark.perf
+@pytest.mark.slow  # 22 s; the 1-rank autotune tests stay
 def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, tmp_path, mlflow_uri):
     """2 DDP ranks; at step 30 reading an item starts to take 3 ms. The autotuned run ends with more
     workers and says when and why; each rank trained on its own shard's samples in the sampler's

@@ -11,6 +11,7 @@ import pytest
 from .conftest import run_cli
 
 
+@pytest.mark.slow  # 13 s; test_progress's run (a pty) and make setup's default job run the CLI too
 def test_cli_runs_a_job(tmp_path, mlflow_uri):
     out = run_cli(["trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.window_steps=2",
                    f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}"])

@@ -53,7 +53,8 @@ def test_injected_latency_is_data_wait(latency_runs):
 @pytest.mark.perf
 def test_no_latency_no_wait(latency_runs):
     fast, slow = latency_runs["fast"], latency_runs["slow"]
-    assert fast["data_wait_frac"] < slow["data_wait_frac"] - 0.2
+    # the wait's share depends on the step time (the transformer's step is 30-130 ms on 2 cores): halved at least
+    assert fast["data_wait_frac"] < 0.5 * slow["data_wait_frac"]
     assert fast["utilization"] > slow["utilization"]
     assert fast["phase_s"]["data"] < 0.5 * slow["phase_s"]["data"]
 

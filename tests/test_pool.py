@@ -45,6 +45,7 @@ def test_pool_and_relaunch_find_the_same_best(make_cfg, tmp_path, backend):
     assert best[True] == best[False] == 4
 
 
+@pytest.mark.slow  # 21 s
 def test_crashed_trial_gets_fresh_ranks(make_cfg, tmp_path):
     # tpe: the guided search's job model proposes only among configs like the measured ones (the
     # baseline does not crash), so the crashing value would wait for a sampler trial

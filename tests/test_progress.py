@@ -3,6 +3,7 @@ through a pipe (plain lines), with the final table intact in both."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -61,7 +62,7 @@ def table_rows(text: str, keys) -> None:
         assert rows and all(line.rstrip()[-1] in "│┃" for line in rows), (key, text[-3000:])
 
 
-@pytest.mark.parametrize("pty", [True, False], ids=["pty", "pipe"])
+@pytest.mark.parametrize("pty", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["pty", "pipe"])  # a study goes through the pipe below
 def test_a_run_shows_its_progress_and_its_table(tmp_path, pty):
     text = watch(RUN, tmp_path, pty)
     if pty:  # rich's live line: the bar's step/total and the ETA
@@ -74,6 +75,8 @@ def test_a_run_shows_its_progress_and_its_table(tmp_path, pty):
         assert "\x1b[" not in text
     table_rows(text, ["status", "throughput", "bottleneck"])
     assert f"load report: {tmp_path}/run/load_report.md" in text.splitlines()  # a path on one line
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "FINISHED" and result["steps"] == 60 and (tmp_path / "run" / ".hydra" / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("pty", [pytest.param(True, marks=pytest.mark.slow), False], ids=["pty", "pipe"])

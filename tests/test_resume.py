@@ -64,7 +64,8 @@ def reference_model(tmp_path, backend, mlflow_uri) -> dict:
     return torch.load(tmp_path / "ref" / "model.pt")
 
 
-@pytest.mark.parametrize("backend, how", [("ddp", "sigterm-parent"), pytest.param("horovod", "sigkill-rank", marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend, how", [pytest.param("ddp", "sigterm-parent", marks=pytest.mark.slow),  # 45 s
+                                          pytest.param("horovod", "sigkill-rank", marks=pytest.mark.slow),
                                           pytest.param("fsdp", "sigkill-rank", marks=pytest.mark.slow)])  # 39 s
 def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend, how):
     run_dir = tmp_path / "run"

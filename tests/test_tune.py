@@ -117,6 +117,7 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
 
 
 @pytest.mark.perf
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     # transformer with 1 ms reads: batch 1 keeps the step busier by wall time (less efficient
     # kernels: more CPU per sample too) but moves fewer samples per second than batch 64
@@ -134,6 +135,7 @@ def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     assert summary["best"]["values"]["data.batch_size"] == 64
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_mfu_objective_picks_the_highest_mfu(make_cfg, tmp_path):
     cfg = make_cfg(*SHORT, "tune.n_trials=3", "tune.objective=mfu", "tune.baseline=false",
                    f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.type=categorical",
@@ -151,6 +153,7 @@ def test_utilization_score_ranks_like_the_final_rule():
     assert utilization_score(0.9, 50, 100, 0.95) < utilization_score(0.9, 80, 100, 0.95)
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_crashing_and_oom_trials_fail_and_the_study_goes_on(make_cfg, tmp_path):
     cfg = make_cfg("model._target_=tasks.faults.FailingLinear", *SHORT, "tune.n_trials=6", "tune.max_failure_rate=1",
                    f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.baseline=false",
@@ -178,6 +181,7 @@ def test_crashing_and_oom_trials_fail_and_the_study_goes_on(make_cfg, tmp_path):
             assert "rank 0 failed" in t.user_attrs["error"]
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_failure_rate_stops_the_study(make_cfg, tmp_path):
     from orchestrator.tune.study import StudyFailed
 
@@ -188,6 +192,7 @@ def test_failure_rate_stops_the_study(make_cfg, tmp_path):
     assert (tmp_path / "trials.csv").exists()  # what was recorded is kept
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_resume_adds_up(make_cfg, tmp_path, capsys):
     common = [*SHORT, "tune.study_name=resume-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
               "tune.space.batch_size.high=32", "tune.space.num_workers.high=0"]
@@ -303,6 +308,7 @@ def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
         SearchSpace(make_cfg(*base, "+tune.space.backend={key: backend.name, type: categorical, choices: [ddp, single]}"))
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "trainer.warmup_steps=1",
@@ -552,6 +558,7 @@ def test_patience_counts_trials_that_do_not_beat_the_best_by_more_than_its_noise
     assert stale_streak(study, t) == (0, 5)
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp_path, capsys):
     small = [*SHORT, f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.num_workers.high=0",
              "tune.space.batch_size.high=16", "tune.space.accumulation_steps.high=1", "tune.baseline=false"]
@@ -569,6 +576,7 @@ def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp
     assert json.loads((tmp_path / "flat" / "summary.json").read_text())["stopped"]["by"] == "patience"
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys):
     """40 ms sleeping reads per sample (320 ms per batch of 8 per worker, no transform): the best
     is input-bound at the most workers the space allows (a read sleeps 320 ms a batch: no load on the
@@ -626,6 +634,7 @@ def test_the_edge_rules(make_cfg):
     fixed = SearchSpace(make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64]"))
     assert edges_of(trial(0, "compute-bound"), fixed) == []  # a single value: the user fixed it
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_path, capsys):
     """Batch 64 of a 64-sample dataset trains one optimizer step per epoch: not a pick, whatever it
     measures; the pick changes the base config's global batch (32), and the summary says by how much."""
@@ -649,6 +658,7 @@ def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_p
     assert "# Note: the best trains a global batch of" in (tmp_path / "tuned" / "best.yaml").read_text()
 
 
+@pytest.mark.slow  # 22 s: a study, then its rerun line
 def test_the_rerun_line_trains_and_measures(tmp_path):
     """The study's printed rerun line, run as printed: the rerun's result has figures."""
     study_dir, rerun_dir = tmp_path / "study", tmp_path / "rerun"
@@ -664,6 +674,7 @@ def test_the_rerun_line_trains_and_measures(tmp_path):
     assert "trainer.warmup_steps=1" in rerun and not any(a.startswith(("mode=", "tune.")) for a in rerun)
 
 
+@pytest.mark.slow  # a study of its own, 9-21 s
 def test_a_pruned_trial_shows_its_last_window_and_the_pruners_reason(make_cfg, tmp_path, capsys):
     """Slow reads (2 ms per sample) make a config 10x slower: once 3 trials completed, the median
     pruner stops such a trial at its second window, and says with which figures and why."""
