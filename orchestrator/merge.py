@@ -70,6 +70,8 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     windows = job_windows(measured)
     job["estimate"] = estimate_of(windows)  # the throughput's mean over windows, its interval
     job["utilization_estimate"] = estimate_of(windows, "utilization")
+    if job["tokens_per_s"] is not None and windows and all("tokens_per_s" in w for w in windows):
+        job["tokens_estimate"] = estimate_of(windows, "tokens_per_s")  # real tokens/s: its interval (tune.objective=tokens)
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
     slowest = max(own, key=own.__getitem__) if len(measured) > 1 else None
@@ -119,11 +121,16 @@ def _token_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def job_windows(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The job's measured windows: window i's throughput is the sum of every rank's window i (the
-    ranks close windows at the same steps), its utilization their mean."""
+    ranks close windows at the same steps), its utilization their mean, its real tokens/s (masked
+    batches) the sum of the ranks' tokens over their window's time."""
     per_rank = [[w for w in r.get("windows_detail") or [] if not w.get("warmup")] for r in ranks]
     n = min(len(ws) for ws in per_rank)
-    return [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
-             "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
+    out = [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
+            "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
+    for i, w in enumerate(out):  # real tokens/s, where every rank counted them (masked batches)
+        if all(ws[i].get("padded_tokens") and ws[i]["wall_s"] > 0 for ws in per_rank):
+            w["tokens_per_s"] = sum(ws[i]["tokens"] / ws[i]["wall_s"] for ws in per_rank)
+    return out
 
 
 def _spread(values: List[float]) -> float:
