@@ -145,9 +145,24 @@ def write_loader_override(tuned: Dict[str, Any], run_dir: Path) -> Path:
     write_atomic(path, "# @package _global_\n"
                     f"# The loader settings trainer.loader_autotune ended with ({LoaderSettings(**tuned['initial']).text} "
                     "at the start).\n"
-                    f"# Use: {command}\n"
+                    + "".join(f"# {line}\n" for line in _last_try(tuned["events"]))
+                    + f"# Use: {command}\n"
                     + yaml.safe_dump({"data": final}, sort_keys=True))
     return path
+
+
+def _last_try(events: List[Dict[str, Any]]) -> List[str]:
+    """What became of the autotune's last try: kept or reverted, and why (one line)."""
+    tries = [i for i, ev in enumerate(events) if ev["action"] == "try"]
+    if not tries:
+        return []
+    tried = events[tries[-1]]
+    outcome = next((ev for ev in events[tries[-1] + 1:] if ev["action"] in ("keep", "revert")), None)
+    what = LoaderSettings(tried["num_workers"], tried["prefetch_factor"]).text
+    if outcome is None:  # a result written before LoaderTuner.finish resolved open trials
+        return [f"Its last try, {what} at step {tried['step']}, was not judged"]
+    said = "kept" if outcome["action"] == "keep" else "reverted"
+    return [f"Its last try, {what} at step {tried['step']}, was {said} at step {outcome['step']}: {outcome['reason']}"]
 
 
 def _run_overrides(run_dir: Path) -> List[str]:
