@@ -49,3 +49,23 @@ def test_the_last_try_is_kept_or_reverted_when_the_run_ends(tmp_path, windows, a
     said = "kept" if action == "keep" else "reverted"
     assert f"# Its last try, num_workers=4, prefetch_factor=2 at step 0, was {said} at step 97: the run ended" in text
     assert f"num_workers: {workers}" in text
+
+
+# -- the default MLflow store ------------------------------------------------------------------
+def test_the_default_tracking_store_is_the_projects_from_any_directory(tmp_path, monkeypatch):
+    """A job started from another folder logs to the project's outputs/mlflow.db (the checkout
+    holding conf/, what `make ui` serves), and says `make ui`; an absolute store stays as given."""
+    from orchestrator.schema import TrackingConfig
+    from orchestrator.stores import sqlite_path
+    from orchestrator.tracking import PROJECT, PROJECT_STORE, Tracker
+
+    monkeypatch.chdir(tmp_path)
+    assert (PROJECT / "conf" / "config.yaml").is_file() and (PROJECT / "scripts" / "ui.sh").is_file()
+    tracker = Tracker(TrackingConfig())
+    assert tracker.uri == f"sqlite:///{PROJECT}/outputs/mlflow.db" and sqlite_path(tracker.uri) == PROJECT_STORE
+    tracker.experiment_id = "1"  # as check() leaves it
+    assert "browse: `make ui`, then http://127.0.0.1:5000/#/experiments/1/runs" in tracker.where()
+    own = Tracker(TrackingConfig(uri=f"sqlite:///{tmp_path}/own.db"))
+    assert own.uri == f"sqlite:///{tmp_path}/own.db"
+    own.experiment_id = "1"
+    assert f"scripts/ui.sh 5000 sqlite:///{tmp_path}/own.db" in own.where()
