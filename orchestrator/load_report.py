@@ -183,13 +183,20 @@ def _num(x: Any, fmt: str, scale: float = 1.0) -> str:
 
 
 def balance_line(b: Dict[str, Any]) -> str:
-    """The shares, and the step time at the even split vs now (result.json's `balance`)."""
+    """The shares, the step time at the even split vs now, and how even the ranks' own work is at
+    these shares (result.json's `balance`): a slower rank's smaller share is the balance, not a straggler."""
     shares = " / ".join(f"{100 * s:.0f}%" for s in b["shares"])
     even = _num(b.get("even_step_time_s"), ".2f", 1000)
     line = (f"shares {shares} of a global batch of {b['global_batch']} ({b['changes']} change"
             f"{'s' if b['changes'] != 1 else ''}); step time even split {even} ms "
             f"({b.get('even_step_time_source') or 'not measured'}) -> now {_num(b.get('step_time_s'), '.2f', 1000)} ms")
-    return line + (f" ({b['speedup']:.2f}x)" if b.get("speedup") else "")
+    line += f" ({b['speedup']:.2f}x)" if b.get("speedup") else ""
+    own = b.get("own_window_s")
+    if own and max(own) > 0:
+        speeds = " / ".join(_num(v, ".0f") for v in b.get("speeds") or [])
+        line += (f"; at these shares the ranks' own work per window is within {100 * (max(own) - min(own)) / max(own):.0f}% "
+                 f"over {b.get('windows_at_shares')} windows" + (f" (own-work samples/s {speeds})" if speeds else ""))
+    return line
 
 
 def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:

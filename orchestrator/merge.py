@@ -85,7 +85,25 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         # a straggler is named only past the threshold: a few percent is noise, not a slow rank
         "straggler_rank": slowest if own_spread > STRAGGLER_SPREAD else None,
     }
+    if job.get("balance"):
+        job["imbalance"].update(_at_shares(job["balance"], len(measured)))
     return job
+
+
+def _at_shares(balance: Dict[str, Any], world: int) -> Dict[str, Any]:
+    """parallelism.balance=speed: the imbalance at the shares the run ended with. The whole run's
+    own work per step mixes in the windows before the shares were set (a slow rank at the even
+    split); a rank given the smaller share because it is slower per sample is no straggler when
+    the ranks' own work per window at these shares is within STRAGGLER_SPREAD. Not measured at
+    these shares (no window since the last change): no straggler is named."""
+    own = balance.get("own_window_s")
+    if not own or len(own) != world or max(own) <= 0:
+        return {"at_shares": None, "straggler_rank": None}
+    spread = _spread(own)
+    slowest = max(range(world), key=own.__getitem__)
+    return {"at_shares": {"shares": balance["shares"], "own_window_s": own, "own_time_spread": spread,
+                          "slowest_rank": slowest, "windows": balance.get("windows_at_shares")},
+            "straggler_rank": slowest if spread > STRAGGLER_SPREAD else None}
 
 
 def _input_cost(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -164,13 +182,17 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("bottleneck", str(result.get("bottleneck", "-"))),
     ]
     bal = result.get("balance")
+    imb = result.get("imbalance") or {}
+    at = imb.get("at_shares")
     if bal:
         shares = " / ".join(f"{100 * x:.0f}%" for x in bal["shares"])
         speedup = f" ({bal['speedup']:.2f}x the even split)" if bal.get("speedup") else ""
-        rows.append(("shares (balance=speed)", shares + speedup))
-    imb = result.get("imbalance")
-    if imb and imb.get("straggler_rank") is not None:
-        rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))
+        even = f"; own work per window at these shares within {pct(at['own_time_spread'])}" if at else ""
+        rows.append(("shares (balance=speed)", shares + speedup + even))
+    if imb.get("straggler_rank") is not None:
+        spread = at["own_time_spread"] if bal and at else imb["own_time_spread"]
+        rows.append(("imbalance / straggler", f"{pct(spread)} / rank {imb['straggler_rank']}"
+                     + (" at the balanced shares" if bal and at else "")))
     return rows
 
 
