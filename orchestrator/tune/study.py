@@ -521,8 +521,9 @@ class Tuner:
     def _interval_bar(self, study: Any) -> Optional[tuple]:
         """tune.pruner=interval: (throughput, why) below which a trial cannot be the pick: the
         objective's floor (1 for throughput and mfu) of the lower end of the fastest measured trial's
-        95% interval (in real tokens/s, of the trial with the most, for the tokens objective). A trial whose own interval lies wholly below it ranks under that trial, whatever
-        its remaining windows read."""
+        95% interval (for the tokens objective: in real tokens/s, of the trial with the most). A trial
+        whose own interval lies wholly below it ranks under that trial, whatever its remaining windows
+        read."""
         name = deciding(self.t)  # real tokens/s for the tokens objective
         done = [tr for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
                 if tr.user_attrs.get(name) is not None and not refused(tr, self.t)]
