@@ -15,20 +15,14 @@ from orchestrator.schema import ConfigError, Objective, TuneConfig
 from orchestrator.tune.report import write_outputs
 from orchestrator.tune.rules import (best_trials, confirm_candidates, improves, ranked, separation,
                                      stale_streak)
-from tasks.sequences import pad_collate
 
 from .test_batches import SEQ, trained
 
 TOKENS = TuneConfig(objective=Objective.tokens, confirm_top=3)
 
 
-CUT = ["data.collate_fn._target_=tests.test_tune_tokens.cut_collate", "+data.collate_fn.args.keep=48"]
-
-
-def cut_collate(items, pad_id=0, keep=64):
-    """pad_collate over each sequence's first `keep` tokens (a truncation length: the knob that
-    changes the real tokens a sample holds, where tokens/s and samples/s part)."""
-    return pad_collate([{"input_ids": it["input_ids"][:keep]} for it in items], pad_id)
+# sequences cut to a length (tests.custom_task.cut_collate): the knob where tokens/s and samples/s part
+CUT = ["data.collate_fn._target_=tests.custom_task.cut_collate", "+data.collate_fn.args.keep=48"]
 
 
 def add(study, keep, thr, tokens, lo, hi, util=0.5, **extra):
