@@ -200,7 +200,7 @@ def test_a_tokens_study_picks_the_most_real_tokens_per_second(make_cfg, tmp_path
     assert metrics["best_tokens_per_s"] == pytest.approx(summary["best"]["tokens_per_s"])
 
 
-@pytest.mark.slow  # ~8 s: one trial launched, refused at its first batch
+# ~8.5 s (one trial launched, refused at its first batch, before any measuring): in the default suite
 def test_a_study_of_batches_without_a_mask_stops_at_the_first_trial(make_cfg, tmp_path):
     from orchestrator.tune.study import StudyFailed, run_study
 
