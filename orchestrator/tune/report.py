@@ -238,8 +238,9 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     console().print(table)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
+        figure = "real tokens/s" if sep["figure"] == "tokens_per_s" else sep["figure"]
         print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
-              f"(their {sep['figure']} intervals overlap): either is as good")
+              f"(their {figure} intervals overlap): either is as good")
     if summary.get("stopped"):
         print(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary["refused"]:
