@@ -86,7 +86,8 @@ class LiveLog:
                 points += [(f"rank{r}/share", share, step) for r, share in enumerate(ev["shares"])]  # type: ignore[typeddict-item]
             elif kind == "window":
                 if self.world > 1:
-                    points += [(f"rank{rank}/{k}", ev[k], step) for k in WINDOW_KEYS]  # type: ignore[misc]
+                    points += [(f"rank{rank}/{k}", ev[k], step) for k in WINDOW_KEYS  # type: ignore[misc]
+                               if ev.get(k) is not None]
                 n = self.seen.get(rank, 0)
                 self.seen[rank] = n + 1
                 group = self.windows.setdefault(n, {})
@@ -103,6 +104,8 @@ class LiveLog:
                         "comm_frac": mean("comm_frac"),
                         "step_time_s": max(float(e["step_time_s"]) for e in evs),  # type: ignore[arg-type]
                     }
+                    if all(e.get("tokens_per_s") is not None for e in evs):  # real tokens/s: masked batches
+                        job["tokens_per_s"] = sum(float(e["tokens_per_s"]) for e in evs)  # type: ignore[arg-type]
                     points += [(k, v, s) for k, v in {**job, **self.loader}.items()]
                     if self.progress is not None:
                         self.progress.update(throughput=job["throughput"])

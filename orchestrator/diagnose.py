@@ -303,6 +303,15 @@ def straggler_note(job: Dict[str, Any]) -> Optional[str]:
     imb = job.get("imbalance") or {}
     if imb.get("straggler_rank") is None:  # named by report.merge only past STRAGGLER_SPREAD
         return None
+    at, bal = imb.get("at_shares"), job.get("balance") or {}
+    if at and bal:  # balance=speed: judged at the shares the run ended with, not over the whole run
+        r = imb["straggler_rank"]
+        shares = " / ".join(f"{100 * s:.0f}%" for s in at["shares"])
+        return (f"rank {r} is a straggler at the balanced shares ({shares} of the global batch): its own work per "
+                f"window is {_pct(at['own_time_spread'])} above the fastest rank's (> {_pct(STRAGGLER_SPREAD)}) over "
+                f"{at['windows']} windows at those shares; the shares follow its measured speed within "
+                f"parallelism.balance_tolerance={bal.get('tolerance', 0):g}, so its speed varies more than they "
+                "follow: check its device, its data shard and what else runs on its host")
     return (f"rank {imb['straggler_rank']} is a straggler: its own work per step is {_pct(imb['own_time_spread'])} above "
             f"the fastest rank's (> {_pct(STRAGGLER_SPREAD)}); the others wait for it in the all-reduce. Check its "
             "device, its data shard and what else runs on its host"

@@ -145,9 +145,24 @@ def write_loader_override(tuned: Dict[str, Any], run_dir: Path) -> Path:
     write_atomic(path, "# @package _global_\n"
                     f"# The loader settings trainer.loader_autotune ended with ({LoaderSettings(**tuned['initial']).text} "
                     "at the start).\n"
-                    f"# Use: {command}\n"
+                    + "".join(f"# {line}\n" for line in _last_try(tuned["events"]))
+                    + f"# Use: {command}\n"
                     + yaml.safe_dump({"data": final}, sort_keys=True))
     return path
+
+
+def _last_try(events: List[Dict[str, Any]]) -> List[str]:
+    """What became of the autotune's last try: kept or reverted, and why (one line)."""
+    tries = [i for i, ev in enumerate(events) if ev["action"] == "try"]
+    if not tries:
+        return []
+    tried = events[tries[-1]]
+    outcome = next((ev for ev in events[tries[-1] + 1:] if ev["action"] in ("keep", "revert")), None)
+    what = LoaderSettings(tried["num_workers"], tried["prefetch_factor"]).text
+    if outcome is None:  # a result written before LoaderTuner.finish resolved open trials
+        return [f"Its last try, {what} at step {tried['step']}, was not judged"]
+    said = "kept" if outcome["action"] == "keep" else "reverted"
+    return [f"Its last try, {what} at step {tried['step']}, was {said} at step {outcome['step']}: {outcome['reason']}"]
 
 
 def _run_overrides(run_dir: Path) -> List[str]:
@@ -168,13 +183,20 @@ def _num(x: Any, fmt: str, scale: float = 1.0) -> str:
 
 
 def balance_line(b: Dict[str, Any]) -> str:
-    """The shares, and the step time at the even split vs now (result.json's `balance`)."""
+    """The shares, the step time at the even split vs now, and how even the ranks' own work is at
+    these shares (result.json's `balance`): a slower rank's smaller share is the balance, not a straggler."""
     shares = " / ".join(f"{100 * s:.0f}%" for s in b["shares"])
     even = _num(b.get("even_step_time_s"), ".2f", 1000)
     line = (f"shares {shares} of a global batch of {b['global_batch']} ({b['changes']} change"
             f"{'s' if b['changes'] != 1 else ''}); step time even split {even} ms "
             f"({b.get('even_step_time_source') or 'not measured'}) -> now {_num(b.get('step_time_s'), '.2f', 1000)} ms")
-    return line + (f" ({b['speedup']:.2f}x)" if b.get("speedup") else "")
+    line += f" ({b['speedup']:.2f}x)" if b.get("speedup") else ""
+    own = b.get("own_window_s")
+    if own and max(own) > 0:
+        speeds = " / ".join(_num(v, ".0f") for v in b.get("speeds") or [])
+        line += (f"; at these shares the ranks' own work per window is within {100 * (max(own) - min(own)) / max(own):.0f}% "
+                 f"over {b.get('windows_at_shares')} windows" + (f" (own-work samples/s {speeds})" if speeds else ""))
+    return line
 
 
 def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:

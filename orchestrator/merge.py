@@ -70,6 +70,8 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     windows = job_windows(measured)
     job["estimate"] = estimate_of(windows)  # the throughput's mean over windows, its interval
     job["utilization_estimate"] = estimate_of(windows, "utilization")
+    if job["tokens_per_s"] is not None and windows and all("tokens_per_s" in w for w in windows):
+        job["tokens_estimate"] = estimate_of(windows, "tokens_per_s")  # real tokens/s: its interval (tune.objective=tokens)
     own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
     utils = [r["utilization"] for r in measured]
     slowest = max(own, key=own.__getitem__) if len(measured) > 1 else None
@@ -83,7 +85,25 @@ def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         # a straggler is named only past the threshold: a few percent is noise, not a slow rank
         "straggler_rank": slowest if own_spread > STRAGGLER_SPREAD else None,
     }
+    if job.get("balance"):
+        job["imbalance"].update(_at_shares(job["balance"], len(measured)))
     return job
+
+
+def _at_shares(balance: Dict[str, Any], world: int) -> Dict[str, Any]:
+    """parallelism.balance=speed: the imbalance at the shares the run ended with. The whole run's
+    own work per step mixes in the windows before the shares were set (a slow rank at the even
+    split); a rank given the smaller share because it is slower per sample is no straggler when
+    the ranks' own work per window at these shares is within STRAGGLER_SPREAD. Not measured at
+    these shares (no window since the last change): no straggler is named."""
+    own = balance.get("own_window_s")
+    if not own or len(own) != world or max(own) <= 0:
+        return {"at_shares": None, "straggler_rank": None}
+    spread = _spread(own)
+    slowest = max(range(world), key=own.__getitem__)
+    return {"at_shares": {"shares": balance["shares"], "own_window_s": own, "own_time_spread": spread,
+                          "slowest_rank": slowest, "windows": balance.get("windows_at_shares")},
+            "straggler_rank": slowest if spread > STRAGGLER_SPREAD else None}
 
 
 def _input_cost(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -119,11 +139,16 @@ def _token_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def job_windows(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The job's measured windows: window i's throughput is the sum of every rank's window i (the
-    ranks close windows at the same steps), its utilization their mean."""
+    ranks close windows at the same steps), its utilization their mean, its real tokens/s (masked
+    batches) the sum of the ranks' tokens over their window's time."""
     per_rank = [[w for w in r.get("windows_detail") or [] if not w.get("warmup")] for r in ranks]
     n = min(len(ws) for ws in per_rank)
-    return [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
-             "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
+    out = [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
+            "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
+    for i, w in enumerate(out):  # real tokens/s, where every rank counted them (masked batches)
+        if all(ws[i].get("padded_tokens") and ws[i]["wall_s"] > 0 for ws in per_rank):
+            w["tokens_per_s"] = sum(ws[i]["tokens"] / ws[i]["wall_s"] for ws in per_rank)
+    return out
 
 
 def _spread(values: List[float]) -> float:
@@ -157,13 +182,17 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("bottleneck", str(result.get("bottleneck", "-"))),
     ]
     bal = result.get("balance")
+    imb = result.get("imbalance") or {}
+    at = imb.get("at_shares")
     if bal:
         shares = " / ".join(f"{100 * x:.0f}%" for x in bal["shares"])
         speedup = f" ({bal['speedup']:.2f}x the even split)" if bal.get("speedup") else ""
-        rows.append(("shares (balance=speed)", shares + speedup))
-    imb = result.get("imbalance")
-    if imb and imb.get("straggler_rank") is not None:
-        rows.append(("imbalance / straggler", f"{pct(imb['own_time_spread'])} / rank {imb['straggler_rank']}"))
+        even = f"; own work per window at these shares within {pct(at['own_time_spread'])}" if at else ""
+        rows.append(("shares (balance=speed)", shares + speedup + even))
+    if imb.get("straggler_rank") is not None:
+        spread = at["own_time_spread"] if bal and at else imb["own_time_spread"]
+        rows.append(("imbalance / straggler", f"{pct(spread)} / rank {imb['straggler_rank']}"
+                     + (" at the balanced shares" if bal and at else "")))
     return rows
 
 

@@ -80,6 +80,7 @@ class WindowEvent(TypedDict):
     data_wait_frac: float
     comm_frac: float
     step_time_s: float
+    tokens_per_s: Optional[float]  # real tokens/s (dict batches with an attention_mask), else None
 
 
 class CheckpointEvent(TypedDict):

@@ -3,8 +3,8 @@ studies and sweeps with their status and key figures, each study's best config a
 
     python -m orchestrator.runs [--uri URI] [--experiment NAME] [--last N] [--links BASE_URL]
 
-`--uri` defaults to $MLFLOW_TRACKING_URI, else tracking.uri's default (sqlite:///outputs/mlflow.db,
-relative to the working directory like every run's); `--links` prints each experiment's training
+`--uri` defaults to $MLFLOW_TRACKING_URI, else tracking.uri's default (sqlite:///outputs/mlflow.db;
+a relative path is the project's, as a run's tracking.uri); `--links` prints each experiment's training
 runs URL in the UI served at BASE_URL (scripts/ui.sh uses it).
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 from .progress import console
 from .rundir import read_json
 from .schema import TrackingConfig
-from .stores import redact, resolve_uri, sqlite_path, store_error
+from .stores import PROJECT, redact, resolve_uri, sqlite_path, store_error
 from .tracking import runs_url
 
 
@@ -134,7 +134,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.last < 1:
             raise Refused(f"--last: must be an integer >= 1, got {args.last}")
-        show(resolve_uri(args.uri), args.experiment, args.last, args.links)
+        show(resolve_uri(args.uri, PROJECT), args.experiment, args.last, args.links)
     except Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

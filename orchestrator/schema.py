@@ -393,6 +393,7 @@ class Objective(str, Enum):
     utilization = "utilization"  # max utilization among trials near the best throughput (docs/tuning.md)
     throughput = "throughput"
     mfu = "mfu"  # model FLOPs utilization (runtime/flops.py): useful FLOP/s over the device's peak
+    tokens = "tokens"  # real tokens/s, padding excluded: dict batches with an attention_mask (runtime/batch.py)
     both = "both"  # multi-objective: the Pareto front is reported
 
 
@@ -455,7 +456,7 @@ class TuneConfig:
     storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL (postgresql+psycopg://user@host/db), or journal:///<file>
     workers: int = 1  # > 1: tuner workers sharing the study, a SLURM job array (hydra/launcher=submitit_slurm)
     wait: bool = True  # with workers > 1: follow them to the end; false: submit, say how to follow and collect, return
-    objective: Objective = Objective.utilization  # utilization | throughput | mfu | both (a Pareto front)
+    objective: Objective = Objective.utilization  # utilization | throughput | mfu | tokens | both (a Pareto front)
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
     measure_steps: int = 20  # with rel_precision=0: measured steps per trial

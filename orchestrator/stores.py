@@ -20,14 +20,18 @@ from typing import Iterable, Iterator, Optional
 
 SQLITE = "sqlite:///"
 JOURNAL = "journal:///"
+# The project: the checkout that holds conf/ (Hydra's config_path) and outputs/, whose
+# outputs/mlflow.db `make ui` (scripts/ui.sh) serves
+PROJECT = Path(__file__).resolve().parents[1]
 
 
-def resolve_uri(uri: str) -> str:
-    """Relative SQLite paths are relative to the working directory; make them absolute so ranks,
-    subprocesses and the UI agree."""
+def resolve_uri(uri: str, base: Optional[Path] = None) -> str:
+    """A relative SQLite (or journal) path made absolute, relative to `base` (default: the working
+    directory), so that ranks, subprocesses and the UI agree. The tracking store passes PROJECT:
+    its default, sqlite:///outputs/mlflow.db, is the project's wherever the command runs."""
     for scheme in (SQLITE, JOURNAL):  # journal:///path: an Optuna journal file (tune/storage.py)
         if uri.startswith(scheme) and not uri.startswith(scheme + "/"):
-            return scheme + str(Path(uri[len(scheme):]).resolve())
+            return scheme + str(((base or Path.cwd()) / uri[len(scheme):]).resolve())
     return uri
 
 

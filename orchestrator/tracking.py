@@ -17,10 +17,9 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from .rundir import describe_process, process_gone
 from .schema import ConfigError, TrackingConfig
-from .stores import redact, resolve_uri, sqlite_path, store_error, store_lock
+from .stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
 
-PROJECT = Path(__file__).resolve().parents[1]  # the checkout: scripts/ui.sh serves its outputs/mlflow.db
-PROJECT_STORE = PROJECT / "outputs" / "mlflow.db"
+PROJECT_STORE = PROJECT / "outputs" / "mlflow.db"  # what scripts/ui.sh (`make ui`) serves
 UI_URL = "http://127.0.0.1:5000"  # `make ui`
 
 # A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
@@ -60,7 +59,7 @@ class Tracker:
 
     def __init__(self, cfg: TrackingConfig, enabled: bool = True) -> None:
         self.cfg = cfg
-        self.uri = resolve_uri(cfg.uri)
+        self.uri = resolve_uri(cfg.uri, PROJECT)  # a relative store is the project's, from any directory
         self.shown = redact(self.uri)  # what messages show: the password masked
         self.enabled = cfg.enabled and enabled
         self.client: Any = None

@@ -57,3 +57,11 @@ def not_a_module(width: int = 8) -> int:
 def with_kwargs(width: int, **rest: int) -> nn.Module:
     """A factory taking any keyword besides its one required argument."""
     return nn.Linear(16, width)
+
+
+def cut_collate(items: list, pad_id: int = 0, keep: int = 64) -> dict:
+    """tasks.sequences.pad_collate over each sequence's first `keep` tokens: a truncation length,
+    the knob that changes the real tokens a sample holds (where tokens/s and samples/s part)."""
+    from tasks.sequences import pad_collate
+
+    return pad_collate([{"input_ids": it["input_ids"][:keep]} for it in items], pad_id)

@@ -88,7 +88,7 @@ def test_names_later_issues_rely_on():
                                         "make its package importable"),
     (["backend=ddp", "parallelism.hosts='a:2'"], "parallelism.hosts / parallelism.hostfile: apply to backend=horovod"),
     (["trainer.lr=0"], "trainer.lr: must be > 0"),
-    (["tune.objective=speed"], "tune.objective: invalid value 'speed'; allowed: utilization, throughput, mfu, both"),
+    (["tune.objective=speed"], "tune.objective: invalid value 'speed'; allowed: utilization, throughput, mfu, tokens, both"),
     (["tune.space.batch_size.type=nah"], "tune.space.batch_size.type: Invalid value 'nah'"),
     (["+tune.space.x={kee: data.batch_size}"], "tune.space.x.kee: Key 'kee' not in 'ParamSpec'"),
     (["tune.throughput_floor=0"], "tune.throughput_floor: must be in (0, 1]"),

@@ -18,7 +18,10 @@ against the baseline (the trailing windows at the current load before it) and ke
 throughput rose by more than the measured noise (a step up) or did not fall by more than it (a step
 down): the noise is the 95% interval of the difference of the two means (measure.stats.estimate
 over windows). An undecided trial goes on, up to TRIAL_WINDOWS windows. A refused setting is reverted
-and not tried again for COOLDOWN turns, twice as long after each refusal.
+and not tried again for COOLDOWN turns, twice as long after each refusal. A trial still open when
+the run ends is resolved by `finish` on the windows it has: kept only when they measured it better
+(the same rule, the noise judged as is), else reverted (`tuned/loader.yaml` keeps the settings
+before it; the loader is not rebuilt for a run that is over).
 
 Decisions are rank 0's, on the job's figures (each window's throughput is all-reduced by the loop,
 the shares here), and broadcast: every rank switches at the same step. Rank 0 records each
@@ -268,6 +271,38 @@ class LoaderTuner:
                     f"{why}: {change}; {trial.candidate.text} not tried again for {wait} steps", before, after, noise)
         return trial.previous
 
+    def finish(self, step: int) -> None:
+        """The run ended: a trial still open is kept when its windows measured it better (a step up
+        past the noise, a step down not below it, on at least MIN_WINDOWS windows), else reverted;
+        either is recorded, so the summary's `final` and tuned/loader.yaml say which (rank 0)."""
+        trial = self.trial
+        if trial is None or self.rank != 0:
+            return
+        n = len(self.throughputs)
+        if n >= MIN_WINDOWS:
+            got = estimate(self.throughputs[-TRIAL_WINDOWS:])
+            noise = math.hypot(_half_width(trial.base), _half_width(got))
+            gain = got["mean"] - trial.base["mean"]
+            keep = gain > noise if trial.kind == "up" else gain >= -noise
+            before, after = trial.base["mean"], got["mean"]
+            change = f"{before:.1f} -> {after:.1f} samples/s ({100 * gain / before:+.0f}%), noise +-{noise:.1f}"
+            why = (("throughput rose by more than the noise" if trial.kind == "up"
+                    else "throughput did not fall by more than the noise") if keep else
+                   ("throughput did not rise by more than the noise" if trial.kind == "up"
+                    else "throughput fell by more than the noise"))
+        else:
+            keep, before, after, noise = False, trial.base["mean"], None, None
+            change = f"{n} measured window{'s' if n != 1 else ''} at it, fewer than {MIN_WINDOWS}"
+            why = "too few windows to judge"
+        self.trial = None
+        ended = f"the run ended during the trial: {why}: {change}"
+        if keep:
+            self.record(step, "keep", trial.candidate, trial.previous, ended, before, after, noise)
+            return
+        self.settings = trial.previous
+        self.record(step, "revert", trial.previous, trial.candidate,
+                    f"{ended}; {trial.previous.text} is the setting to keep", before, after, noise)
+
     def _refused(self, candidate: LoaderSettings, step: int) -> bool:
         until = self.refused.get(candidate)
         return until is not None and step < until[0]
@@ -304,5 +339,6 @@ class LoaderTuner:
         return None
 
     def summary(self) -> Dict[str, Any]:
-        """What result.json keeps: the settings at the start and end, and every event."""
+        """What result.json keeps: the settings at the start and end, and every event (call
+        `finish` first: an open trial is kept or reverted)."""
         return {"initial": self.initial.as_dict(), "final": self.settled.as_dict(), "events": list(self.events)}

@@ -230,8 +230,9 @@ class Balancer:
         return True
 
     def summary(self) -> Dict[str, Any]:
-        """result.json's `balance`: shares, speeds (samples/s of own work, per rank), and the
-        job's step time at the first shares (the even split, unless resumed) vs the current ones."""
+        """result.json's `balance`: shares, speeds (samples/s of own work, per rank), each rank's
+        own work per window at the current shares, and the job's step time at the first shares
+        (the even split, unless resumed) vs the current ones."""
         now = statistics.median(self.step_times[-1]) if self.step_times[-1] else None
         first = self.step_times[0]
         even, source = None, None
@@ -241,9 +242,14 @@ class Balancer:
             g = self.sampler.global_batch
             slowest = lambda sizes: max(s / v for s, v in zip(sizes, self.speeds))  # noqa: E731
             even, source = now * slowest([g / self.world] * self.world) / slowest(self.sampler.sizes), "predicted"
+        cur = self.recent  # the exchanged windows at the current shares (a change starts them afresh)
         return {
             "mode": "speed", "tolerance": self.tolerance, "global_batch": self.sampler.global_batch,
             "sizes": list(self.sampler.sizes), "shares": self.shares, "speeds": self.speeds,
+            # each rank's own work (window time less its communication wait) per window at these shares:
+            # what imbalance is judged on once balanced (windows at the earlier split are not these ranks' load)
+            "own_window_s": [statistics.fmean(x["own"][i] for x in cur) for i in range(self.world)] if cur else None,
+            "windows_at_shares": len(cur),
             "step_time_s": now, "even_step_time_s": even, "even_step_time_source": source,
             "speedup": even / now if even and now else None,
             "changes": len(self.history) - 1, "history": self.history, "spent_s": self.spent_s,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from ..schema import Config, ConfigError, Loss, import_target
+from ..schema import Config, ConfigError, Loss, Mode, Objective, import_target
 
 TARGET_KEY = "labels"  # a dict batch's target for model.loss=cross_entropy / mse
 MASK_KEY = "attention_mask"  # a dict batch's real tokens (1) and padding (0): real tokens/s
@@ -97,6 +97,13 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
+def no_tokens(batch: Any) -> str:
+    """The one line that refuses a trial of tune.objective=tokens whose batches hold no mask."""
+    return (f"tune.objective=tokens: the batch is {describe(batch)}, with no '{MASK_KEY}' tensor to count its real "
+            f"tokens by (only dict batches with one have tokens/s); use tune.objective=throughput (samples/s), or a "
+            f"collate that returns '{MASK_KEY}'")
+
+
 class Feed:
     """The run's batches to the model and the loss, decided from the first batch (`check`)."""
 
@@ -110,6 +117,8 @@ class Feed:
         self.batch_key = cfg.data.batch_key
         self.pair = False  # (input, target) with cross_entropy / mse: the loop's own fast path
         self.masked = False  # a dict batch with an attention_mask: its real tokens are counted
+        # a study's trial judged by real tokens/s (tune.objective=tokens) needs them: refused at the first batch
+        self.tokens_needed = cfg.mode is Mode.tune and cfg.tune.objective is Objective.tokens
         self.checked = False
 
     @property
@@ -132,6 +141,8 @@ class Feed:
         if isinstance(batch, Mapping):
             self._check_forward(batch, model)
             self.masked = isinstance(batch.get(MASK_KEY), torch.Tensor)
+        if self.tokens_needed and not self.masked:
+            raise ConfigError(no_tokens(batch))
         self.size(batch)
         self.checked = True
 

@@ -184,6 +184,7 @@ class LoaderAutotuneHook(Hook):
 
     def summary(self, run: Any, out: Dict[str, Any]) -> None:
         if run.adapter.rank == 0:
+            self.tuner.finish(run.step)  # the last try: kept or reverted, never left open
             out["loader_autotune"] = self.tuner.summary()
 
 

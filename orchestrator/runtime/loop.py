@@ -219,7 +219,9 @@ class Run:
             return False
         self.events.write(WindowEvent(type="window", step=win.first_step + win.steps, throughput=win.throughput,
                                       utilization=win.utilization, data_wait_frac=win.share("data"),
-                                      comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps))
+                                      comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps,
+                                      tokens_per_s=win.tokens / win.wall_s if win.padded_tokens and win.wall_s > 0
+                                      else None))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
             return False
         for hook in overriding(self.hooks, "on_window"):

@@ -1,8 +1,9 @@
 """The tuning picture in user units (tuning.png, beside Optuna's plots): every measured trial's
-throughput against its utilization (or its mfu, for tune.objective=mfu) with their 95%
-intervals, the throughput floor, the pruned, refused, confirmed and baseline trials marked and
-the pick circled. The pick is the study's decision as passed in (the trial best.yaml is written
-from); nothing here picks. The PNG carries the pick's number as its `pick` text entry."""
+throughput (real tokens/s, padding excluded, for tune.objective=tokens) against its utilization
+(or its mfu, for tune.objective=mfu) with their 95% intervals, the throughput floor, the pruned,
+refused, confirmed and baseline trials marked and the pick circled. The pick is the study's
+decision as passed in (the trial best.yaml is written from); nothing here picks. The PNG carries
+the pick's number as its `pick` text entry."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def _axis(t: TuneConfig) -> tuple:
     if t.objective is Objective.mfu:
         return "mfu", "MFU (%)", 100.0
     return "utilization", "utilization (%)", 100.0
+
+
+def _x_axis(t: TuneConfig) -> tuple:
+    """(figure key, label) of the horizontal axis: the throughput the objective judges."""
+    if t.objective is Objective.tokens:
+        return "tokens_per_s", "real tokens/s (padding excluded)"
+    return "throughput", "throughput (samples/s)"
 
 
 def _errors(f: Dict[str, Any], key: str, scale: float) -> Optional[List[List[float]]]:
@@ -40,13 +48,13 @@ def _floor(study: Any, t: TuneConfig) -> Optional[float]:
     return t.throughput_floor * max(figures(tr, conf)["throughput"] for tr in pool) if pool else None
 
 
-def _pruned(study: Any, ax: Any, key: str, scale: float) -> None:
+def _pruned(study: Any, ax: Any, key: str, scale: float, x: str = "throughput") -> None:
     """Pruned trials at their last window's figures (their measurement was cut short)."""
     import optuna
 
-    pts = [(tr.user_attrs["last_window_throughput"], tr.user_attrs.get(f"last_window_{key}"), tr.number)
+    pts = [(tr.user_attrs[f"last_window_{x}"], tr.user_attrs.get(f"last_window_{key}"), tr.number)
            for tr in study.get_trials(deepcopy=False)
-           if tr.state == optuna.trial.TrialState.PRUNED and "last_window_throughput" in tr.user_attrs]
+           if tr.state == optuna.trial.TrialState.PRUNED and f"last_window_{x}" in tr.user_attrs]
     pts = [p for p in pts if p[1] is not None]
     if pts:
         ax.scatter([p[0] for p in pts], [scale * p[1] for p in pts], marker="v", facecolors="none",
@@ -65,7 +73,9 @@ def write_picture(study: Any, best: List[Any], t: TuneConfig, out_dir: Path) -> 
 
     done = completed(study)
     key, label, scale = _axis(t)
-    done = [tr for tr in done if figures(tr, confirmed(study)).get(key) is not None]
+    x, x_label = _x_axis(t)
+    done = [tr for tr in done if figures(tr, confirmed(study)).get(key) is not None
+            and figures(tr, confirmed(study)).get(x) is not None]
     if not done:
         return None
     conf = confirmed(study)
@@ -79,12 +89,12 @@ def write_picture(study: Any, best: List[Any], t: TuneConfig, out_dir: Path) -> 
         done = [tr for tr in done if tr not in group]
         for i, tr in enumerate(group):
             f = figures(tr, conf)
-            ax.errorbar(f["throughput"], scale * f[key], xerr=_errors(f, "throughput", 1.0),
+            ax.errorbar(f[x], scale * f[key], xerr=_errors(f, x, 1.0),
                         yerr=_errors(f, key, scale), fmt=marker, color=color, ecolor=color, alpha=0.85, capsize=3,
                         label=name if i == 0 else None, zorder=3)
-            ax.annotate(str(tr.number), (f["throughput"], scale * f[key]), textcoords="offset points", xytext=(5, 4),
+            ax.annotate(str(tr.number), (f[x], scale * f[key]), textcoords="offset points", xytext=(5, 4),
                         fontsize=8)
-    _pruned(study, ax, key, scale)
+    _pruned(study, ax, key, scale, x)
     floor = _floor(study, t)
     if floor is not None:
         ax.axvline(floor, color="tab:red", linestyle="--", linewidth=1,
@@ -92,9 +102,9 @@ def write_picture(study: Any, best: List[Any], t: TuneConfig, out_dir: Path) -> 
     pick = best[0] if best else None
     if pick is not None:
         f = figures(pick, conf)
-        ax.scatter([f["throughput"]], [scale * f[key]], s=600, facecolors="none", edgecolors="black", linewidths=2,
+        ax.scatter([f[x]], [scale * f[key]], s=600, facecolors="none", edgecolors="black", linewidths=2,
                    label=f"the pick: trial {pick.number} (best.yaml)", zorder=4)
-    ax.set_xlabel("throughput (samples/s)")
+    ax.set_xlabel(x_label)
     ax.set_ylabel(label)
     ax.set_title(f"{len(completed(study))} measured trials, 95% intervals; objective {t.objective.value}")
     ax.grid(alpha=0.3)

@@ -115,6 +115,8 @@ class Proposals:
         done = [tr for tr in study.get_trials(deepcopy=False) if tr.state.name == "COMPLETE" and "throughput" in tr.user_attrs]
         if model is None or not done or BATCH_KEY not in values:
             return None
+        if self.t.objective is Objective.tokens:
+            return self._cannot_win_tokens(study, model, values, done)
         fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
         lo = fastest.user_attrs.get("throughput_lo") or fastest.user_attrs["throughput"]
         floor = self.t.throughput_floor if self.t.objective is Objective.utilization else 1.0
@@ -123,6 +125,32 @@ class Proposals:
             return None
         return (f"predicted {pred.throughput:.0f}/s (at most {pred.hi:.0f}; {pred.bound}-bound: {model.explain()}), "
                 f"below {floor:g} x trial {fastest.number}'s measured {lo:.0f}/s")
+
+    def tokens_per_sample(self, study: Any, values: Dict[str, Any]) -> Optional[float]:
+        """Real tokens a sample holds, measured over the trials that share `values`' other knobs
+        (the data is theirs: batch, workers and accumulation change how fast samples go, not the
+        tokens in one). The job model predicts samples/s; times this, real tokens/s."""
+        mine = self._others(values)
+        rates = [tr.user_attrs["tokens_per_s"] / tr.user_attrs["throughput"] for tr in study.get_trials(deepcopy=False)
+                 if tr.state.name == "COMPLETE" and tr.user_attrs.get("tokens_per_s") and tr.user_attrs.get("throughput")
+                 and self._others(tr.user_attrs.get("values") or {}) == mine]
+        return sum(rates) / len(rates) if rates else None
+
+    def _cannot_win_tokens(self, study: Any, model: JobModel, values: Dict[str, Any], done: List[Any]) -> Optional[str]:
+        """tune.objective=tokens: the top of the predicted samples/s times the real tokens a sample
+        of this data holds lies below the low end of the most real tokens/s measured."""
+        per = self.tokens_per_sample(study, values)
+        done = [tr for tr in done if tr.user_attrs.get("tokens_per_s") is not None]
+        if per is None or not done:
+            return None
+        best = max(done, key=lambda tr: tr.user_attrs["tokens_per_s"])
+        lo = best.user_attrs.get("tokens_per_s_lo") or best.user_attrs["tokens_per_s"]
+        pred = self.predict(model, values)
+        if per * pred.hi >= lo:
+            return None
+        return (f"predicted {per * pred.throughput:.0f} real tokens/s ({pred.throughput:.0f} samples/s x {per:.1f} tokens "
+                f"a sample; at most {per * pred.hi:.0f}; {pred.bound}-bound: {model.explain()}), below trial "
+                f"{best.number}'s measured {lo:.0f}")
 
     @staticmethod
     def _worker_cost(point: Dict[str, Any]) -> float:
@@ -176,8 +204,14 @@ class Proposals:
             if not candidates:
                 return False
             preds = [(self.predict(model, p), p) for p in candidates]
-            pick = self._next(preds, [tr.user_attrs for tr in trials if tr.state.name == "COMPLETE"
-                                      and "throughput" in tr.user_attrs and "utilization" in tr.user_attrs])
+            done = [tr.user_attrs for tr in trials if tr.state.name == "COMPLETE"
+                    and "throughput" in tr.user_attrs and "utilization" in tr.user_attrs]
+            if self.t.objective is Objective.tokens:  # the best real tokens/s, in this data's samples/s
+                per = self.tokens_per_sample(study, values)
+                if per is None:
+                    return False
+                done = [{**f, "throughput": f["tokens_per_s"] / per} for f in done if f.get("tokens_per_s") is not None]
+            pick = self._next(preds, done)
             if pick is None:
                 return False
             pred, point, why = pick

@@ -23,9 +23,10 @@ from .rules import best_trials, completed, confirmed, counted, figures, ranked, 
 
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
            "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "global_batch",
-           "steps_per_epoch", "last_window_utilization", "last_window_throughput", "prune_reason")
+           "steps_per_epoch", "last_window_utilization", "last_window_throughput", "prune_reason",
+           "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi", "padding_frac", "last_window_tokens_per_s")
 CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
-                     "runs")
+                     "runs", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi")
 
 
 def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
@@ -140,14 +141,18 @@ def _pruning_line(p: Dict[str, Any]) -> str:
 
 def best_words(study: Any, t: TuneConfig) -> str:
     """The best so far in a few words (the live progress): its trial, utilization and samples/s
-    with the 95% interval, from its confirmed figures when it was re-measured."""
+    (real tokens/s for the tokens objective) with the 95% interval, from its confirmed figures when
+    it was re-measured."""
     best = best_trials(study, t)
     if not best:
         return ""
     f = figures(best[0], confirmed(study))
-    lo, hi = f.get("throughput_lo"), f.get("throughput_hi")
+    name, unit = ("tokens_per_s", "real tokens/s") if t.objective is Objective.tokens else ("throughput", "samples/s")
+    if f.get(name) is None:
+        return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%"
+    lo, hi = f.get(f"{name}_lo"), f.get(f"{name}_hi")
     interval = f" ({lo:.1f}-{hi:.1f})" if lo is not None and hi is not None else ""
-    return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%, {f['throughput']:.1f}{interval} samples/s"
+    return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%, {f[name]:.1f}{interval} {unit}"
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
@@ -211,7 +216,9 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     else:
         done = ranked(study, t)
     table = Table(title=f"study {name}: {summary['states']}")
-    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)", "verdict", "notes"):
+    tokens = t.objective is Objective.tokens  # the figure it ranks by, beside samples/s
+    for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)",
+                *(("real tokens/s (95% interval)",) if tokens else ()), "verdict", "notes"):
         table.add_column(col)
 
     def interval(f: Dict[str, Any], name: str, unit: float, fmt: str) -> str:
@@ -223,14 +230,17 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t))) if on]
+        real = (("-" if f.get("tokens_per_s") is None else f"{f['tokens_per_s']:.0f}"
+                 + interval(f, "tokens_per_s", 1.0, "{:.0f}")),) if tokens else ()
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
-                      f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), a.get("verdict", "-"),
+                      f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), *real, a.get("verdict", "-"),
                       " ".join(notes))
     console().print(table)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
+        figure = "real tokens/s" if sep["figure"] == "tokens_per_s" else sep["figure"]
         print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
-              f"(their {sep['figure']} intervals overlap): either is as good")
+              f"(their {figure} intervals overlap): either is as good")
     if summary.get("stopped"):
         print(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary["refused"]:

@@ -9,6 +9,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..schema import Objective, TuneConfig
 
+# The figure a single-figure objective ranks by: samples/s, real tokens/s (padding excluded), or mfu
+# (whose confirmation runs re-measure samples/s: for one model mfu moves with it)
+FIGURE = {Objective.throughput: "throughput", Objective.mfu: "mfu", Objective.tokens: "tokens_per_s"}
+
+
+def deciding(t: TuneConfig) -> str:
+    """The figure whose interval the objective's pruning, floor and noise are judged on:
+    real tokens/s for tokens, else samples/s (utilization's floor and mfu are in samples/s)."""
+    return "tokens_per_s" if t.objective is Objective.tokens else "throughput"
+
 
 def counted(trials: List[Any]) -> int:
     """Trials that count toward tune.n_trials: all but those an interrupt cut short, the
@@ -68,7 +78,8 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
     """Completed trials best first by the objective's rule on their figures; the confirmed ones
     (when there are) come first and decide. utilization: by `expected_scores` (utilization within
     throughput_floor of the best throughput, discounted by the chance, from the intervals, that the
-    trial's throughput is in truth below the floor); throughput and mfu: by that figure."""
+    trial's throughput is in truth below the floor); throughput, mfu and tokens: by that figure
+    (tokens: real tokens/s, padding excluded)."""
     done = completed(study)
     if not done:
         return []
@@ -84,6 +95,8 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
         f, outside = fig[tr.number], tr not in pool
         if t.objective is Objective.mfu and f.get("mfu") is not None:
             return (outside, -f["mfu"])
+        if t.objective is Objective.tokens:
+            return (outside, -(f.get("tokens_per_s") or 0.0))
         if t.objective in (Objective.throughput, Objective.mfu):  # confirmed figures: mfu moves with samples/s
             return (outside, -f["throughput"])
         return (outside, -expected[tr.number])
@@ -151,7 +164,8 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
         score = {tr.number: final_score(tr, t, top) for tr in done}
     by_score = sorted(done, key=lambda tr: -score[tr.number])[:t.confirm_top]
     leader = by_score[0].user_attrs
-    contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader)]
+    names = ("tokens_per_s",) if t.objective is Objective.tokens else ("throughput", "utilization")
+    contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader, names)]
     fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
     if t.objective is not Objective.utilization:
         return contenders
@@ -174,22 +188,27 @@ def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str,
     return [max(near, key=lambda tr: tr.user_attrs["utilization"])] if near else []
 
 
-def _may_beat(a: Dict[str, Any], leader: Dict[str, Any]) -> bool:
-    """Do `a`'s 95% intervals reach the leader's on throughput or utilization (figures without
-    an interval always may)?"""
-    return any(a.get(f"{n}_hi", float("inf")) >= leader.get(f"{n}_lo", 0.0) for n in ("throughput", "utilization"))
+def _may_beat(a: Dict[str, Any], leader: Dict[str, Any], names: Tuple[str, ...] = ("throughput", "utilization")) -> bool:
+    """Do `a`'s 95% intervals reach the leader's on one of `names` (throughput or utilization;
+    real tokens/s for the tokens objective)? Figures without an interval always may."""
+    return any(_or(a.get(f"{n}_hi"), float("inf")) >= _or(leader.get(f"{n}_lo"), 0.0) for n in names)
+
+
+def _or(value: Optional[float], default: float) -> float:
+    return default if value is None else value
 
 
 def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
     """Is the winner ahead of the runner-up by more than the noise? Their 95% intervals of the
     deciding figure (utilization, or throughput for that objective or when the runner-up is
-    below the floor) must not overlap."""
+    below the floor; real tokens/s for tokens) must not overlap."""
     order = ranked(study, t)
     if len(order) < 2 or t.objective is Objective.both:
         return {}
     conf = confirmed(study)
     a, b = figures(order[0], conf), figures(order[1], conf)
-    name = "throughput" if t.objective in (Objective.throughput, Objective.mfu) else "utilization"
+    name = {Objective.throughput: "throughput", Objective.mfu: "throughput",
+            Objective.tokens: "tokens_per_s"}.get(t.objective, "utilization")
     if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
         name = "throughput"
     lo_a, hi_b = a.get(f"{name}_lo"), b.get(f"{name}_hi")
@@ -201,8 +220,8 @@ def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
 def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
     """The trial's score against the whole study (the stored value used the best seen so far)."""
     a = trial.user_attrs
-    if t.objective in (Objective.throughput, Objective.mfu):
-        return a.get(t.objective.value) or 0.0
+    if t.objective in FIGURE:
+        return a.get(FIGURE[t.objective]) or 0.0
     return utilization_score(a["utilization"], a["throughput"], top_throughput, t.throughput_floor)
 
 
@@ -210,7 +229,8 @@ def improves(new: Dict[str, Any], best: Dict[str, Any], t: TuneConfig) -> bool:
     """Does `new` beat `best` by more than the best's measured noise (past the top of its 95%
     interval; a figure without an interval is its own top)? utilization: the best falls below the
     floor of the new throughput, or the new one keeps up and its utilization is higher;
-    throughput and mfu: a higher throughput (mfu moves with it for one model)."""
+    throughput and mfu: a higher throughput (mfu moves with it for one model); tokens: more real
+    tokens/s."""
     def hi(f: Dict[str, Any], name: str) -> float:
         return f.get(f"{name}_hi") if f.get(f"{name}_hi") is not None else f[name]
 
@@ -218,7 +238,8 @@ def improves(new: Dict[str, Any], best: Dict[str, Any], t: TuneConfig) -> bool:
         if hi(best, "throughput") < t.throughput_floor * new["throughput"]:
             return True
         return new["throughput"] >= t.throughput_floor * best["throughput"] and new["utilization"] > hi(best, "utilization")
-    return new["throughput"] > hi(best, "throughput")
+    name = deciding(t)
+    return (new.get(name) or 0.0) > (hi(best, name) if best.get(name) is not None else 0.0)
 
 
 def stale_streak(study: Any, t: TuneConfig) -> Tuple[int, Optional[int]]:

@@ -31,7 +31,7 @@ from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, write_outputs
-from .rules import (best_trials, confirm_candidates, confirmed, counted, figures, not_launched, refused,
+from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, figures, not_launched, refused,
                     stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
@@ -42,7 +42,10 @@ MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the s
 MAX_REJECTED = 10  # sampler configs in a row the job model may keep from a launch; the next one tests the model
 CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
 CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
-METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac")
+METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac",
+           "tokens_per_s", "padding_frac")
+# what shapes a batch (its keys: an attention_mask or not); the loader knobs do not
+BATCH_SHAPERS = ("data._target_", "data.args", "data.collate_fn", "data.batch_key")
 
 
 class StudyFailed(RuntimeError):
@@ -414,6 +417,7 @@ class Tuner:
             return self._unlaunched(study, trial, rec, t0, "invalid", str(exc), f"invalid: {exc}")
         trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
         pruned: Dict[str, Any] = {"flag": False}
+        no_tokens: Optional[str] = None
         monitor = self._monitor(study, trial, pruned)
         self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values)))
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
@@ -434,6 +438,8 @@ class Tuner:
             trial.set_user_attr("error", rec.error[:500])
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             study.tell(trial, state=TrialState.FAIL)
+            if "tune.objective=tokens:" in str(exc) and not any(d.key.startswith(BATCH_SHAPERS) for d in self.space.dims):
+                no_tokens = str(exc).split("tune.objective=tokens:", 1)[1].strip()  # every trial's batches are alike
             if _is_oom(err) and values.get(BATCH_KEY):
                 self.proposals.diagnosis(study, trial, values, {"verdict": "out of memory", "moves": [{
                     "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
@@ -449,6 +455,8 @@ class Tuner:
         if rec.state == "PRUNED" and rec.mlflow_run_id and self.tracker.client is not None:
             self.tracker.client.set_terminated(rec.mlflow_run_id, "FINISHED")  # stopped on purpose: trial_state says so
         self._record(rec, t0)
+        if no_tokens is not None:  # the space cannot change the batches: every trial would be refused alike
+            raise StudyFailed(f"tune.objective=tokens: trial {trial.number} was refused at its first batch: {no_tokens}")
 
     def _monitor(self, study: Any, trial: Any, pruned: Dict[str, Any]) -> Callable[[int, Dict[str, float]], bool]:
         """The trial's window monitor: the pruner's decision on each measured window (`pruned`
@@ -461,16 +469,20 @@ class Tuner:
             """Report each measured window's score (the objective's, not raw utilization) to the pruner."""
             if self.multi or self.t.objective is Objective.both:
                 return False
+            name = deciding(self.t)  # samples/s, or real tokens/s for the tokens objective
+            if job.get(name) is None:  # no tokens counted (a batch without a mask: refused at its first batch)
+                return False
             if self.t.pruner is PrunerName.interval:
-                window_thr.append(job["throughput"])
+                window_thr.append(job[name])
                 est = estimate(window_thr) if len(window_thr) >= MIN_WINDOWS and bar is not None else {}
                 if est.get("interval") and est["interval"][1] < bar[0]:
+                    what = "real tokens/s" if name == "tokens_per_s" else "throughput"
                     pruned.update(flag=True, window=window, job=job, reason=(
-                        f"throughput {est['mean']:.1f}/s over {len(window_thr)} windows, at most "
+                        f"{what} {est['mean']:.1f}/s over {len(window_thr)} windows, at most "
                         f"{est['interval'][1]:.1f}/s (95%): below {bar[1]}"))
                 return pruned["flag"]
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
-            value = (job["throughput"] if self.t.objective in (Objective.throughput, Objective.mfu) else
+            value = (job[name] if self.t.objective in (Objective.throughput, Objective.mfu, Objective.tokens) else
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
             trial.report(value, window)
             if trial.should_prune():
@@ -490,6 +502,9 @@ class Tuner:
         rec.measured_s = rec.metrics.get("measured_s", 0.0)
         if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
             raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
+        if self.t.objective is Objective.tokens and "tokens_per_s" not in rec.metrics:  # the rank refuses it first
+            raise JobFailed("tune.objective=tokens: this trial counted no real tokens (its batches have no "
+                            "attention_mask); use tune.objective=throughput", result)
         rec.mlflow_run_id = result.get("mlflow_run_id")
         self._log_estimate(rec.mlflow_run_id, rec.metrics)
         for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
@@ -506,14 +521,16 @@ class Tuner:
     def _interval_bar(self, study: Any) -> Optional[tuple]:
         """tune.pruner=interval: (throughput, why) below which a trial cannot be the pick: the
         objective's floor (1 for throughput and mfu) of the lower end of the fastest measured trial's
-        95% interval. A trial whose own interval lies wholly below it ranks under that trial, whatever
-        its remaining windows read."""
+        95% interval (for the tokens objective: in real tokens/s, of the trial with the most). A trial
+        whose own interval lies wholly below it ranks under that trial, whatever its remaining windows
+        read."""
+        name = deciding(self.t)  # real tokens/s for the tokens objective
         done = [tr for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
-                if "throughput" in tr.user_attrs and not refused(tr, self.t)]
+                if tr.user_attrs.get(name) is not None and not refused(tr, self.t)]
         if not done:
             return None
-        fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
-        lo = fastest.user_attrs.get("throughput_lo") or fastest.user_attrs["throughput"]
+        fastest = max(done, key=lambda tr: tr.user_attrs[name])
+        lo = fastest.user_attrs.get(f"{name}_lo") or fastest.user_attrs[name]
         floor = self.t.throughput_floor if self.t.objective is Objective.utilization else 1.0
         return floor * lo, f"{floor:g} x trial {fastest.number}'s {lo:.1f}/s, the low end of its interval"
 
@@ -531,8 +548,12 @@ class Tuner:
         job = pruned["job"]
         trial.set_user_attr("last_window_throughput", float(job["throughput"]))
         trial.set_user_attr("last_window_utilization", float(job["utilization"]))
+        tokens = ""
+        if job.get("tokens_per_s") is not None:
+            trial.set_user_attr("last_window_tokens_per_s", float(job["tokens_per_s"]))
+            tokens = f", real tokens/s {job['tokens_per_s']:.0f}"
         rec.error = (f"last window {pruned['window']}: utilization {100 * job['utilization']:.1f}%, throughput "
-                     f"{job['throughput']:.1f}/s; {pruned['reason']}")
+                     f"{job['throughput']:.1f}/s{tokens}; {pruned['reason']}")
         trial.set_user_attr("prune_reason", rec.error)
 
     def _confirm(self, study: Any, parent: Optional[str]) -> None:
@@ -572,7 +593,9 @@ class Tuner:
             if not results:
                 continue
             m: Dict[str, Any] = {"runs": len(results)}
-            for name, key in (("throughput", "estimate"), ("utilization", "utilization_estimate")):
+            for name, key in ESTIMATES:
+                if name == "tokens_per_s" and not all(res.get(key) for res in results):
+                    continue  # real tokens/s: batches with an attention_mask only
                 est = combine([res[key] for res in results if res.get(key)])
                 m[name] = est["mean"]
                 m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
@@ -580,8 +603,10 @@ class Tuner:
                     m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
             if m["throughput"] is not None and m["utilization"] is not None:
                 out[str(number)] = m
+                tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
                 self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
-                          f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else ""))
+                          f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else "")
+                          + tokens)
         study.set_user_attr("confirmed", out)
         self.confirmed_here = True
 
@@ -628,6 +653,8 @@ class Tuner:
             return thr
         if self.t.objective is Objective.mfu:
             return rec.metrics["mfu"]
+        if self.t.objective is Objective.tokens:
+            return rec.metrics["tokens_per_s"]
         return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor)
 
     def _check_failure_rate(self, study: Any) -> None:
@@ -657,7 +684,8 @@ class Tuner:
     def _log_estimate(self, run_id: Optional[str], m: Dict[str, float]) -> None:
         """The trial's estimate as MLflow metrics of its run."""
         names = {"throughput": "throughput_estimate", "throughput_lo": "throughput_lo", "throughput_hi": "throughput_hi",
-                 "rel_se": "throughput_rel_se", "windows": "measured_windows", "measured_s": "measured_s"}
+                 "rel_se": "throughput_rel_se", "windows": "measured_windows", "measured_s": "measured_s",
+                 "tokens_per_s_lo": "tokens_per_s_lo", "tokens_per_s_hi": "tokens_per_s_hi"}
         if run_id and self.tracker.client is not None:
             from mlflow.entities import Metric
 
@@ -669,7 +697,8 @@ class Tuner:
         m = rec.metrics
         knobs = knob_words(rec.values)
         pm = f" +-{100 * m['rel_se']:.0f}%" if "rel_se" in m else ""
-        figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}"
+        tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
+        figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}{tokens}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
         self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {rec.proposed_by:9s} {knobs:45s} {figures}  "
                   f"({rec.duration_s:.1f}s)")
@@ -732,9 +761,10 @@ class Tuner:
             self.tracker.log_artifact(Path(path))
         if best:
             fig = {**best[0].user_attrs, **figures(best[0], confirmed(study))}  # the confirmed figures when re-measured
-            self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi")
+            self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi",
+                                                                        "tokens_per_s_lo", "tokens_per_s_hi")
                                       if isinstance(fig.get(k), (int, float))]
-                                     + [(k, fig[k], 0) for k in ("throughput", "utilization", "mfu")  # its row's columns
+                                     + [(k, fig[k], 0) for k in ("throughput", "utilization", "mfu", "tokens_per_s")  # its row's columns
                                         if isinstance(fig.get(k), (int, float))])
         self.tracker.end(status)
         self._say(f"[tune] {self.tracker.where()}")
@@ -784,13 +814,18 @@ def _is_oom(err: str) -> bool:
     return any(s in err for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory", "memory_cap_mb"))
 
 
+# (figure, the job result's estimate of it): the figures a trial and its confirmation runs keep with intervals
+ESTIMATES = (("throughput", "estimate"), ("utilization", "utilization_estimate"), ("tokens_per_s", "tokens_estimate"))
+
+
 def trial_metrics(result: Dict[str, Any]) -> Dict[str, float]:
     """A measured job's figures for the study: METRICS, with `throughput` and `utilization` their
     estimates (means over the measured time, report.merge, as the confirmation runs combine them),
     the 95% intervals of those means, the throughput's relative standard error, windows and measured seconds
-    (the rest of a trial's wall time is overhead)."""
+    (the rest of a trial's wall time is overhead); for batches with an attention_mask, real tokens/s
+    (`tokens_per_s`) likewise with its interval."""
     out = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
-    for name, key in (("throughput", "estimate"), ("utilization", "utilization_estimate")):
+    for name, key in ESTIMATES:
         est = result.get(key) or {}
         if est.get("mean") is None:
             continue

@@ -154,7 +154,9 @@ def progress_line(study: Any, jobs: Dict[str, str], n_trials: int) -> str:
     done = [tr for tr in trials if tr.state == TrialState.COMPLETE and tr.values]
     best = max(done, key=lambda tr: tr.values[0], default=None)
     best_s = (f"best trial {best.number}: utilization {100 * best.user_attrs.get('utilization', 0):.1f}%  throughput "
-              f"{best.user_attrs.get('throughput', 0):.1f}/s") if best is not None else "no best yet"
+              f"{best.user_attrs.get('throughput', 0):.1f}/s" + (f"  real tokens/s {best.user_attrs['tokens_per_s']:.0f}"
+                                                                 if best.user_attrs.get("tokens_per_s") is not None else "")
+              ) if best is not None else "no best yet"
     up = sum(state == "RUNNING" for state in jobs.values())
     return (f"[tune] {counted([tr for tr in trials if tr.state.is_finished()])}/{n_trials} done, {running} running, {failed} failed; {best_s}; "
             f"workers alive {up} ({len(jobs) - up} queued)")
