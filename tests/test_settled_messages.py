@@ -1,5 +1,5 @@
-"""Issue 31's leftovers: a balanced job names no straggler for the items its shares gave each rank;
-the loader autotune's last try is kept or reverted when the run ends; the default MLflow store is
+"""What the product says once a run has settled: a balanced job names no straggler for the items
+its shares gave each rank; the loader autotune's last try is kept or reverted when the run ends; the default MLflow store is
 the project's, wherever the command runs. In-process, no training."""
 
 from __future__ import annotations
