@@ -122,3 +122,18 @@ def test_the_default_tracking_store_is_the_projects_from_any_directory(tmp_path,
     assert own.uri == f"sqlite:///{tmp_path}/own.db"
     own.experiment_id = "1"
     assert f"scripts/ui.sh 5000 sqlite:///{tmp_path}/own.db" in own.where()
+
+
+def test_the_default_study_storage_is_the_projects_from_any_directory(make_cfg, tmp_path, monkeypatch):
+    """A study started from another folder is stored in the project's outputs/optuna.db, where a
+    rerun by name from the project finds it; an absolute storage stays as given."""
+    from orchestrator.stores import PROJECT
+    from orchestrator.tune.study import Tuner
+
+    monkeypatch.chdir(tmp_path)
+    assert Tuner(make_cfg("mode=tune", "tracking.enabled=false", "tune.storage=sqlite:///outputs/optuna.db"),
+                 tmp_path / "a", echo=False).storage == f"sqlite:///{PROJECT}/outputs/optuna.db"
+    own = f"sqlite:///{tmp_path}/own.db"
+    assert Tuner(make_cfg("mode=tune", "tracking.enabled=false", f"tune.storage={own}"), tmp_path / "b",
+                 echo=False).storage == own
+    assert not (tmp_path / "outputs").exists()

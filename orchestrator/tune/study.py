@@ -26,7 +26,7 @@ from ..measure.stats import MIN_WINDOWS, estimate
 from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
-from ..stores import redact, resolve_uri, sqlite_path, store_error, store_lock
+from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
 from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
@@ -79,7 +79,7 @@ class Tuner:
             raise ConfigError(f"tune.sampler: grid has {self.space.grid_size()} points, more than tune.n_trials="
                               f"{self.t.n_trials}; raise tune.n_trials or use guided, tpe, gp or random")
         self.stopped: Optional[Dict[str, Any]] = None  # why the study ended before tune.n_trials
-        self.storage = resolve_uri(self.t.storage)  # relative sqlite paths: the working directory
+        self.storage = resolve_uri(self.t.storage, PROJECT)  # a relative path is the project's, like tracking.uri's
         if check_shared(self.storage, machines=False) and echo:  # SQLite on a network file system: one line
             print(check_shared(self.storage, machines=False), flush=True)
         # a new study's name is its own: studies started in the same second (or microsecond) never merge

@@ -20,7 +20,7 @@ from ..commands import orchestrator_command
 from ..rundir import write_json
 from ..schema import Config, ConfigError
 from ..slurm import secondary_task
-from ..stores import redact, resolve_uri
+from ..stores import PROJECT, redact, resolve_uri
 from .report import write_outputs
 from .rules import best_trials, counted
 from .storage import check_shared, study_storage
@@ -91,7 +91,7 @@ def run_workers(cfg: Config, run_dir: Path, launcher: Dict[str, Any], overrides:
 
     t = cfg.tune
     check_launcher(launcher, t.workers)
-    storage = resolve_uri(t.storage)
+    storage = resolve_uri(t.storage, PROJECT)
     check_shared(storage, machines=True)
     tuner = Tuner(cfg, run_dir, echo=False, overrides=overrides)  # the space, the grid: ConfigError before submitting
     tuner._check()  # the base config's launch and the tracking store
