@@ -164,6 +164,7 @@ def _catch_checkpoint_signal(cfg) -> None:
     signum = cfg.trainer.checkpoint_signal.signum
     if signum is not None and cfg.mode.value == "run":
         signal.signal(signum, on_checkpoint_signal)
+        signal.siginterrupt(signum, False)  # SA_RESTART: a collective's threads in a system call carry on
 
 
 POLL_S = 0.005
