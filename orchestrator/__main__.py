@@ -2,7 +2,8 @@
 
 Errors are ours to print: a bad config is one line naming the field and the allowed values
 (exit 2); a failed job shows the failing rank's traceback (exit 1); Ctrl-C/SIGTERM end the whole
-job (exit 130/143).
+job (exit 130/143); a job stopped at a checkpoint by trainer.checkpoint_signal exits 3, after
+requeueing its SLURM job where SLURM allows it (a requeued job resumes its own run: resume_requeued).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .stores import redact, redact_files
 register_configs()
 
 EXIT_CONFIG, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
+EXIT_CHECKPOINTED = 3  # stopped at a checkpoint on trainer.checkpoint_signal: not finished; requeued, or resume it
 
 
 class Terminated(KeyboardInterrupt):
@@ -67,7 +69,7 @@ def main(dcfg: DictConfig) -> None:
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
-    from .app import JobFailed, NothingToResume, RecordFailed, print_summary, run_job
+    from .app import JobCheckpointed, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
     from .rundir import RecordError, RunDirOwned, Status, remove_if_unused, result_path, write_json
     from .tune.study import StudyFailed
 
@@ -83,7 +85,10 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
             if summary["status"] == Status.NOTHING_TO_RUN and remove_if_unused(run_dir):
                 print(f"[orchestrator] nothing ran: {run_dir} removed")
             return 0
+        _arm_checkpoint_signal(cfg, run_dir, note="sweep_id" not in tags)
         result = run_job(cfg, run_dir, extra_tags=tags)
+    except JobCheckpointed as exc:
+        return _checkpointed(exc.result, cfg, run_dir, overrides)
     except NothingToResume as exc:
         print(f"[orchestrator] {exc}")
         return 0
@@ -145,6 +150,51 @@ def _run_workers(cfg: Config, run_dir: Path, overrides: list) -> int:
     return 0
 
 
+def _arm_checkpoint_signal(cfg: Config, run_dir: Path, note: bool) -> None:
+    """trainer.checkpoint_signal at this process (`sbatch --signal=B:USR1@<s>`, `kill -USR1`): the
+    request file in the run dir, which rank 0 reads at a step boundary (runtime/hooks.py); the
+    ranks then agree on the step, checkpoint and stop. In a SLURM job (`note`: not a sweep's), the
+    run dir is noted for the requeued job (outputs/slurm/<job id>.json) unless the command names
+    it (hydra.run.dir)."""
+    from . import slurm
+    from .rundir import RecordError, checkpoint_request_path, write_atomic
+
+    signum = cfg.trainer.checkpoint_signal.signum
+    if signum is None:
+        return
+    request = checkpoint_request_path(run_dir.resolve())
+
+    def on_signal(got: int, frame: object) -> None:
+        try:
+            write_atomic(request, f"{signal.Signals(got).name}\n")
+        except RecordError:  # no room: the ranks' own signal, else SLURM's time limit, ends it
+            pass
+
+    signal.signal(signum, on_signal)
+    if note and os.environ.get("SLURM_JOB_ID") and not any(RUN_DIR_ARG.match(a) for a in sys.argv[1:]):
+        slurm.note_run_dir(str(run_dir.resolve()))
+
+
+def _checkpointed(result: dict, cfg: Config, run_dir: Path, overrides: list) -> int:
+    """The ranks checkpointed on trainer.checkpoint_signal and stopped: requeue the SLURM job
+    (it resumes from there when it runs again), else say how to resume. Exit 3."""
+    from .slurm import requeue
+
+    step, job = result.get("checkpointed_at_step"), result.get("requeue")
+    said = f"[orchestrator] SIG{cfg.trainer.checkpoint_signal.value}: checkpointed at step {step} and stopped"
+    if job:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue ends this job's processes: this one is done
+        refused = requeue(job)
+        if not refused:
+            print(f"{said}; SLURM job {job} requeued: run again, it resumes this run from step {step} "
+                  f"(run dir {run_dir}, the same MLflow run)", flush=True)
+            return EXIT_CHECKPOINTED
+        print(f"error: scontrol requeue {job}: {refused}", file=sys.stderr)
+    print(f"{said} (run dir {run_dir})", flush=True)
+    _resume_hint(run_dir, overrides)
+    return EXIT_CHECKPOINTED
+
+
 def _resume_hint(run_dir: Path, overrides: list) -> None:
     """After an interrupt: the command that continues the run, when it has a checkpoint."""
     from . import checkpoint
@@ -176,6 +226,29 @@ def resume_in_place(argv: List[str]) -> List[str]:
 
 
 RUN_DIR_ARG = re.compile(r"^hydra\.run\.dir=(.*)$")
+MODE_TUNE_ARG = re.compile(r"^\+{0,2}mode=tune$")
+
+
+def resume_requeued(argv: List[str], environ: Optional[dict] = None) -> List[str]:
+    """A SLURM job requeued after it checkpointed (or preempted) runs the same command again, with
+    SLURM_RESTART_COUNT >= 1: it resumes its own run (trainer.resume=<that run dir>) when the
+    earlier start of this job left one with a checkpoint (slurm.restarted_run_dir), rather than
+    starting from step 0 in a new run dir. A command that names trainer.resume is left as it is."""
+    from .slurm import restarted_run_dir
+
+    environ = dict(os.environ) if environ is None else environ
+    if (not environ.get("SLURM_JOB_ID") or environ.get("SLURM_RESTART_COUNT", "0") in ("", "0")
+            or {"-m", "--multirun"} & set(argv) or any(RESUME_ARG.match(a) or MODE_TUNE_ARG.match(a) for a in argv)):
+        return argv
+    explicit = [m.group(1) for m in map(RUN_DIR_ARG.match, argv) if m]
+    run_dir = restarted_run_dir(explicit[-1] if explicit else None, environ)
+    if run_dir is None:
+        return argv
+    print(f"[orchestrator] SLURM job {environ['SLURM_JOB_ID']} runs again (SLURM_RESTART_COUNT="
+          f"{environ['SLURM_RESTART_COUNT']}): resuming its run {run_dir}", flush=True)
+    return [*argv, f"trainer.resume={run_dir}"]
+
+
 NODE_RANK_ARG = re.compile(r"^\+{0,2}parallelism\.node_rank=(\d+)$")
 
 
@@ -199,7 +272,7 @@ def cli() -> None:
     # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    sys.argv = [sys.argv[0], *resume_in_place(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *resume_in_place(resume_requeued(sys.argv[1:]))]
     refuse_if_owned(sys.argv[1:])
     try:
         main()

@@ -18,9 +18,9 @@ from . import checkpoint, load_report, slurm
 from .launch import build_launch
 from .progress import JobProgress, console
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, config_path, note_unreadable,
-                     own_run_dir, owner_tag, ranks_dir, read_job, read_json, report_paths, result_path, write_atomic,
-                     write_job, write_json)
+from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, checkpoint_request_path,
+                     config_path, note_unreadable, own_run_dir, owner_tag, process_start, ranks_dir, read_job, read_json,
+                     report_paths, result_path, write_atomic, write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .runtime.loop import check_model
 from .schema import Config, ConfigError, Launcher, flatten, load_config, to_yaml
@@ -48,6 +48,17 @@ class RecordFailed(JobFailed):
 
 class JobStopped(JobFailed):
     """The caller's monitor asked to stop the job (a pruned trial); the MLflow run ends KILLED."""
+
+
+class JobCheckpointed(Exception):
+    """The ranks stopped at a checkpoint on trainer.checkpoint_signal (a SLURM job's time limit
+    near): result.json says CHECKPOINTED (`checkpointed_at_step`; `requeue`: the SLURM job to
+    requeue, or None) and the MLflow run is SCHEDULED when the job will be requeued, else KILLED;
+    a resume (or the requeued job) reopens it."""
+
+    def __init__(self, result: Dict[str, Any]) -> None:
+        super().__init__(f"checkpointed at step {result.get('checkpointed_at_step')}")
+        self.result = result
 
 
 # monitor(window ordinal, job-level window metrics) -> True to stop the job
@@ -153,6 +164,7 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     """run_job once its job is checked, in a run dir this process owns: what a dead owner left is
     closed first (its attempt recorded FAILED and archived, its MLflow runs closed)."""
     _close_what_the_dead_left(cfg, run_dir, resumed, owner, tracker)
+    _clear_stale_request(run_dir)
     launch = build_launch(cfg, run_dir)
     open_run_dir(run_dir, resumed)
     if cfg.single_process and cfg.parallelism.nproc_per_node > 1:
@@ -186,6 +198,10 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
         result.update(merge(rank_results))
         result["wall_s"] = time.monotonic() - t0
         status, why = classify(outcome, len(rank_results), expected, cfg.trainer.timeout_s)
+        if status == Status.FINISHED and result.get("stopped_by") == "checkpoint_signal":
+            status = Status.CHECKPOINTED  # every rank stopped at the checkpoint the signal asked for
+            result["checkpointed_at_step"] = result.get("steps")
+            result["requeue"] = slurm.requeue_target()  # the SLURM job, when SLURM can run it again
         result["status"] = status  # before the load report, which records it
         if result.get("measured_steps"):
             report, report_files = load_report.write(result, cfg, rank_results, run_dir, plots=plots)
@@ -194,6 +210,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
             result["diagnosis"] = report["diagnosis"]
             result["bottleneck"] = report["diagnosis"]["verdict"]
             result["straggler"] = report["straggler"]
+        if status == Status.CHECKPOINTED:
+            raise JobCheckpointed(result)
         if status == Status.KILLED:
             result["error"] = why
             raise JobStopped("stopped", result)
@@ -209,12 +227,33 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
         result["error"] = "interrupted"
         raise
     finally:
+        checkpoint_request_path(run_dir).unlink(missing_ok=True)  # the parent's request was for this attempt
         out = result_path(run_dir)
         unwritten = _write_result(out, result, status)
-        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), result["status"])
+        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), result["status"],
+                       end_as=_mlflow_status(result))
         if unwritten is not None and status == Status.FINISHED:  # else the job's own failure is on its way
             raise RecordFailed(str(unwritten), result)
     return result
+
+
+def _mlflow_status(result: Dict[str, Any]) -> str:
+    """The MLflow word for the job's status: a checkpointed job is SCHEDULED when SLURM runs it
+    again (requeued), else KILLED (stopped; a resume reopens it either way)."""
+    if result["status"] == Status.CHECKPOINTED:
+        return "SCHEDULED" if result.get("requeue") else Status.KILLED.value
+    return str(result["status"])
+
+
+def _clear_stale_request(run_dir: Path) -> None:
+    """A checkpoint request an earlier process left (killed before it could remove it) would stop
+    this attempt at once; one written since this process started (the signal came early) stays."""
+    path = checkpoint_request_path(run_dir)
+    try:
+        if path.stat().st_mtime < process_start():
+            path.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
 
 
 def _say_workers_over_cores(cfg: Config, local_ranks: int) -> None:

@@ -169,7 +169,8 @@ def resolve_resume(value: str, outputs: Path = Path("outputs")) -> Path:
 # match the run's config.yaml. Prefixes of dotted keys.
 MAY_CHANGE = (
     "mode", "tags", "tune.", "tracking.",
-    "trainer.max_steps", "trainer.epochs", "trainer.checkpoint_every", "trainer.timeout_s", "trainer.resume",
+    "trainer.max_steps", "trainer.epochs", "trainer.checkpoint_every", "trainer.checkpoint_signal", "trainer.timeout_s",
+    "trainer.resume",
     "trainer.log_every", "trainer.window_steps", "trainer.warmup_steps", "trainer.profile_steps",
     "trainer.save_model", "trainer.memory_cap_mb", "trainer.window_s", "trainer.rel_precision",
     "trainer.min_measure_s", "trainer.max_measure_s", "trainer.peak_tflops", "trainer.loader_autotune",

@@ -40,24 +40,26 @@ def _base_env(local_ranks: int, environ: Mapping[str, str], cpu_count: Optional[
 
 
 def _single(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
-    prefix: List[str] = []
+    program = [sys.executable, "-m", RANK_MODULE]
     if cfg.parallelism.launcher is Launcher.slurm:  # one task on the allocation's first node
         prefix, _ = slurm.single_args(environ)
-    return Launch([*prefix, sys.executable, "-m", RANK_MODULE, *target], {"PYTHONUNBUFFERED": "1"})
+        program = [*prefix, *slurm.task_program(cfg, RANK_MODULE)]
+    return Launch([*program, *target], {"PYTHONUNBUFFERED": "1"})
 
 
 def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_count: Optional[int]) -> Launch:
     p = cfg.parallelism
-    prefix: List[str] = []
+    agent = [sys.executable, "-m", "torch.distributed.run"]
     if p.launcher is Launcher.slurm:  # one agent per node of the allocation (srun), c10d rendezvous on the first
         prefix, where, cpu_count = slurm.torchrun_args(cfg, environ)
+        agent = [*prefix, *slurm.task_program(cfg, "torch.distributed.run")]
     elif p.nnodes == 1 and not p.master_port:
         where = ["--standalone"]  # one node: torchrun picks a free port on localhost itself
     else:
         where = [f"--nnodes={p.nnodes}", f"--node-rank={p.node_rank}", f"--master-addr={p.master_addr}",
                  f"--master-port={p.master_port}"]
     cmd = [
-        *prefix, sys.executable, "-m", "torch.distributed.run",
+        *agent,
         f"--nproc-per-node={p.nproc_per_node}", *where,
         "--max-restarts=0",
         # torchrun's per-rank log folders (empty: ranks print to this console, tracebacks go to the run

@@ -140,6 +140,7 @@ def main(run_dir: str) -> int:
         _warm_imports()
         _prefix_if_torchrun(rank)
         cfg = load_config(str(config_path(root)))
+        _catch_checkpoint_signal(cfg)
         adapter = make_adapter(cfg)
         adapter.setup()
         rank = adapter.rank
@@ -150,6 +151,20 @@ def main(run_dir: str) -> int:
     finally:
         if adapter is not None:
             adapter.shutdown()
+
+
+def _catch_checkpoint_signal(cfg) -> None:
+    """trainer.checkpoint_signal at this rank (SLURM signals every process of a job step): noted,
+    and acted on at a step boundary (runtime/hooks.SignalCheckpointHook), never the default
+    action (USR1, USR2 would end the process). The rank's loader workers inherit the handler."""
+    import signal
+
+    from .runtime.hooks import on_checkpoint_signal
+
+    signum = cfg.trainer.checkpoint_signal.signum
+    if signum is not None and cfg.mode.value == "run":
+        signal.signal(signum, on_checkpoint_signal)
+        signal.siginterrupt(signum, False)  # SA_RESTART: a collective's threads in a system call carry on
 
 
 POLL_S = 0.005

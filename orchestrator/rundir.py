@@ -8,6 +8,7 @@ defined here and nowhere else.
     <run dir>/attempts/<N>/        what an earlier attempt recorded (a resume, a dead owner's job)
     <run dir>/job.json             the job spec: what a rank needs besides the config (MLflow run id)
     <run dir>/owner.json           the process running a job there: flock-ed while it lives (RunOwner)
+    <run dir>/checkpoint.request   the parent got trainer.checkpoint_signal: the ranks checkpoint and stop
     <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (Event)
     <run dir>/ranks/rank<R>.json   rank R's result (rank 0 also writes every other rank's)
     <run dir>/ranks/rank<R>.err    rank R's traceback, when it failed
@@ -31,6 +32,7 @@ class Status(str, Enum):
     FINISHED = "FINISHED"
     FAILED = "FAILED"
     KILLED = "KILLED"  # interrupted (Ctrl-C, SIGTERM) or stopped by its monitor (a pruned trial)
+    CHECKPOINTED = "CHECKPOINTED"  # stopped at a checkpoint on trainer.checkpoint_signal: requeued, or to resume
     INVALID = "INVALID"  # refused before launch
     NOT_RUN = "NOT RUN"  # a sweep job that wrote no result
     NOTHING_TO_RUN = "NOTHING TO RUN"  # a study call whose study already has its trials
@@ -46,6 +48,7 @@ REPORT_FILES = ("load_report.json", "load_report.md")
 ATTEMPTS_DIR = "attempts"
 JOB_FILE = "job.json"
 OWNER_FILE = "owner.json"
+CHECKPOINT_REQUEST_FILE = "checkpoint.request"
 # the supervising process (`host:pid:start`, owner_tag) whose end ends the ranks (rank.watch_owner)
 OWNER_ENV = "ORCHESTRATOR_OWNER"
 
@@ -177,6 +180,10 @@ def report_paths(run_dir: Path) -> tuple:
     return tuple(Path(run_dir) / name for name in REPORT_FILES)
 
 
+def checkpoint_request_path(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_REQUEST_FILE
+
+
 def attempt_dir(run_dir: Path, n: int) -> Path:
     return Path(run_dir) / ATTEMPTS_DIR / str(n)
 
@@ -257,7 +264,11 @@ def note_unreadable(path: Path, exc: Exception) -> None:
 
 
 def write_job(run_dir: Path, mlflow_run_id: Optional[str]) -> None:
-    write_json(Path(run_dir) / JOB_FILE, {"mlflow_run_id": mlflow_run_id})
+    """The job spec; also the SLURM job that runs it (a requeued job finds its own run dir by it)."""
+    spec: Dict[str, Any] = {"mlflow_run_id": mlflow_run_id}
+    if os.environ.get("SLURM_JOB_ID"):
+        spec["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    write_json(Path(run_dir) / JOB_FILE, spec)
 
 
 def read_job(run_dir: Path) -> Dict[str, Any]:

@@ -92,6 +92,21 @@ class AmpDtype(str, Enum):
     fp16 = "fp16"
 
 
+class CheckpointSignal(str, Enum):
+    """trainer.checkpoint_signal: the signal that means "checkpoint now and stop" (a SLURM job's
+    warning before its time limit, `sbatch --signal=B:USR1@<s>`; docs/long-runs.md); none: off."""
+
+    USR1 = "USR1"
+    USR2 = "USR2"
+    none = "none"
+
+    @property
+    def signum(self) -> Optional[int]:
+        import signal
+
+        return None if self is CheckpointSignal.none else int(getattr(signal, f"SIG{self.value}"))
+
+
 def import_target(path: str) -> Any:
     """`pkg.module.attr` -> the object (what `_target_` names). Not `hydra.utils.get_object`: it
     logs a multi-line error before raising, and reports a missing attribute as a missing module."""
@@ -334,6 +349,9 @@ class TrainerConfig:
     min_measure_s: float = 0.0  # with rel_precision: measure at least this long
     max_measure_s: float = 0.0  # with rel_precision: stop after this much measured time (0: no cap)
     checkpoint_every: int = 0  # steps between checkpoints (rank 0, atomic); 0: off
+    # on this signal (SLURM's warning before the time limit): checkpoint at the next step boundary and stop;
+    # in a requeue-able SLURM batch job, requeue it (the requeued job resumes there); none: off
+    checkpoint_signal: CheckpointSignal = CheckpointSignal.USR1
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
     resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
     loader_autotune: bool = False  # tune data.num_workers / prefetch_factor online (runtime/autotune.py)

@@ -6,8 +6,10 @@ SLURM_JOB_CPUS_PER_NODE, SLURM_GPUS_*), `resolve()` turns a config into the one 
 runs (nnodes and nproc_per_node from it; one-line ConfigError when it cannot), and the builders
 return the `srun` command lines launch.py hands to the supervisor: one torchrun agent per node
 (c10d rendezvous on the first node) for ddp/fsdp, one task on the first node for single/dp;
-for horovod, horovodrun's hosts from the node list (why: docs/distributed.md). Nothing
-here starts a process but `scontrol show hostnames` (the node list, expanded by SLURM itself).
+for horovod, horovodrun's hosts from the node list (why: docs/distributed.md). A job stopped at
+a checkpoint by trainer.checkpoint_signal (its time limit near) is requeued (`requeue_target`,
+`requeue`) and, run again, resumes its own run dir (`note_run_dir`, `restarted_run_dir`). Nothing
+here starts a process but `scontrol` (the node list expanded by SLURM itself, the job's requeue).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Mapping, Optional
 
 from .schema import Config, ConfigError, Launcher
@@ -159,6 +163,22 @@ def srun(alloc: Allocation, nnodes: int, tasks_per_node: int) -> List[str]:
             "--kill-on-bad-exit=1", "--export=ALL", "--unbuffered"]
 
 
+# the srun task's program ignores trainer.checkpoint_signal, then runs `-m <module> args...` (the ignoring
+# outlives exec: the torchrun agent's ranks inherit it until they catch the signal themselves, rank.py)
+_IGNORING = ("import runpy, signal, sys; signal.signal(int(sys.argv[1]), signal.SIG_IGN); sys.argv = sys.argv[2:]; "
+             "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def task_program(cfg: Config, module: str) -> List[str]:
+    """`python -m <module>` as an srun task. SLURM signals every process of a job step (sbatch
+    --signal=USR1@<s>, scancel --signal): the torchrun agent would die of trainer.checkpoint_signal
+    (USR1's default action), so the task ignores it; the ranks catch it and checkpoint."""
+    signum = cfg.trainer.checkpoint_signal.signum
+    if signum is None:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-c", _IGNORING, str(signum), module]
+
+
 def torchrun_args(cfg: Config, environ: Mapping[str, str]) -> tuple:
     """(srun prefix, torchrun's node options): one agent per node, c10d rendezvous on the first."""
     alloc = allocation(environ)
@@ -184,4 +204,88 @@ def single_args(environ: Mapping[str, str]) -> tuple:
     return srun(alloc, 1, 1), alloc.cpus_per_node
 
 
-__all__ = ["Allocation", "allocation", "resolve", "secondary_task", "srun", "torchrun_args", "single_args", "uses_slurm"]
+# -- a job checkpointed at its warning signal, requeued, and resumed where it stopped ----------------
+def _scontrol(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([shutil.which("scontrol") or "scontrol", *args], capture_output=True, text=True, timeout=60)
+
+
+def job_field(show_job: str, key: str) -> str:
+    """One field of `scontrol show job -o` ('' when it is not there)."""
+    m = re.search(rf"(?:^|\s){re.escape(key)}=(\S*)", show_job)
+    return m.group(1) if m else ""
+
+
+def requeue_target(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The SLURM batch job this process runs in, when SLURM can requeue it (sbatch --requeue, or
+    the cluster's JobRequeue=1): its id; None outside a job, in an interactive one (salloc) or
+    one submitted with --no-requeue."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    if not job:
+        return None
+    try:
+        shown = _scontrol("show", "job", "-o", job)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    ok = shown.returncode == 0 and job_field(shown.stdout, "Requeue") == "1" and job_field(shown.stdout, "BatchFlag") == "1"
+    return job if ok else None
+
+
+def requeue(job: str) -> str:
+    """`scontrol requeue <job>`: '' when SLURM took it (it then ends this job's processes and
+    runs the batch script again, SLURM_RESTART_COUNT one higher), else what scontrol said."""
+    try:
+        done = _scontrol("requeue", job)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if done.returncode == 0 else (done.stderr or done.stdout).strip()[:300]
+
+
+POINTERS = os.path.join("outputs", "slurm")  # relative to the job's working directory, as outputs/runs
+
+
+def pointer_path(job: str) -> str:
+    return os.path.join(POINTERS, f"{job}.json")
+
+
+def note_run_dir(run_dir: str, environ: Optional[Mapping[str, str]] = None) -> None:
+    """In a SLURM job whose run dir Hydra named by the time (a new one at every start): write
+    outputs/slurm/<job id>.json naming it, so the requeued job finds it (restarted_run_dir)."""
+    from .rundir import RecordError, write_json
+
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    try:
+        os.makedirs(POINTERS, exist_ok=True)
+        write_json(pointer_path(job), {"slurm_job_id": job, "run_dir": str(run_dir)})
+    except (OSError, RecordError) as exc:
+        print(f"[orchestrator] note: cannot write {pointer_path(job)} ({exc}): if SLURM requeues job {job}, "
+              f"resume it by hand (trainer.resume={run_dir})")
+
+
+def restarted_run_dir(explicit: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """A requeued SLURM job (SLURM_RESTART_COUNT >= 1) runs its batch script again: the run dir its
+    earlier start used (`explicit`: the hydra.run.dir of its command line; else the one
+    outputs/slurm/<job id>.json names), when that run was this job's (its job.json) and holds a
+    checkpoint to resume from; else None (then it starts afresh)."""
+    from .checkpoint import find_latest
+    from .rundir import read_job, read_json
+
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID")
+    if not job or not (environ.get("SLURM_RESTART_COUNT") or "0").isdigit() or int(environ.get("SLURM_RESTART_COUNT") or 0) < 1:
+        return None
+    run_dir = explicit or (read_json(pointer_path(job), {}) or {}).get("run_dir")
+    if not run_dir or not os.path.isdir(run_dir):
+        return None
+    try:
+        ours = str(read_job(run_dir).get("slurm_job_id")) == job
+    except (OSError, ValueError):
+        return None
+    return os.path.abspath(run_dir) if ours and find_latest(Path(run_dir)) is not None else None
+
+
+__all__ = ["Allocation", "allocation", "resolve", "secondary_task", "srun", "torchrun_args", "single_args", "uses_slurm",
+           "task_program", "requeue_target", "requeue", "note_run_dir", "restarted_run_dir"]

@@ -264,10 +264,12 @@ class Tracker:
         if self.run_id and path.exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
-    def record(self, result: Dict[str, Any], files: List[Path], ranks_dir: Path, status: str) -> None:
+    def record(self, result: Dict[str, Any], files: List[Path], ranks_dir: Path, status: str,
+               end_as: Optional[str] = None) -> None:
         """A finished job's record: summary metrics, tags, the files and the ranks' traces and
-        tracebacks as artifacts; then the run ends with `status`. Tracking trouble is printed,
-        never raised: the job's outcome matters more."""
+        tracebacks as artifacts; then the run ends with `status` (tag `status`), or with MLflow's
+        word `end_as` where the status is none of MLflow's (CHECKPOINTED). Tracking trouble is
+        printed, never raised: the job's outcome matters more."""
         try:
             self.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
                              for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float))
@@ -290,7 +292,7 @@ class Tracker:
         except Exception as exc:
             print(f"[tracking] could not record the result: {store_error(exc, self.uri)}")
         finally:
-            self.end(status)
+            self.end(end_as or status)
 
     def end(self, status: str) -> None:
         """FINISHED | FAILED | KILLED. Never raises: the run's outcome matters more."""

@@ -68,6 +68,7 @@ def test_names_later_issues_rely_on():
     (["model=bar"], "model: unknown choice 'bar'; allowed: convnet, custom, linear"),
     (["backend.device=tpu"], "backend.device: invalid value 'tpu'; allowed: auto, cpu, cuda"),
     (["mode=walk"], "mode: invalid value 'walk'; allowed: run, tune"),
+    (["trainer.checkpoint_signal=TERM"], "trainer.checkpoint_signal: invalid value 'TERM'; allowed: USR1, USR2, none"),
     (["tracking.uri=file:///tmp/mlruns"], "tracking.uri: unsupported 'file:///tmp/mlruns'; allowed schemes: sqlite"),
     (["tracking.uri=./mlruns"], "tracking.uri: unsupported './mlruns'"),
     (["model._target_=nope.Model"], "model._target_: cannot import 'nope.Model'"),

@@ -263,3 +263,64 @@ def test_non_finite_weights_are_never_checkpointed(make_cfg, tmp_path):
     kept = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
     assert kept and all(torch.isfinite(v).all() for p in kept for v in checkpoint.load(p)["model"].values())
     assert checkpoint.find_latest(tmp_path) == kept[-1]
+
+
+def test_checkpoint_signal_stops_at_a_checkpoint(make_cfg, tmp_path, monkeypatch):
+    """trainer.checkpoint_signal, rank side: the rank's own signal stops the run after the next
+    step, the parent's request file within SIGNAL_CHECK_EVERY steps, each at a checkpoint written
+    once (a step the periodic checkpoint also saves is not written twice)."""
+    from orchestrator.rundir import checkpoint_request_path
+    from orchestrator.runtime import hooks
+    from orchestrator.runtime.dist import Adapter
+    from orchestrator.runtime.loop import SIGNAL_CHECK_EVERY, train
+
+    def run(run_dir, *overrides):
+        cfg = make_cfg("trainer.max_steps=20", "data.args.size=2048", *overrides)
+        adapter = Adapter(cfg)
+        adapter.setup()
+        return train(cfg, adapter, ckpt_dir=run_dir)
+
+    monkeypatch.setattr(hooks, "_signalled", [10])  # as rank.py's handler does
+    res = run(tmp_path / "a")
+    assert res.steps == 1 and res.meter["stopped_by"] == "checkpoint_signal"
+    assert checkpoint.meta_of(checkpoint.find_latest(tmp_path / "a"))["step"] == 1
+    monkeypatch.setattr(hooks, "_signalled", [])
+
+    checkpoint_request_path(tmp_path / "b").parent.mkdir()
+    checkpoint_request_path(tmp_path / "b").write_text("USR1\n")
+    saved: list = []
+    real = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda run_dir, step, *a, **k: saved.append(step) or real(run_dir, step, *a, **k))
+    res = run(tmp_path / "b", "trainer.checkpoint_every=5")
+    assert res.steps == SIGNAL_CHECK_EVERY and saved == [5, 10] and res.meter["stopped_by"] == "checkpoint_signal"
+    res = run(tmp_path / "b", "trainer.checkpoint_signal=none")
+    assert res.steps == 20 and res.meter["stopped_by"] == "steps"  # off: the request is not read
+
+
+@pytest.mark.slow  # 35 s: two CLI runs
+def test_checkpoint_signal_to_the_parent_stops_and_resumes(tmp_path, mlflow_uri):
+    """kill -USR1 of the orchestrator (outside SLURM): the rank checkpoints and stops, exit 3,
+    result.json CHECKPOINTED, the MLflow run KILLED with the resume command printed; the resume
+    continues the same MLflow run to the full step count."""
+    run_dir = tmp_path / "run"
+    args = [*SLOW, "trainer.max_steps=100"]
+    job = cli(args, run_dir, mlflow_uri)
+    wait_for_checkpoint(run_dir, 10, job)
+    job.send_signal(signal.SIGUSR1)
+    out = job.communicate(timeout=60)[0]
+    assert job.returncode == 3, out
+    first = json.loads((run_dir / "result.json").read_text())
+    step = first["checkpointed_at_step"]
+    assert first["status"] == "CHECKPOINTED" and 10 < step < 100 and first["steps"] == step and not first["requeue"]
+    assert checkpoint.meta_of(checkpoint.find_latest(run_dir))["step"] == step
+    assert f"SIGUSR1: checkpointed at step {step} and stopped" in out and f"trainer.resume={run_dir}" in out, out
+    client = MlflowClient(mlflow_uri)
+    assert client.get_run(first["mlflow_run_id"]).info.status == "KILLED"
+    assert not (run_dir / "checkpoint.request").exists()
+    resumed = cli([*args, f"trainer.resume={run_dir}"], tmp_path / "unused", mlflow_uri)
+    out = resumed.communicate(timeout=180)[0]
+    assert resumed.returncode == 0, out
+    final = json.loads((run_dir / "result.json").read_text())
+    run = client.get_run(final["mlflow_run_id"])
+    assert final["status"] == "FINISHED" and final["steps"] == 100 and final["mlflow_run_id"] == first["mlflow_run_id"]
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_from_step"] == str(step)

@@ -278,3 +278,122 @@ def test_a_requeued_worker_rejoins_the_study(cluster, mlflow_uri, tmp_path):
     assert_nothing_lost(study, trial, tmp_path, job, own_log=False)  # the job's log starts again on requeue
     assert study.user_attrs["workers"] == 3  # the two workers, then the requeued one joined again
     assert "workers alive 2" in out
+
+
+def test_checkpoint_signal_tasks_and_the_requeued_run_dir(make_cfg, tmp_path, monkeypatch):
+    """The srun task ignores trainer.checkpoint_signal (SLURM signals every process of a step: the
+    torchrun agent must live) and runs its module with its arguments; a requeued job
+    (SLURM_RESTART_COUNT >= 1) resumes the run dir its earlier start used, and only that one."""
+    import signal
+
+    from orchestrator import checkpoint
+    from orchestrator.__main__ import resume_requeued
+    from orchestrator.app import _clear_stale_request, _mlflow_status
+    from orchestrator.rundir import checkpoint_request_path, write_json
+
+    cfg = slurm.resolve(make_cfg("backend=ddp"), ALLOC, say=lambda _: None)
+    assert cfg.trainer.checkpoint_signal.signum == signal.SIGUSR1
+    cmd = build_launch(cfg, tmp_path, environ=ALLOC).cmd
+    program = slurm.task_program(cfg, "torch.distributed.run")
+    assert cmd[cmd.index("--unbuffered") + 1:][:len(program)] == program and str(int(signal.SIGUSR1)) in program
+    off = slurm.resolve(make_cfg("backend=ddp", "trainer.checkpoint_signal=none"), ALLOC, say=lambda _: None)
+    assert slurm.task_program(off, "torch.distributed.run")[1:] == ["-m", "torch.distributed.run"]
+    (tmp_path / "selfsignal.py").write_text(
+        "import os, signal, sys, time\nos.kill(os.getpid(), signal.SIGUSR1)\ntime.sleep(0.1)\nprint('alive', sys.argv[1:])\n")
+    done = subprocess.run([*program[:-1], "selfsignal", "--x", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "alive ['--x', '1']", done.stderr
+    assert slurm.job_field("JobId=9 JobName=wrap Requeue=1 Restarts=0 BatchFlag=1 Reboot=0", "Requeue") == "1"
+    assert slurm.job_field("JobId=9 Requeue=0", "BatchFlag") == ""
+
+    run_dir = tmp_path / "run"
+    checkpoint.save(run_dir, 10, {}, {"step": 10, "world_size": 2})
+    write_json(run_dir / "job.json", {"mlflow_run_id": "r", "slurm_job_id": "42"})
+    env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}
+    argv = ["backend=ddp", f"hydra.run.dir={run_dir}"]
+    assert resume_requeued(argv, env) == [*argv, f"trainer.resume={run_dir}"]
+    for other in ({**env, "SLURM_RESTART_COUNT": "0"}, {**env, "SLURM_JOB_ID": "43"}, {"SLURM_RESTART_COUNT": "1"}):
+        assert resume_requeued(argv, other) == argv  # a first start, another job's run, no job
+    for given in ([*argv, "trainer.resume=elsewhere"], ["-m", *argv], [*argv, "mode=tune"],
+                  ["backend=ddp", f"hydra.run.dir={tmp_path / 'fresh'}"]):
+        assert resume_requeued(given, env) == given  # the user's own resume, a sweep, a study, no checkpoint
+    monkeypatch.chdir(tmp_path)  # a run dir Hydra named by the time: outputs/slurm/<job id>.json names it
+    assert resume_requeued(["backend=ddp"], env) == ["backend=ddp"]
+    slurm.note_run_dir(str(run_dir), env)
+    assert resume_requeued(["backend=ddp"], env) == ["backend=ddp", f"trainer.resume={run_dir}"]
+
+    # a request an earlier process left would stop the new attempt at once: removed; a new one stays
+    request = checkpoint_request_path(run_dir)
+    request.write_text("SIGUSR1\n")
+    os.utime(request, (0, 0))
+    _clear_stale_request(run_dir)
+    assert not request.exists()
+    request.write_text("SIGUSR1\n")
+    _clear_stale_request(run_dir)
+    assert request.exists()
+    assert [_mlflow_status({"status": s, "requeue": q}) for s, q in (("CHECKPOINTED", "42"), ("CHECKPOINTED", None),
+                                                                      ("FINISHED", None))] == ["SCHEDULED", "KILLED", "FINISHED"]
+
+
+# ~25 ms a step on 2 ranks (the data's read latency), 200 steps in one epoch of each rank's 256
+REQUEUE_WORKLOAD = ["data.args.size=4096", "data.batch_size=8", "trainer.lr=0.1", "trainer.momentum=0.9",
+                    "trainer.max_steps=200"]
+
+
+def first_logged_step(run_dir: Path, at_least: int, timeout_s: float = 300) -> None:
+    """Until rank 0 logged a step >= `at_least` (the job runs: training is under way)."""
+    import time
+
+    events = run_dir / "ranks" / "rank0.jsonl"
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if events.exists():
+            steps = [json.loads(line).get("step", 0) for line in events.read_text().splitlines()
+                     if line.strip().endswith("}") and '"type": "log"' in line]
+            if steps and max(steps) >= at_least:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"rank 0 logged no step >= {at_least} in {timeout_s:g} s")
+
+
+@pytest.mark.slow
+@needs_slurm
+@pytest.mark.parametrize("to", ["batch", "steps"])
+def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, make_cfg, mlflow_uri, tmp_path, to):
+    """sbatch --requeue --signal=[B:]USR1@<s>: SLURM's warning before the time limit (sent here
+    mid-run by scancel --signal=USR1, which delivers it as the time limit does: --batch to the batch
+    shell, which exec-ed the orchestrator; else to the job's steps, its ranks) makes the ranks
+    checkpoint at one step and stop; the job requeues itself, runs again with the same command and
+    resumes that run (same run dir, one MLflow run, resumed_from_step) to the full step count, with
+    the parameters of an uninterrupted run."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    args = ["backend=ddp", *REQUEUE_WORKLOAD, "data.read_latency_ms=3", "trainer.warmup_steps=1",
+            "trainer.window_steps=5", "trainer.log_every=5", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"]
+    cmd = " ".join(["exec", sys.executable, "-m", "orchestrator", *[f"'{a}'" for a in args]])
+    warning = "--signal=B:USR1@60" if to == "batch" else "--signal=USR1@60"
+    job = cluster.run("sbatch", "--parsable", "--nodes=2", "--exclusive", "--requeue", warning, "--time=10",
+                      f"--output={log}", "--open-mode=append", f"--chdir={ROOT}", "--wrap", cmd).stdout.strip().split(";")[0]
+    try:
+        first_logged_step(run_dir, 20)
+        cluster.run("scancel", "--signal=USR1", *(["--batch"] if to == "batch" else []), job)
+        cluster.wait_idle(timeout_s=480)  # SLURM holds a requeued job ~2 min before it runs again (its BeginTime)
+    finally:
+        out = log.read_text() if log.exists() else ""
+    first = json.loads((run_dir / "attempts" / "1" / "result.json").read_text())
+    step = first["checkpointed_at_step"]
+    assert first["status"] == "CHECKPOINTED" and first["requeue"] == job and 20 <= step < 200, out
+    assert f"SIGUSR1: checkpointed at step {step} and stopped; SLURM job {job} requeued" in out, out
+    assert f"SLURM job {job} runs again (SLURM_RESTART_COUNT=1): resuming its run {run_dir}" in out, out
+    assert f"resuming {run_dir} from step {step}" in out, out
+    final = json.loads((run_dir / "result.json").read_text())
+    assert final["status"] == "FINISHED" and final["steps"] == 200 and final["world_size"] == 2, out
+    client = MlflowClient(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("orchestrator").experiment_id], f"tags.run_dir = '{run_dir}'")
+    assert [r.info.run_id for r in runs] == [final["mlflow_run_id"]] == [first["mlflow_run_id"]]  # one MLflow run
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["resumed_from_step"] == str(step)
+    assert max(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == 200
+    # 200 steps at lr 0.1, momentum 0.9: two ranks' float32 sums vs one process's drift to ~1e-4;
+    # one step lost or repeated (a wrong resume point, data order or momentum) moves a weight by ~0.1
+    got = torch.load(run_dir / "model.pt")
+    want = reference_params(make_cfg, 1, *REQUEUE_WORKLOAD)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-3), (k, (got[k] - want[k]).abs().max())

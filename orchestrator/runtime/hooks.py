@@ -120,13 +120,13 @@ class CheckpointHook(Hook):
         self.ckpt_dir, self.every, self.mlflow_run_id, self.start_step = ckpt_dir, every, mlflow_run_id, start_step
 
     def after_step(self, run: Any) -> bool:
-        if run.step % self.every == 0:
+        if run.step % self.every == 0 and run.checkpointed != run.step:
             self.save(run)
             return True
         return False
 
     def finish(self, run: Any) -> None:
-        if run.step % self.every != 0 and run.step > self.start_step:
+        if run.step % self.every != 0 and run.step > self.start_step and run.checkpointed != run.step:
             self.save(run)
 
     def save(self, run: Any) -> None:
@@ -148,8 +148,50 @@ class CheckpointHook(Hook):
                          "loader": loader.as_dict(),
                          "balance": {"sizes": balancer.sampler.sizes} if balancer is not None else None},
                         sharded=(run.model, run.base_optimizer) if adapter.sharded_state else None, rank=adapter.rank)
+        run.checkpointed = step
         if adapter.rank == 0:
             run.events.write(CheckpointEvent(type="checkpoint", step=step))
+
+
+# trainer.checkpoint_signal arrived at this rank (rank.py installs `on_checkpoint_signal`)
+_signalled: List[int] = []
+
+
+def on_checkpoint_signal(signum: int, frame: Any) -> None:
+    _signalled.append(signum)
+
+
+class SignalCheckpointHook(Hook):
+    """trainer.checkpoint_signal: the rank got the signal (SLURM signals a job step's processes:
+    `sbatch --signal=USR1@<s>`), or the parent did and wrote `checkpoint.request` in the run dir
+    (`--signal=B:USR1@<s>`, or `kill -USR1` of the orchestrator): the run checkpoints at a step
+    boundary (CheckpointHook.save, the same code path as the periodic checkpoints) and stops there.
+    Several ranks agree on the step: every `every` steps they all-reduce whether any of them was
+    asked (one float), so they all save and stop after the same step. One rank stops at the next
+    step after its own signal, and looks for the parent's file every `every` steps. A run at its
+    last step finishes instead (its end is checkpointed by CheckpointHook when that is on)."""
+
+    def __init__(self, saver: Optional[CheckpointHook], request: Optional[Path], every: int) -> None:
+        self.saver, self.request, self.every = saver, request, every  # request: rank 0 reads the parent's file
+
+    def after_step(self, run: Any) -> bool:
+        if run.step >= run.total:
+            return False
+        looks = run.step % self.every == 0
+        if run.adapter.world_size > 1:
+            if not looks:
+                return False
+            asked = run.adapter.all_reduce_sum([float(self._asked(looks))])[0] > 0
+        else:
+            asked = self._asked(looks)
+        if asked:
+            if self.saver is not None and run.checkpointed != run.step:
+                self.saver.save(run)
+            run.stop, run.stopped_by = True, "checkpoint_signal"
+        return looks or asked
+
+    def _asked(self, look_at_file: bool) -> bool:
+        return bool(_signalled) or (look_at_file and self.request is not None and self.request.exists())
 
 
 class LatencyJumpHook(Hook):

@@ -24,8 +24,8 @@ from .. import checkpoint
 from ..measure.plan import loader_queue, loader_round
 from ..measure.phases import OTHER
 from ..measure.stats import StopRule
-from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent
-from ..schema import Config, ConfigError, OptimizerName, import_target
+from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent, checkpoint_request_path
+from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
 from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer, ShareSampler
 from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, epoch_iterator, epoch_measured_steps,
@@ -33,7 +33,7 @@ from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, ep
 from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
-                    loader_tuner, overriding)
+                    SignalCheckpointHook, loader_tuner, overriding)
 from .meter import StepMeter, Window, model_state_mb
 from .batch import loss_fn
 from .step import Stepper, check_loss
@@ -161,6 +161,8 @@ class Run:
     it: Any = None
     epoch_generator: Optional[torch.Tensor] = None
     stop: bool = False
+    stopped_by: str = ""  # why it stopped before `total`, when not the stop rule (checkpoint_signal)
+    checkpointed: int = -1  # the step of the last checkpoint this rank wrote (none: -1)
     first_loss: float = math.nan
     last_loss: float = math.nan
     hooks: List[Hook] = field(default_factory=list)
@@ -298,6 +300,10 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     return run
 
 
+# steps between the ranks' checks whether trainer.checkpoint_signal arrived (one all-reduce of a float)
+SIGNAL_CHECK_EVERY = 10
+
+
 def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
                 mlflow_run_id: Optional[str]) -> List[Hook]:
     """The features this run has, in the order the loop calls them at a step's end: checkpoint,
@@ -308,8 +314,14 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
         hooks.append(ProfilerHook(Profiler(run.device, trace_path), t.warmup_steps, t.profile_steps))
     if run.balancer is not None:
         hooks.append(BalanceHook(run.balancer))
-    if t.checkpoint_every > 0 and ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state):
-        hooks.append(CheckpointHook(ckpt_dir, t.checkpoint_every, mlflow_run_id, run.step))
+    saves = ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
+    saver = CheckpointHook(ckpt_dir, t.checkpoint_every, mlflow_run_id, run.step) if saves else None  # type: ignore[arg-type]
+    if t.checkpoint_every > 0 and saver is not None:
+        hooks.append(saver)
+    if t.checkpoint_signal is not CheckpointSignal.none and cfg.mode is Mode.run and ckpt_dir is not None:
+        # after the periodic checkpoint (a step both ask for is saved once), before the loader autotune
+        request = checkpoint_request_path(ckpt_dir) if adapter.rank == 0 else None
+        hooks.append(SignalCheckpointHook(saver, request, SIGNAL_CHECK_EVERY))
     if isinstance(run.dataset, LatencyDataset) and cfg.data.latency_jump_at > 0:
         hooks.append(LatencyJumpHook(cfg.data.latency_jump_at, cfg.data.latency_after_ms))
     if run.loader_tuner is not None:
@@ -385,7 +397,7 @@ def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:
     summary = meter.summary()
     summary.update(mfu_figures(train_step.flops, summary.get("throughput"), run.device, run.amp, run.amp_dtype,
                                t.peak_tflops))
-    summary["stopped_by"] = run.rule.reason if run.rule is not None and run.rule.reason else "steps"
+    summary["stopped_by"] = run.stopped_by or (run.rule.reason if run.rule is not None and run.rule.reason else "steps")
     summary["model_state_mb"] = model_state_mb(run.model, run.optimizer)
     summary["warmup"]["epochs_rewarm"] = run.rewarm_epochs
     for hook in run.hooks:
