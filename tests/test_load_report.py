@@ -179,7 +179,7 @@ def test_the_loader_override_says_its_prefetch_and_a_command_to_paste(tmp_path):
     (tmp_path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(
         ["experiment=input_bound", "trainer.loader_autotune=true", "data.num_workers=0", "hydra.run.dir=/x"]))
     path = write_loader_override({"initial": {"num_workers": 0, "prefetch_factor": None},
-                                  "final": {"num_workers": 4, "prefetch_factor": None}}, tmp_path)
+                                  "final": {"num_workers": 4, "prefetch_factor": None}, "events": []}, tmp_path)
     text = path.read_text()
     assert yaml.safe_load(text) == {"data": {"num_workers": 4, "prefetch_factor": 2}}
     use = next(line for line in text.splitlines() if line.startswith("# Use: "))[len("# Use: "):]
