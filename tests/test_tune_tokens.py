@@ -201,6 +201,7 @@ def test_a_tokens_study_picks_the_most_real_tokens_per_second(make_cfg, tmp_path
 
 
 # ~8.5 s (one trial launched, refused at its first batch, before any measuring): in the default suite
+@pytest.mark.slow  # 9 s: a study; the rank's refusal is test_a_batch_without_a_mask_is_refused_at_its_first_batch
 def test_a_study_of_batches_without_a_mask_stops_at_the_first_trial(make_cfg, tmp_path):
     from orchestrator.tune.study import StudyFailed, run_study
 
