@@ -487,7 +487,7 @@ class TuneConfig:
     global_batch: Optional[int] = None  # batch x accumulation x world held at this value
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5  # end the study once more than this share of its trials failed
-    pruner: PrunerName = PrunerName.interval  # interval: a trial whose throughput interval lies below the floor | median | none
+    pruner: PrunerName = PrunerName.none  # none | interval: a trial whose throughput interval lies below the floor | median
     sampler: SamplerName = SamplerName.guided  # guided: TPE plus the job model's and the diagnosis' proposals | tpe | gp | random | grid
     seed: int = 0
     baseline: bool = True  # trial 0 runs the config as given, for comparison
