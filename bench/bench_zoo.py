@@ -67,6 +67,10 @@ Full run, then the same after a change to the tuner, then the comparison:
 
     .venv/bin/python bench/bench_zoo.py --label before
     .venv/bin/python bench/bench_zoo.py --label after --part studies default score
+
+A variant of the same code, by its overrides (the label names it):
+
+    .venv/bin/python bench/bench_zoo.py --part studies score --label pruner-interval --tune tune.pruner=interval
 """
 
 from __future__ import annotations
@@ -220,7 +224,7 @@ def run(sname: str, overrides: List[str], tmp: Path) -> Tuple[Dict[str, Any], Op
 def studies_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
     space_spec = space_of(spec, args.smoke)
     grid = grid_of(space_spec)
-    common = [*base(spec, tmp), *space_overrides(space_spec), f"tune.n_trials={STUDY_TRIALS}"]
+    common = [*base(spec, tmp), *space_overrides(space_spec), f"tune.n_trials={STUDY_TRIALS}", *args.tune]
     cfg = compose_cfg(common)
     user = point_of(SearchSpace(cfg).baseline())
     common.append(f"tune.baseline={str(user in grid).lower()}")
@@ -393,6 +397,8 @@ def main() -> int:
     ap.add_argument("--factor", type=float, default=5.0, help="reference length: x the trial's measured samples")
     ap.add_argument("--smoke", action="store_true", help="4-point spaces, a 4-trial default study: a check that all runs")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--tune", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides for the studies (e.g. tune.pruner=interval: the label then names that variant)")
     args = ap.parse_args()
     args.cache = (args.cache or ROOT / "outputs" / f"bench_zoo{'_smoke' if args.smoke else ''}.json").resolve()
     args.cache.parent.mkdir(parents=True, exist_ok=True)
