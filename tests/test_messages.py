@@ -9,7 +9,7 @@ import torch
 
 from orchestrator.app import _say_workers_over_cores
 from orchestrator.rank import _hush_said_warnings
-from orchestrator.tune.report import _pruning_line
+from orchestrator.tune.report import _pruning_line, interval_words
 from orchestrator.tune.space import knob_words
 
 
@@ -54,3 +54,11 @@ def test_knobs_that_do_not_apply_are_not_listed():
     assert knob_words({"data.batch_size": 64, "data.num_workers": 0, "data.prefetch_factor": None,
                        "data.persistent_workers": False}) == "batch_size=64 num_workers=0"
     assert knob_words({"data.num_workers": 2, "data.persistent_workers": True}) == "num_workers=2 persistent_workers=True"
+
+
+def test_an_interval_is_shown_from_0_at_least():
+    """A trial stopped at max_measure_s after 2 windows: rel_se 10% and t(1) = 12.7 give a 95%
+    interval of 1412.9 +- 1715 (seen in the README's study as `1412.9 (-302.1-3127.8) samples/s`)."""
+    assert interval_words({"throughput_lo": -302.1, "throughput_hi": 3127.8}, "throughput") == " (0.0-3127.8)"
+    assert interval_words({"throughput_lo": 1272.0, "throughput_hi": 1554.0}, "throughput", 1.0, "{:.0f}") == " (1272-1554)"
+    assert interval_words({"throughput": 5.0}, "throughput") == ""

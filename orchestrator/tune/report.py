@@ -150,9 +150,15 @@ def best_words(study: Any, t: TuneConfig) -> str:
     name, unit = ("tokens_per_s", "real tokens/s") if t.objective is Objective.tokens else ("throughput", "samples/s")
     if f.get(name) is None:
         return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%"
+    return (f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%, "
+            f"{f[name]:.1f}{interval_words(f, name)} {unit}")
+
+
+def interval_words(f: Dict[str, Any], name: str, unit: float = 1.0, fmt: str = "{:.1f}") -> str:
+    """` (lo-hi)`: a figure's 95% interval as shown, its low end at 0 at least (the t interval of a
+    trial stopped at max_measure_s after 2 windows reaches far below 0; no rate does); '' without one."""
     lo, hi = f.get(f"{name}_lo"), f.get(f"{name}_hi")
-    interval = f" ({lo:.1f}-{hi:.1f})" if lo is not None and hi is not None else ""
-    return f"trial {best[0].number}: utilization {100 * f['utilization']:.1f}%, {f[name]:.1f}{interval} {unit}"
+    return f" ({fmt.format(unit * max(0.0, lo))}-{fmt.format(unit * hi)})" if lo is not None and hi is not None else ""
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
@@ -221,20 +227,16 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
                 *(("real tokens/s (95% interval)",) if tokens else ()), "verdict", "notes"):
         table.add_column(col)
 
-    def interval(f: Dict[str, Any], name: str, unit: float, fmt: str) -> str:
-        lo, hi = f.get(f"{name}_lo"), f.get(f"{name}_hi")
-        return f" ({fmt.format(unit * lo)}-{fmt.format(unit * hi)})" if lo is not None and hi is not None else ""
-
     for i, tr in enumerate(done, 1):
         a, f = tr.user_attrs, figures(tr, conf)
         knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t))) if on]
         real = (("-" if f.get("tokens_per_s") is None else f"{f['tokens_per_s']:.0f}"
-                 + interval(f, "tokens_per_s", 1.0, "{:.0f}")),) if tokens else ()
+                 + interval_words(f, "tokens_per_s", 1.0, "{:.0f}")),) if tokens else ()
+        shown = f"{f['throughput']:.1f}" + interval_words(f, "throughput", 1.0, "{:.0f}")
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
-                      f"{f['throughput']:.1f}" + interval(f, "throughput", 1.0, "{:.0f}"), *real, a.get("verdict", "-"),
-                      " ".join(notes))
+                      shown, *real, a.get("verdict", "-"), " ".join(notes))
     console().print(table)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
