@@ -207,8 +207,7 @@ def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
         return {}
     conf = confirmed(study)
     a, b = figures(order[0], conf), figures(order[1], conf)
-    name = {Objective.throughput: "throughput", Objective.mfu: "throughput",
-            Objective.tokens: "tokens_per_s"}.get(t.objective, "utilization")
+    name = "utilization" if t.objective is Objective.utilization else deciding(t)
     if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
         name = "throughput"
     lo_a, hi_b = a.get(f"{name}_lo"), b.get(f"{name}_hi")
