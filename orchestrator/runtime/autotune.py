@@ -241,35 +241,36 @@ class LoaderTuner:
         trial goes on to TRIAL_WINDOWS windows (then a step up is reverted, a step down kept)."""
         trial = self.trial
         assert trial is not None
-        got = estimate(self.throughputs[-TRIAL_WINDOWS:])
-        noise = math.hypot(_half_width(trial.base), _half_width(got))
-        gain = got["mean"] - trial.base["mean"]
-        done = len(self.throughputs) >= TRIAL_WINDOWS or noise <= SETTLED_NOISE * trial.base["mean"]
-        if trial.kind == "up":
-            keep = gain > noise
-            if not keep and not done:
-                return None
-        else:
-            keep = gain >= -noise
-            if keep and not done:
-                return None
-        before, after = trial.base["mean"], got["mean"]
-        change = f"{before:.1f} -> {after:.1f} samples/s ({100 * gain / before:+.0f}%), noise +-{noise:.1f}"
+        keep, before, after, noise, said = self._verdict(trial)
+        done = len(self.throughputs) >= TRIAL_WINDOWS or noise <= SETTLED_NOISE * before
+        if not done and keep != (trial.kind == "up"):  # undecided: a step up not yet past the noise, a step down not yet below it
+            return None
         self.trial = None
         if keep:
-            why = ("throughput rose by more than the noise" if trial.kind == "up"
-                   else "throughput did not fall by more than the noise")
-            self.record(step, "keep", trial.candidate, trial.previous, f"{why}: {change}", before, after, noise)
+            self.record(step, "keep", trial.candidate, trial.previous, said, before, after, noise)
             self.refused.pop(trial.candidate, None)
             return None  # already in place
-        why = ("throughput did not rise by more than the noise" if trial.kind == "up"
-               else "throughput fell by more than the noise")
         n = self.refused.get(trial.candidate, (0, 0))[1] + 1
         wait = COOLDOWN * 2 ** (n - 1) * self.cfg.trainer.loader_autotune_every
         self.refused[trial.candidate] = (step + wait, n)
         self.record(step, "revert", trial.previous, trial.candidate,
-                    f"{why}: {change}; {trial.candidate.text} not tried again for {wait} steps", before, after, noise)
+                    f"{said}; {trial.candidate.text} not tried again for {wait} steps", before, after, noise)
         return trial.previous
+
+    def _verdict(self, trial: Any) -> tuple:
+        """(keep, before, after, noise, why in words) of a trial on its windows so far: a step up is
+        kept when its gain passes the noise, a step down when its loss does not."""
+        got = estimate(self.throughputs[-TRIAL_WINDOWS:])
+        noise = math.hypot(_half_width(trial.base), _half_width(got))
+        before, after = trial.base["mean"], got["mean"]
+        gain = after - before
+        keep = gain > noise if trial.kind == "up" else gain >= -noise
+        why = {(True, True): "throughput rose by more than the noise",
+               (True, False): "throughput did not rise by more than the noise",
+               (False, True): "throughput did not fall by more than the noise",
+               (False, False): "throughput fell by more than the noise"}[(trial.kind == "up", keep)]
+        change = f"{before:.1f} -> {after:.1f} samples/s ({100 * gain / before:+.0f}%), noise +-{noise:.1f}"
+        return keep, before, after, noise, f"{why}: {change}"
 
     def finish(self, step: int) -> None:
         """The run ended: a trial still open is kept when its windows measured it better (a step up
@@ -280,22 +281,12 @@ class LoaderTuner:
             return
         n = len(self.throughputs)
         if n >= MIN_WINDOWS:
-            got = estimate(self.throughputs[-TRIAL_WINDOWS:])
-            noise = math.hypot(_half_width(trial.base), _half_width(got))
-            gain = got["mean"] - trial.base["mean"]
-            keep = gain > noise if trial.kind == "up" else gain >= -noise
-            before, after = trial.base["mean"], got["mean"]
-            change = f"{before:.1f} -> {after:.1f} samples/s ({100 * gain / before:+.0f}%), noise +-{noise:.1f}"
-            why = (("throughput rose by more than the noise" if trial.kind == "up"
-                    else "throughput did not fall by more than the noise") if keep else
-                   ("throughput did not rise by more than the noise" if trial.kind == "up"
-                    else "throughput fell by more than the noise"))
+            keep, before, after, noise, said = self._verdict(trial)
         else:
             keep, before, after, noise = False, trial.base["mean"], None, None
-            change = f"{n} measured window{'s' if n != 1 else ''} at it, fewer than {MIN_WINDOWS}"
-            why = "too few windows to judge"
+            said = f"too few windows to judge: {n} measured window{'s' if n != 1 else ''} at it, fewer than {MIN_WINDOWS}"
         self.trial = None
-        ended = f"the run ended during the trial: {why}: {change}"
+        ended = f"the run ended during the trial: {said}"
         if keep:
             self.record(step, "keep", trial.candidate, trial.previous, ended, before, after, noise)
             return
