@@ -67,11 +67,18 @@ Monitor = Callable[[int, Dict[str, float]], bool]
 
 class LiveLog:
     """Turns the ranks' events into MLflow metrics and the live progress (progress.JobProgress:
-    step/total, loss, samples/s, ETA) while the job runs."""
+    step/total, loss, samples/s, ETA) while the job runs. The metrics go to MLflow in one batch
+    every FLUSH_S seconds and at the job's end (`flush`), not at every event: one write to a
+    SQLite store took ~29 ms of the parent's CPU, 417 of them 12 s of a 53 s study on 2 cores,
+    taken from the ranks it was measuring."""
+
+    FLUSH_S = 5.0
 
     def __init__(self, tracker: Tracker, world_size: int, progress: Optional[JobProgress] = None,
                  monitor: Optional[Monitor] = None) -> None:
         self.tracker, self.world, self.progress, self.monitor = tracker, world_size, progress, monitor
+        self.pending: List[tuple[str, float, int]] = []
+        self.flushed = time.monotonic()
         self.stop = False
         self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
         self.seen: Dict[int, int] = {}  # rank -> windows seen
@@ -122,10 +129,17 @@ class LiveLog:
                         self.progress.update(throughput=job["throughput"])
                     if self.monitor is not None and self.monitor(n, job):
                         self.stop = True
+        self.pending += points
+        if self.pending and time.monotonic() - self.flushed >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Log the metrics not logged yet (tracking trouble is printed: it must not kill a job)."""
+        points, self.pending, self.flushed = self.pending, [], time.monotonic()
         if points:
             try:
                 self.tracker.log_metrics(points)
-            except Exception as exc:  # tracking trouble must not kill a training job
+            except Exception as exc:
                 print(f"[tracking] could not log metrics: {store_error(exc, self.tracker.uri)}")
 
 
@@ -192,6 +206,7 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
                                 memory_cap_mb=cfg.trainer.memory_cap_mb)
             outcome = (ranks or FreshRanks(launch, echo)).run(cfg, run_dir, **watch_kwargs)
         finally:
+            live.flush()
             if progress is not None:
                 progress.stop()
         rank_results = load_rank_results(run_dir)
