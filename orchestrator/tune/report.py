@@ -21,6 +21,9 @@ from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
 from .rules import best_trials, completed, confirmed, counted, figures, ranked, refused, separation
 
+# Optuna's importances (a random forest over the completed trials) are noise below this many trials;
+# the plot also costs the first scikit-learn import, 2-3 s of a 6-trial study on 2 cores
+IMPORTANCE_MIN_TRIALS = 10
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
            "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "global_batch",
            "steps_per_epoch", "last_window_utilization", "last_window_throughput", "prune_reason",
@@ -188,10 +191,15 @@ def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig) -> List[st
 
     kwargs = {"target": lambda tr: tr.values[0], "target_name": "utilization"} if t.objective is Objective.both else {}
     made = []
+    n_done = len(completed(study))
     for name, fn in (("optimization_history", ovm.plot_optimization_history),
                      ("param_importances", ovm.plot_param_importances),
                      ("parallel_coordinate", ovm.plot_parallel_coordinate)):
         path = out_dir / f"{name}.png"
+        if name == "param_importances" and n_done < IMPORTANCE_MIN_TRIALS:
+            print(f"[tune] no {name} plot: {n_done} completed trials, importances need {IMPORTANCE_MIN_TRIALS} "
+                  "(a forest fitted to fewer ranks noise)")
+            continue
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
