@@ -733,3 +733,31 @@ def test_resuming_a_study_with_another_space_is_refused(make_cfg, tmp_path):
     message = str(info.value)
     assert "\n" not in message and message.startswith("tune.space: study 'one-space' was made with another space"), message
     assert "batch_size" in message and "prefetch_factor" in message and "tune.study_name" in message
+
+
+def test_confirmation_goes_on_while_the_pick_is_within_the_noise():
+    """After its planned rounds, the confirmation measures again the leader and the candidates that
+    may still beat it: a busier trial whose throughput may or may not keep up with the floor, and the
+    fastest while the leader may fall below its floor. Settled figures stop it."""
+    from orchestrator.schema import Objective, TuneConfig
+    from orchestrator.tune.rules import open_contest
+
+    def fig(util, thr, thr_half, util_half=0.01):
+        return {"utilization": util, "utilization_lo": util - util_half, "utilization_hi": util + util_half,
+                "throughput": thr, "throughput_lo": thr - thr_half, "throughput_hi": thr + thr_half}
+
+    t = TuneConfig()
+    # zoo storage_1: b32 (busier) measured at 0.96 of b64, its interval straddling the 0.95 floor
+    near = {"3": fig(0.22, 6600.0, 100.0), "4": fig(0.32, 6340.0, 250.0), "5": fig(0.20, 6500.0, 100.0)}
+    assert open_contest(near, t) == [4, 3]  # leader first (the busier one), then the fastest
+    # the same, measured precisely: b32 keeps up for certain and is busier beyond the noise
+    settled = {"3": fig(0.22, 6600.0, 30.0), "4": fig(0.32, 6500.0, 30.0), "5": fig(0.20, 6500.0, 30.0)}
+    assert open_contest(settled, t) == []
+    # far below the floor: b32 cannot keep up, whatever its utilization
+    below = {"3": fig(0.22, 6600.0, 30.0), "4": fig(0.32, 5000.0, 100.0)}
+    assert open_contest(below, t) == []
+    # throughput objective: overlapping intervals are open, separated ones are not
+    tt = TuneConfig(objective=Objective.throughput)
+    assert open_contest({"1": fig(0.2, 1000.0, 50.0), "2": fig(0.2, 960.0, 50.0)}, tt) == [1, 2]
+    assert open_contest({"1": fig(0.2, 1000.0, 10.0), "2": fig(0.2, 900.0, 10.0)}, tt) == []
+    assert open_contest({"1": fig(0.2, 1000.0, 10.0)}, t) == []

@@ -175,6 +175,40 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     return out + _busier_near_the_floor(done, out, leader, top, t)
 
 
+# a chance below this (or above 1 - it) that a trial keeps up with the floor is taken as settled
+SETTLED = 0.05
+
+
+def open_contest(confirmed_: Dict[str, Dict[str, Any]], t: TuneConfig) -> List[int]:
+    """The confirmed trials (by number) to measure again because the pick between them is still
+    within the noise: the leader by the objective's rule and those that may yet beat it; [] when
+    the pick is settled. utilization: a candidate whose utilization interval reaches the leader's
+    and that may keep up with the floor (chance > SETTLED), and the fastest while the leader itself
+    may fall below its floor; other objectives: the deciding figure's intervals overlap."""
+    numbers = list(confirmed_)
+    if len(numbers) < 2 or t.objective is Objective.both:
+        return []
+    figs = [confirmed_[n] for n in numbers]
+    if t.objective is Objective.utilization:
+        scores = expected_scores(figs, t.throughput_floor)
+        lead = max(range(len(figs)), key=lambda i: scores[i])
+        fastest = max(range(len(figs)), key=lambda i: figs[i]["throughput"])
+        leader_keeps_up = keeps_up(figs[lead], figs[fastest], t.throughput_floor)[0]
+
+        def open_(i: int) -> bool:
+            busier = _or(figs[i].get("utilization_hi"), float("inf")) >= _or(figs[lead].get("utilization_lo"), 0.0)
+            return ((busier and keeps_up(figs[i], figs[fastest], t.throughput_floor)[0] > SETTLED)
+                    or (i == fastest and leader_keeps_up < 1 - SETTLED))
+    else:
+        name = deciding(t) if t.objective is not Objective.mfu else "throughput"
+        lead = max(range(len(figs)), key=lambda i: figs[i].get(name) or 0.0)
+
+        def open_(i: int) -> bool:
+            return _may_beat(figs[i], figs[lead], (name,))
+    rest = [int(numbers[i]) for i in range(len(figs)) if i != lead and open_(i)]
+    return [int(numbers[lead]), *rest] if rest else []
+
+
 def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str, Any], top: float,
                            t: TuneConfig) -> List[Any]:
     """The busiest trial measured just below the floor of the fastest (`top`) whose throughput

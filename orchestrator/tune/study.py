@@ -31,8 +31,8 @@ from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, write_outputs
-from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, figures, not_launched, refused,
-                    stale_streak, utilization_score)
+from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, figures, not_launched, open_contest,
+                    refused, stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
@@ -42,6 +42,8 @@ MAX_DUPLICATES = 20  # re-proposed configs in a row before the study calls the s
 MAX_REJECTED = 10  # sampler configs in a row the job model may keep from a launch; the next one tests the model
 CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the pick (tune.confirm_top)
 CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
+# more rounds, of the candidates still within the noise of the leader (rules.open_contest) only
+CONFIRM_MAX_ROUNDS = 4
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac",
            "tokens_per_s", "padding_frac")
 # what shapes a batch (its keys: an attention_mask or not); the loader knobs do not
@@ -560,9 +562,10 @@ class Tuner:
         """Re-measure the best candidates (report.confirm_candidates) in CONFIRM_ROUNDS interleaved
         rounds with CONFIRM_LONGER x longer windows and minimum time, and store their combined
         figures in the study (`confirmed`): the pick is made from those, not from the single short
-        measurement that made a trial look best (its luck included)."""
-        from ..measure.stats import combine
-
+        measurement that made a trial look best (its luck included). Past those rounds, up to
+        CONFIRM_MAX_ROUNDS, the leader and the candidates still within its noise
+        (rules.open_contest) are measured again, each round: the pick at the floor's edge is a
+        coin toss on two short runs."""
         top = confirm_candidates(study, self.t)
         numbers = sorted(tr.number for tr in top)
         if len(top) == 1:
@@ -570,24 +573,46 @@ class Tuner:
                       "utilization intervals lie below its own")
         if len(top) < 2 or sorted(map(int, confirmed(study))) == numbers:
             return  # nothing to choose between, or already confirmed (a resumed, finished study)
-        self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds, "
-                  f"windows x{CONFIRM_LONGER:g}")
+        self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds "
+                  f"(up to {CONFIRM_MAX_ROUNDS} while the pick is within the noise), windows x{CONFIRM_LONGER:g}")
         runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
+        active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
+        for r in range(CONFIRM_MAX_ROUNDS):
+            if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
+                still = set(open_contest(self._combined(runs), self.t))
+                active = [tr for tr in top if tr.number in still]
+                if not active:
+                    break
+                total = done + len(active) * (CONFIRM_MAX_ROUNDS - r)
+                self._say(f"[tune] round {r + 1}: trials {', '.join(str(tr.number) for tr in active)} "
+                          "still within each other's noise")
+            for tr in active[r % len(active):] + active[:r % len(active)]:
+                done += 1
+                self._confirm_run(study, tr, r, parent, done, total, runs)
+        out = self._combined(runs, say=True)
+        study.set_user_attr("confirmed", out)
+        self.confirmed_here = True
+
+    def _confirm_run(self, study: Any, tr: Any, r: int, parent: Optional[str], done: int, total: int,
+                     runs: Dict[int, List[Dict[str, Any]]]) -> None:
+        """One confirmation run of trial `tr` (round `r`), its result added to `runs`."""
         tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
-        for r in range(CONFIRM_ROUNDS):
-            for i, tr in enumerate(top[r % len(top):] + top[:r % len(top)]):
-                cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
-                self._show(lambda p: p.confirm(r * len(top) + i + 1, CONFIRM_ROUNDS * len(top),
-                                               f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
-                try:
-                    runs[tr.number].append(run_job(
-                        cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
-                        extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
-                                    tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
-                        run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
-                except JobFailed as exc:
-                    self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
-                self._show(lambda p: p.ended(best_words(study, self.t)))
+        cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
+        self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
+        try:
+            runs[tr.number].append(run_job(
+                cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
+                extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
+                            tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
+                run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
+        except JobFailed as exc:
+            self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
+        self._show(lambda p: p.ended(best_words(study, self.t)))
+
+    def _combined(self, runs: Dict[int, List[Dict[str, Any]]], say: bool = False) -> Dict[str, Dict[str, Any]]:
+        """Trial number (str) -> the combined figures of its confirmation runs so far."""
+        from ..measure.stats import combine
+
         out: Dict[str, Dict[str, Any]] = {}
         for number, results in runs.items():
             if not results:
@@ -603,12 +628,13 @@ class Tuner:
                     m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
             if m["throughput"] is not None and m["utilization"] is not None:
                 out[str(number)] = m
+                if not say:
+                    continue
                 tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
                 self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
                           f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else "")
                           + tokens)
-        study.set_user_attr("confirmed", out)
-        self.confirmed_here = True
+        return out
 
     def _confirmation_due(self, study: Any) -> bool:
         """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
