@@ -194,7 +194,11 @@ def test_a_tokens_study_picks_the_most_real_tokens_per_second(make_cfg, tmp_path
         assert a["tokens_per_s_lo"] < a["tokens_per_s"] < a["tokens_per_s_hi"]
     assert done[4].user_attrs["throughput"] > done[48].user_attrs["throughput"]  # samples/s would pick keep=4
     assert summary["best"]["values"]["data.collate_fn.args.keep"] == 48
-    assert summary["best"]["tokens_per_s"] == max(t.user_attrs["tokens_per_s"] for t in done.values())
+    # the pick's figures: its confirmation runs' when the two trials' intervals overlapped (a loaded
+    # machine), else its own
+    conf = study_of(summary).user_attrs.get("confirmed") or {}
+    assert summary["best"]["tokens_per_s"] == max((conf.get(str(t.number)) or t.user_attrs)["tokens_per_s"]
+                                                  for t in done.values())
     assert "keep: 48" in (tmp_path / "tuned" / "best.yaml").read_text()
     metrics = MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"]).data.metrics
     assert metrics["best_tokens_per_s"] == pytest.approx(summary["best"]["tokens_per_s"])
