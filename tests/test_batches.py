@@ -236,6 +236,6 @@ def test_tokens_per_second_exclude_the_padding(make_cfg):
                            "model.args.max_len=8"))
     assert res.meter["padding_frac"] == pytest.approx(0.25)
     assert res.meter["tokens_per_s"] == pytest.approx(6 * res.meter["throughput"])
-    assert sum(w["padded_tokens"] for w in res.windows) == 8 * sum(w["tokens"] for w in res.windows) / 6
+    assert sum(w.padded_tokens for w in res.windows) == 8 * sum(w.tokens for w in res.windows) / 6
     plain = trained(make_cfg("trainer.max_steps=4"))  # (input, target) batches: no tokens to count
     assert plain.meter["tokens_per_s"] is None and plain.meter["padding_frac"] is None
