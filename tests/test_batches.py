@@ -197,7 +197,7 @@ def test_the_example_on_every_backend_matches_one_process(make_cfg, tmp_path, ba
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1
     # real tokens/s summed over the ranks, the padding share of their totals: the report and MLflow
     ranks = load_rank_results(tmp_path)
-    assert result["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in ranks))
+    assert result["tokens_per_s"] == pytest.approx(sum(r.tokens_per_s for r in ranks))
     assert 0 < result["padding_frac"] < 1
     assert f"**Padding**: {100 * result['padding_frac']:.1f}% of the token positions computed were padding" in (
         tmp_path / "load_report.md").read_text()
