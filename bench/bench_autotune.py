@@ -46,7 +46,7 @@ COMMON = ["tracking.enabled=false", "trainer.save_model=false", "trainer.epochs=
 def second_half(run_dir: Path, jump: int) -> Dict[str, Any]:
     """Samples over wall time from the jump on (windows tile the run: warmups included), the
     windows from there, and the moment of the jump (perf_counter, interpolated in its window)."""
-    wins = sorted(load_rank_results(run_dir)[0]["windows_detail"], key=lambda w: w["t_start"])
+    wins = sorted(load_rank_results(run_dir)[0].to_dict()["windows_detail"], key=lambda w: w["t_start"])
     at = next(w for w in wins if w["first_step"] + w["steps"] > jump)
     t_jump = at["t_start"] + (jump - at["first_step"]) / at["steps"] * (at["t_end"] - at["t_start"])
     after = [w for w in wins if w["first_step"] >= jump]

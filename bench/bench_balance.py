@@ -52,7 +52,7 @@ def steady_step_time(run_dir: Path, since_step: int = 0) -> float:
     """Median over measured windows from `since_step` of the slower rank's window step time (None
     when there is none)."""
     ranks = load_rank_results(run_dir)
-    per_rank = [[w for w in r["windows_detail"] if not w["warmup"] and not w["partial"] and w["first_step"] >= since_step]
+    per_rank = [[w for w in r.to_dict()["windows_detail"] if not w["warmup"] and not w["partial"] and w["first_step"] >= since_step]
                 for r in ranks]
     n = min(len(ws) for ws in per_rank)
     return statistics.median(max(ws[i]["wall_s"] / ws[i]["steps"] for ws in per_rank) for i in range(n)) if n else None
@@ -72,7 +72,7 @@ def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int, to
     result = run_job(cfg, run_dir, echo=False, plots=False)
     bal = result.get("balance") or {}
     since = bal["history"][-1]["step"] if bal else 0
-    wall = load_rank_results(run_dir)[0]["wall_s"]
+    wall = load_rank_results(run_dir)[0].get("wall_s")
     return {"step_s": steady_step_time(run_dir), "final_s": steady_step_time(run_dir, since),
             "shares": bal.get("shares"), "changes": bal.get("changes"), "reported": bal.get("speedup"),
             "spent": bal.get("spent_s", 0.0) / wall, "steps": result["steps"], "wall_s": wall}

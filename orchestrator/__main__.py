@@ -70,6 +70,7 @@ def main(dcfg: DictConfig) -> None:
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
     from .app import JobCheckpointed, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
+    from .measure.results import JobResult
     from .rundir import RecordError, RunDirOwned, Status, remove_if_unused, result_path, write_json
     from .tune.study import StudyFailed
 
@@ -100,7 +101,7 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         out = result_path(run_dir)
         if not out.exists():  # a refused resume runs in the run it names: leave its records alone
             try:
-                write_json(out, {"status": Status.INVALID, "error": redact(str(exc))})
+                write_json(out, JobResult(status=Status.INVALID, extra={"error": redact(str(exc))}).to_dict())
             except RecordError:
                 pass  # the config error is the one to read
         return EXIT_CONFIG

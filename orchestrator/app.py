@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import checkpoint, load_report, slurm
 from .launch import build_launch
+from .measure.results import JobResult, WindowFigures, job_window
 from .progress import JobProgress, console
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
 from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, checkpoint_request_path,
@@ -112,19 +113,9 @@ class LiveLog:
                 group[rank] = ev
                 if len(group) == self.world:  # every rank closed this window: job-level point
                     del self.windows[n]
-                    evs = list(group.values())
-                    s = max(int(e["step"]) for e in evs)  # type: ignore[call-overload]
-                    mean = lambda k: sum(float(e[k]) for e in evs) / len(evs)  # type: ignore[arg-type]  # noqa: E731
-                    job = {
-                        "throughput": sum(float(e["throughput"]) for e in evs),  # type: ignore[arg-type]
-                        "utilization": mean("utilization"),
-                        "data_wait_frac": mean("data_wait_frac"),
-                        "comm_frac": mean("comm_frac"),
-                        "step_time_s": max(float(e["step_time_s"]) for e in evs),  # type: ignore[arg-type]
-                    }
-                    if all(e.get("tokens_per_s") is not None for e in evs):  # real tokens/s: masked batches
-                        job["tokens_per_s"] = sum(float(e["tokens_per_s"]) for e in evs)  # type: ignore[arg-type]
-                    points += [(k, v, s) for k, v in {**job, **self.loader}.items()]
+                    fig = job_window([WindowFigures.from_event(e) for e in group.values()])
+                    job = fig.metrics()
+                    points += [(k, v, fig.step) for k, v in {**job, **self.loader}.items()]
                     if self.progress is not None:
                         self.progress.update(throughput=job["throughput"])
                     if self.monitor is not None and self.monitor(n, job):
@@ -192,8 +183,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     # node 0's rank 0 gathers every rank's result; another node's parent sees its own ranks only
     expected = world if cfg.parallelism.node_rank == 0 else launch.local_ranks
     run_id = _start_run(cfg, run_dir, resumed, tracker, world, extra_tags, run_name)
-    result: Dict[str, Any] = {"status": Status.RUNNING, "backend": cfg.backend.name.value, "mlflow_run_id": run_id,
-                              "run_dir": str(run_dir), "mlflow": tracker.where()}
+    result = JobResult(status=Status.RUNNING, backend=cfg.backend.name.value,
+                       extra={"mlflow_run_id": run_id, "run_dir": str(run_dir), "mlflow": tracker.where()}).to_dict()
     status = Status.FAILED
     report_files: List[Path] = []
     t0 = time.monotonic()
@@ -210,7 +201,7 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
             if progress is not None:
                 progress.stop()
         rank_results = load_rank_results(run_dir)
-        result.update(merge(rank_results))
+        result.update(merge(rank_results).to_dict())
         result["wall_s"] = time.monotonic() - t0
         status, why = classify(outcome, len(rank_results), expected, cfg.trainer.timeout_s)
         if status == Status.FINISHED and result.get("stopped_by") == "checkpoint_signal":
@@ -219,7 +210,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
             result["requeue"] = slurm.requeue_target()  # the SLURM job, when SLURM can run it again
         result["status"] = status  # before the load report, which records it
         if result.get("measured_steps"):
-            report, report_files = load_report.write(result, cfg, rank_results, run_dir, plots=plots)
+            report, report_files = load_report.write(result, cfg, [r.to_dict() for r in rank_results], run_dir,
+                                                     plots=plots)
             if result.get("loader_autotune"):
                 report_files.append(load_report.write_loader_override(result["loader_autotune"], run_dir))
             result["diagnosis"] = report["diagnosis"]
@@ -377,8 +369,9 @@ def _close_dead_attempt(run_dir: Path, previous: Dict[str, Any]) -> None:
     out = result_path(run_dir)
     if read_json(out, {}).get("status") == Status.FINISHED:
         return
-    write_json(out, {"status": Status.FAILED, "run_dir": str(run_dir), "mlflow_run_id": read_job(run_dir).get("mlflow_run_id"),
-                     "error": f"its process died while it ran (host {previous.get('host')}, pid {previous.get('pid')})"},
+    write_json(out, JobResult(status=Status.FAILED, extra={
+        "run_dir": str(run_dir), "mlflow_run_id": read_job(run_dir).get("mlflow_run_id"),
+        "error": f"its process died while it ran (host {previous.get('host')}, pid {previous.get('pid')})"}).to_dict(),
                indent=2)
 
 
@@ -423,9 +416,10 @@ def resume_point(cfg: Config) -> tuple:
         listed = ", ".join(f"{k} ({old} -> {new})" for k, old, new in changed)
         raise ConfigError(f"trainer.resume: a resume continues the same run, but these keys differ from its config.yaml: "
                           f"{listed}; pass the run's own values (docs/long-runs.md lists what may change)")
-    previous = read_json(result_path(run_dir), {})  # one left empty by a full disk: skipped, with a note
-    if previous.get("status") == Status.FINISHED and not checkpoint.trains_further(
-            saved.trainer, cfg.trainer, int(previous.get("steps") or 0), previous.get("steps_per_epoch")):
+    # one left empty by a full disk: skipped, with a note; one written before typed results reads alike
+    previous = JobResult.from_dict(read_json(result_path(run_dir), {}))
+    if previous.status == Status.FINISHED and not checkpoint.trains_further(
+            saved.trainer, cfg.trainer, int(previous.steps or 0), previous.steps_per_epoch):
         raise NothingToResume(
             f"nothing to resume: {run_dir} finished at step {previous.get('steps', meta['step'])} "
             f"(trainer.max_steps={saved.trainer.max_steps}, trainer.epochs={saved.trainer.epochs}); raise "

@@ -6,88 +6,77 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from .diagnose import STRAGGLER_SPREAD
-from .rundir import RankResult, ranks_dir
+from .measure.results import PER_RANK_FIELDS, Estimate, JobResult, RankResult, WindowFigures, job_window
 from .measure.stats import MIN_WINDOWS, estimate_of
-
-# Fields every rank reports and `result.json` repeats per rank.
-RANK_FIELDS = tuple(RankResult.__annotations__)
-
-def load_rank_results(run_dir: Path) -> List[Dict[str, Any]]:
-    out = []
-    for path in ranks_dir(run_dir).glob("rank*.json"):
-        out.append(json.loads(path.read_text()))
-    return sorted(out, key=lambda r: r["rank"])
+from .rundir import ranks_dir
 
 
-def merge(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Job-level figures: throughput summed over ranks, shares and utilization averaged, memory
-    maxed. Imbalance compares each rank's own work per step (step time minus the time it waited
-    on the others in communication); the rank with the most is the straggler when it is more
-    than STRAGGLER_SPREAD above the fastest."""
+def load_rank_results(run_dir: Path) -> List[RankResult]:
+    """Every rank's rank<R>.json, by rank (files written before typed results load alike)."""
+    out = [RankResult.from_dict(json.loads(path.read_text())) for path in ranks_dir(run_dir).glob("rank*.json")]
+    return sorted(out, key=lambda r: r.rank)
+
+
+def merge(ranks: List[RankResult]) -> JobResult:
+    """Job-level figures: throughput summed over ranks, shares and utilization averaged, the
+    slowest rank's step time, memory maxed (as measure.results.job_window does per window).
+    Imbalance compares each rank's own work per step (step time minus the time it waited on the
+    others in communication); the rank with the most is the straggler when it is more than
+    STRAGGLER_SPREAD above the fastest."""
     if not ranks:
-        return {}
-    per_rank = [{k: r.get(k) for k in RANK_FIELDS} for r in ranks]
-    measured = [r for r in ranks if r.get("measured_steps")]
-    job: Dict[str, Any] = {
-        "world_size": len(ranks),
-        "steps": max(r["steps"] for r in ranks),
-        "steps_per_epoch": ranks[0].get("steps_per_epoch"),
-        "item_bytes": ranks[0].get("item_bytes"),
-        "final_loss": ranks[0].get("final_loss"),
-        "first_loss": ranks[0].get("first_loss"),
-        "per_rank": per_rank,
-    }
-    if ranks[0].get("warmup"):
-        job["warmup"] = ranks[0]["warmup"]  # the same on every rank (same steps, same loader)
-    for key in ("stopped_by", "steps_per_epoch", "epochs", "balance", "loader_autotune"):  # the same on every rank; loader_autotune: rank 0's
-        if ranks[0].get(key) is not None:
-            job[key] = ranks[0][key]
+        return JobResult()
+    first = ranks[0]
+    job = JobResult(world_size=len(ranks), steps=max(r.steps for r in ranks), steps_per_epoch=first.steps_per_epoch,
+                    per_rank=[{k: r.get(k) for k in PER_RANK_FIELDS} for r in ranks],
+                    extra={k: first.get(k) for k in ("item_bytes", "final_loss", "first_loss")})
+    # the same on every rank (same steps, same loader); loader_autotune: rank 0's
+    job.extra.update({k: first.get(k) for k in ("warmup", "stopped_by", "epochs", "balance", "loader_autotune")
+                      if first.get(k) is not None})
+    measured = [r for r in ranks if r.measured_steps]
     if not measured:
         return job
-    mean = lambda key: statistics.fmean(r[key] for r in measured)  # noqa: E731
-    job.update({
-        "utilization": mean("utilization"),
-        "utilization_source": measured[0]["utilization_source"],
-        "throughput": sum(r["throughput"] for r in measured),
-        "step_time_s": max(r["step_time_s"] for r in measured),
-        "data_wait_frac": mean("data_wait_frac"),
-        "h2d_frac": mean("h2d_frac"),
-        "compute_frac": mean("compute_frac"),
-        "comm_frac": mean("comm_frac"),
-        "optimizer_frac": mean("optimizer_frac"),
-        "busy_frac": statistics.fmean(r.get("busy_frac", r["compute_frac"] + r["optimizer_frac"]) for r in measured),
-        "input_cost": _input_cost(measured),
-        "other_frac": mean("other_frac"),
-        "peak_mem_mb": max(r["peak_mem_mb"] for r in measured),
-        "measured_steps": min(r["measured_steps"] for r in measured),
-        "warmup_excluded": all(r.get("warmup_excluded") for r in measured),
-        **_device_figures(measured),
-        **_token_figures(measured),
-    })
+    mean = lambda key: statistics.fmean(getattr(r, key) for r in measured)  # noqa: E731
+    job.utilization, job.utilization_source = mean("utilization"), measured[0].utilization_source
+    job.throughput = sum(r.throughput for r in measured)  # type: ignore[misc]
+    job.step_time_s = max(r.step_time_s for r in measured)  # type: ignore[type-var]
+    for key in ("data_wait_frac", "h2d_frac", "compute_frac", "comm_frac", "optimizer_frac", "other_frac"):
+        setattr(job, key, mean(key))
+    job.busy_frac = statistics.fmean(r.busy_frac if r.busy_frac is not None
+                                     else r.compute_frac + r.optimizer_frac for r in measured)  # type: ignore[operator]
+    job.peak_mem_mb = max(r.peak_mem_mb for r in measured)  # type: ignore[type-var]
+    job.measured_steps = min(r.measured_steps for r in measured)
+    job.tokens_per_s, job.padding_frac = _token_figures(measured)
+    job.extra.update(input_cost=_input_cost(measured), warmup_excluded=all(r.get("warmup_excluded") for r in measured),
+                     **_device_figures(measured))
     windows = job_windows(measured)
-    job["estimate"] = estimate_of(windows)  # the throughput's mean over windows, its interval
-    job["utilization_estimate"] = estimate_of(windows, "utilization")
-    if job["tokens_per_s"] is not None and windows and all("tokens_per_s" in w for w in windows):
-        job["tokens_estimate"] = estimate_of(windows, "tokens_per_s")  # real tokens/s: its interval (tune.objective=tokens)
-    own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in measured}
-    utils = [r["utilization"] for r in measured]
+    job.estimate = Estimate.from_dict(estimate_of(windows))  # the throughput's mean over windows, its interval
+    job.utilization_estimate = Estimate.from_dict(estimate_of(windows, "utilization"))
+    if job.tokens_per_s is not None and windows and all(w.tokens_per_s is not None for w in windows):
+        job.tokens_estimate = Estimate.from_dict(estimate_of(windows, "tokens_per_s"))  # real tokens/s (objective=tokens)
+    job.imbalance = _imbalance(measured, job.extra.get("balance"))
+    return job
+
+
+def _imbalance(measured: List[RankResult], balance: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    own = {r.rank: r.step_time_s - r.phase_s["comm"] for r in measured}  # type: ignore[index,operator]
+    utils = [r.utilization for r in measured]
     slowest = max(own, key=own.__getitem__) if len(measured) > 1 else None
     own_spread = _spread(list(own.values()))
-    job["imbalance"] = {
+    out = {
         "own_step_time_s": own,
         "own_time_spread": own_spread,
-        "step_time_spread": _spread([r["step_time_s"] for r in measured]),
-        "utilization_spread": max(utils) - min(utils),
+        "step_time_spread": _spread([r.step_time_s for r in measured]),  # type: ignore[misc]
+        "utilization_spread": max(utils) - min(utils),  # type: ignore[type-var,operator]
         "slowest_rank": slowest,
         # a straggler is named only past the threshold: a few percent is noise, not a slow rank
         "straggler_rank": slowest if own_spread > STRAGGLER_SPREAD else None,
     }
-    if job.get("balance"):
-        job["imbalance"].update(_at_shares(job["balance"], len(measured)))
-    return job
+    if balance:
+        out.update(_at_shares(balance, len(measured)))
+    return out
 
 
 def _at_shares(balance: Dict[str, Any], world: int) -> Dict[str, Any]:
@@ -106,14 +95,14 @@ def _at_shares(balance: Dict[str, Any], world: int) -> Dict[str, Any]:
             "straggler_rank": slowest if spread > STRAGGLER_SPREAD else None}
 
 
-def _input_cost(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _input_cost(measured: List[RankResult]) -> Dict[str, Any]:
     """The ranks' per-item input costs averaged (every rank loads its own share the same way)."""
     costs = [r.get("input_cost") or {} for r in measured]
     keys = {k for c in costs for k, v in c.items() if isinstance(v, (int, float))}
     return {k: statistics.fmean(c[k] for c in costs if isinstance(c.get(k), (int, float))) for k in sorted(keys)}
 
 
-def _device_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _device_figures(measured: List[RankResult]) -> Dict[str, Any]:
     """mfu, nvml_util, sm_active for the job: the mean over ranks where every rank has the figure
     (otherwise None), each with rank 0's source."""
     out: Dict[str, Any] = {}
@@ -126,29 +115,24 @@ def _device_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _token_figures(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _token_figures(measured: List[RankResult]) -> Tuple[Optional[float], Optional[float]]:
     """Real tokens/s summed over ranks, and the job's padding share (of every position computed),
     where every rank counted tokens (dict batches with an attention_mask); else None."""
-    rates = [(r.get("tokens_per_s"), r.get("padding_frac")) for r in measured]
+    rates = [(r.tokens_per_s, r.padding_frac) for r in measured]
     if not rates or any(t is None or p is None for t, p in rates):
-        return {"tokens_per_s": None, "padding_frac": None}
-    real = sum(t for t, _ in rates)
-    computed = sum(t / (1.0 - p) if p < 1.0 else 0.0 for t, p in rates)
-    return {"tokens_per_s": real, "padding_frac": 1.0 - real / computed if computed > 0 else None}
+        return None, None
+    real = sum(t for t, _ in rates)  # type: ignore[misc]
+    computed = sum(t / (1.0 - p) if p < 1.0 else 0.0 for t, p in rates)  # type: ignore[operator]
+    return real, 1.0 - real / computed if computed > 0 else None
 
 
-def job_windows(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The job's measured windows: window i's throughput is the sum of every rank's window i (the
-    ranks close windows at the same steps), its utilization their mean, its real tokens/s (masked
-    batches) the sum of the ranks' tokens over their window's time."""
-    per_rank = [[w for w in r.get("windows_detail") or [] if not w.get("warmup")] for r in ranks]
+def job_windows(ranks: List[RankResult]) -> List[WindowFigures]:
+    """The job's measured windows: window i is measure.results.job_window of every rank's window i
+    (the ranks close windows at the same steps): throughput and real tokens/s summed, utilization
+    the mean, the slowest rank's step and wall time."""
+    per_rank = [r.window_figures() for r in ranks]
     n = min(len(ws) for ws in per_rank)
-    out = [{**per_rank[0][i], "throughput": sum(ws[i]["throughput"] for ws in per_rank),
-            "utilization": statistics.fmean(ws[i]["utilization"] for ws in per_rank)} for i in range(n)]
-    for i, w in enumerate(out):  # real tokens/s, where every rank counted them (masked batches)
-        if all(ws[i].get("padded_tokens") and ws[i]["wall_s"] > 0 for ws in per_rank):
-            w["tokens_per_s"] = sum(ws[i]["tokens"] / ws[i]["wall_s"] for ws in per_rank)
-    return out
+    return [job_window([ws[i] for ws in per_rank]) for i in range(n)]
 
 
 def _spread(values: List[float]) -> float:

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from .measure.results import RankResult
 from .rundir import (OWNER_ENV, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths,
                      ranks_dir, read_job, write_atomic, write_json)
 
@@ -82,15 +83,17 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         import torch
 
         write_atomic(root / "model.pt", lambda p: torch.save(state, p))
-    result = {
+    typed = RankResult.from_dict({
         "param_digest": res.param_digest,
         "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
         "host": socket.gethostname(), "pid": os.getpid(), "device": str(adapter.device),
         "steps": res.steps, "epochs": res.epochs, "steps_per_epoch": res.steps_per_epoch,
         "item_bytes": res.item_bytes,
         "first_loss": res.first_loss, "final_loss": res.final_loss,
-        "wall_s": res.wall_s, **res.meter, "windows_detail": res.windows,
-    }
+        "wall_s": res.wall_s, **res.meter,
+    })
+    typed.windows_detail = res.windows
+    result = typed.to_dict()
     write_json(paths["result"], result)
     # rank 0's run dir gets every rank's result, also those of ranks on other machines
     gathered = adapter.all_gather_object(result)

@@ -1,16 +1,17 @@
 """The run directory's layout: the contract between the parent (supervise, merge, pool, job) and
 the ranks (rank.py, the loop). Every path, file name and record format the two sides exchange is
-defined here and nowhere else.
+defined here and nowhere else, but for the results' (rank<R>.json, result.json: typed in
+measure/results.py, which every floor reads).
 
     <run dir>/config.yaml          the resolved config the ranks load (written by the parent)
-    <run dir>/result.json          the job's merged result (the parent, once the ranks reported)
+    <run dir>/result.json          the job's merged result (the parent, once the ranks reported): measure.results.JobResult
     <run dir>/load_report.json|md  the diagnosis (load_report.py)
     <run dir>/attempts/<N>/        what an earlier attempt recorded (a resume, a dead owner's job)
     <run dir>/job.json             the job spec: what a rank needs besides the config (MLflow run id)
     <run dir>/owner.json           the process running a job there: flock-ed while it lives (RunOwner)
     <run dir>/checkpoint.request   the parent got trainer.checkpoint_signal: the ranks checkpoint and stop
     <run dir>/ranks/rank<R>.jsonl  rank R's events, tailed live by the parent (Event)
-    <run dir>/ranks/rank<R>.json   rank R's result (rank 0 also writes every other rank's)
+    <run dir>/ranks/rank<R>.json   rank R's result (rank 0 also writes every other rank's): measure.results.RankResult
     <run dir>/ranks/rank<R>.err    rank R's traceback, when it failed
     <pool dir>/jobs/<seq>.json     a kept-alive pool's next job: {"run_dir", **job spec}
     <pool dir>/stop                asks a pool's ranks to exit
@@ -117,48 +118,6 @@ Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, L
 # the per-window figures the parent turns into MLflow metrics
 WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
 
-
-class RankResult(TypedDict, total=False):
-    """What every rank reports in rank<R>.json (rank.run_one) and result.json repeats per rank
-    (merge.RANK_FIELDS); ranks add their warmup, estimate and window details beside these."""
-
-    rank: int
-    host: str
-    device: str
-    param_digest: str
-    steps: int
-    first_loss: float
-    final_loss: float
-    utilization: float
-    utilization_source: str
-    throughput: float
-    step_time_s: float
-    data_wait_frac: float
-    h2d_frac: float
-    compute_frac: float
-    comm_frac: float
-    optimizer_frac: float
-    other_frac: float
-    phase_s: Dict[str, float]
-    peak_mem_mb: float
-    reserved_mem_mb: float
-    model_state_mb: float  # parameters + gradients + optimizer state this rank holds (fsdp: its shards)
-    mem_source: str
-    measured_steps: int
-    warmup_excluded: bool
-    utilization_spread: List[float]
-    throughput_spread: List[float]
-    mfu: Optional[float]
-    mfu_source: str
-    mfu_dtype: str
-    flops_per_sample: Optional[float]
-    peak_flops: Optional[float]
-    nvml_util: Optional[float]
-    nvml_util_source: str
-    sm_active: Optional[float]
-    sm_active_source: str
-    busy_frac: float  # (compute + optimizer) / wall: the busy share by wall time
-    input_cost: Dict[str, Any]  # per item: loader CPU, data wait, process CPU (StepMeter._input_cost)
 
 _RANK_FILE = re.compile(r"^rank(\d+)$")
 

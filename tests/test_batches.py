@@ -197,7 +197,7 @@ def test_the_example_on_every_backend_matches_one_process(make_cfg, tmp_path, ba
     assert len({r["param_digest"] for r in result["per_rank"]}) == 1
     # real tokens/s summed over the ranks, the padding share of their totals: the report and MLflow
     ranks = load_rank_results(tmp_path)
-    assert result["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in ranks))
+    assert result["tokens_per_s"] == pytest.approx(sum(r.tokens_per_s for r in ranks))
     assert 0 < result["padding_frac"] < 1
     assert f"**Padding**: {100 * result['padding_frac']:.1f}% of the token positions computed were padding" in (
         tmp_path / "load_report.md").read_text()
@@ -236,6 +236,6 @@ def test_tokens_per_second_exclude_the_padding(make_cfg):
                            "model.args.max_len=8"))
     assert res.meter["padding_frac"] == pytest.approx(0.25)
     assert res.meter["tokens_per_s"] == pytest.approx(6 * res.meter["throughput"])
-    assert sum(w["padded_tokens"] for w in res.windows) == 8 * sum(w["tokens"] for w in res.windows) / 6
+    assert sum(w.padded_tokens for w in res.windows) == 8 * sum(w.tokens for w in res.windows) / 6
     plain = trained(make_cfg("trainer.max_steps=4"))  # (input, target) batches: no tokens to count
     assert plain.meter["tokens_per_s"] is None and plain.meter["padding_frac"] is None

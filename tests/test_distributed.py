@@ -84,7 +84,7 @@ def test_ranks_agree_and_match_one_process(make_cfg, tmp_path, backend, accum):
     # per-rank figures, imbalance, one MLflow run with per-rank metrics and tags
     assert {r["rank"] for r in result["per_rank"]} == {0, 1}
     imb = result["imbalance"]
-    own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in load_rank_results(tmp_path)}  # own work per step
+    own = {r.rank: r.step_time_s - r.phase_s["comm"] for r in load_rank_results(tmp_path)}  # own work per step
     assert imb["slowest_rank"] == max(own, key=own.__getitem__)
     assert (imb["straggler_rank"] is not None) == (imb["own_time_spread"] > STRAGGLER_SPREAD)
     run = MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"])

@@ -52,7 +52,7 @@ def test_tiny_compute_many_parameters_on_two_ranks_is_communication_bound(make_c
     assert all("the global batch grows from 16 to 64" in m["why"] for m in (first, second))
     assert len(rep["per_rank"]) == 2
     imb = rep["imbalance"]
-    own = {r["rank"]: r["step_time_s"] - r["phase_s"]["comm"] for r in load_rank_results(tmp_path)}  # own work per step
+    own = {r.rank: r.step_time_s - r.phase_s["comm"] for r in load_rank_results(tmp_path)}  # own work per step
     assert imb["slowest_rank"] == max(own, key=own.__getitem__)
     assert (imb["straggler_rank"] is not None) == (imb["own_time_spread"] > STRAGGLER_SPREAD)
 
@@ -153,7 +153,11 @@ def _rank(rank: int, step_ms: float, comm_ms: float) -> dict:
 
 
 def test_merge_names_a_straggler_only_past_the_threshold():
-    from orchestrator.merge import merge, summary_rows
+    from orchestrator.measure.results import RankResult
+    from orchestrator.merge import merge as merge_typed, summary_rows
+
+    def merge(ranks):
+        return merge_typed([RankResult.from_dict(r) for r in ranks]).to_dict()
 
     # equal step times (they wait for each other); rank 1 waits less in the all-reduce: more own work
     close = merge([_rank(0, 10.0, 2.0), _rank(1, 10.0, 1.7)])  # own work 8.0 vs 8.3 ms: 3.6%

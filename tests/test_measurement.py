@@ -235,11 +235,11 @@ def test_loop_warmup_is_steady_and_epochs_rewarm():
     res = train(cfg, a)
     w = res.meter["warmup"]
     assert w["steps"] == 5 and w["min_steps"] == 1 and "queue" in w["why"]
-    measured = [x for x in res.windows if not x["warmup"]]
-    assert measured[0]["first_step"] == 5
+    measured = [x for x in res.windows if not x.warmup]
+    assert measured[0].first_step == 5
     # 10 steps an epoch: each new epoch's iterator is read for 5 steps before measuring again
     assert [(r["why"], r["from_step"], r["steps"]) for r in w["rewarmed"]] == [("epoch", 10, 5), ("epoch", 20, 5)]
-    assert all(not (10 <= x["first_step"] < 15 or 20 <= x["first_step"] < 25) for x in measured)
+    assert all(not (10 <= x.first_step < 15 or 20 <= x.first_step < 25) for x in measured)
 
 
 def train_tiny(*overrides):
@@ -251,7 +251,7 @@ def train_tiny(*overrides):
 
 
 def full_windows(res):
-    return [w for w in res.windows if not w["warmup"] and not w["partial"]]
+    return [w for w in res.windows if not w.warmup and not w.partial]
 
 
 def test_a_one_step_epoch_of_many_micro_batches_is_measured():
@@ -269,7 +269,7 @@ def test_short_epochs_without_workers_do_not_rewarm():
     res = train_tiny("data.args.size=64", "data.batch_size=16", "data.num_workers=0", "trainer.epochs=10",
                      "trainer.window_steps=4")
     assert res.steps == 40 and not res.meter["warmup"]["epochs_rewarm"] and not res.meter["warmup"].get("rewarmed")
-    assert len(full_windows(res)) == 9 and all(w["steps"] == 4 for w in full_windows(res))
+    assert len(full_windows(res)) == 9 and all(w.steps == 4 for w in full_windows(res))
 
 
 def test_windows_fit_in_what_a_rewarming_epoch_leaves():
@@ -278,7 +278,7 @@ def test_windows_fit_in_what_a_rewarming_epoch_leaves():
     res = train_tiny("data.args.size=160", "data.batch_size=16", "data.num_workers=1", "data.prefetch_factor=2",
                      "trainer.epochs=4", "trainer.window_steps=20")
     assert res.meter["warmup"]["epochs_rewarm"]
-    assert [(w["first_step"], w["steps"]) for w in full_windows(res)] == [(3, 7), (13, 7), (23, 7), (33, 7)]
+    assert [(w.first_step, w.steps) for w in full_windows(res)] == [(3, 7), (13, 7), (23, 7), (33, 7)]
 
 
 @pytest.mark.perf
@@ -299,8 +299,8 @@ def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
     a = Adapter(cfg)
     a.setup()
     res = train(cfg, a, trace_path=tmp_path / "trace.json")
-    measured = [x for x in res.windows if not x["warmup"]]
-    assert measured and all(x["wall_s"] < slow for x in measured), [x["wall_s"] for x in measured]
+    measured = [x for x in res.windows if not x.warmup]
+    assert measured and all(x.wall_s < slow for x in measured), [x.wall_s for x in measured]
     assert res.meter["warmup"]["after"] == "profiler" and res.meter["warmup"]["steps"] == 6  # 2 + 3 profiled + 1 after the teardown
     assert res.meter["profile"]["top_ops"]
 

@@ -34,7 +34,11 @@ def balanced_ranks(own_at_shares):
 def test_a_balanced_rank_is_no_straggler_for_its_smaller_share(tmp_path):
     from orchestrator.diagnose import straggler_note
     from orchestrator.load_report import balance_line
-    from orchestrator.merge import merge, summary_rows
+    from orchestrator.measure.results import RankResult
+    from orchestrator.merge import merge as merge_typed, summary_rows
+
+    def merge(ranks):
+        return merge_typed([RankResult.from_dict(r) for r in ranks]).to_dict()
 
     job = merge(balanced_ranks([0.0700, 0.0686]))
     assert job["imbalance"]["own_time_spread"] == pytest.approx(0.3)  # the whole run's figure, kept

@@ -10,6 +10,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
+from orchestrator.measure.results import RankResult
 from orchestrator.merge import merge
 from orchestrator.schema import ConfigError, Objective, TuneConfig
 from orchestrator.tune.report import write_outputs
@@ -156,7 +157,7 @@ def test_the_jobs_tokens_estimate_sums_the_ranks_windows():
                 "data_wait_frac": 0, "h2d_frac": 0, "compute_frac": 1, "comm_frac": 0, "optimizer_frac": 0,
                 "other_frac": 0, "tokens_per_s": sum(tokens) / 2.0, "padding_frac": 0.5, "windows_detail": wins}
 
-    job = merge([rank(0, [100, 110, 90, 100]), rank(1, [200, 200, 210, 190])])
+    job = merge([RankResult.from_dict(rank(0, [100, 110, 90, 100])), RankResult.from_dict(rank(1, [200, 200, 210, 190]))]).to_dict()
     est = job["tokens_estimate"]
     assert est["mean"] == pytest.approx(job["tokens_per_s"]) == pytest.approx(600.0)
     lo, hi = est["interval"]

@@ -93,8 +93,8 @@ class StopRule:
     give a small standard deviation by chance (2 runs of one 2-rank config, 4 windows of 0.1 s each,
     read 1,869 and 2,271 samples/s, both "+-5%"; its windows spread 1,367-2,706). Held to the
     interval, a noisy config is measured longer (about 12 windows at a 15% window spread) and a
-    steady one still stops at 4. It is fed the job-level figures of each window (all-reduced, so
-    every rank decides the same)."""
+    steady one still stops at 4. It is fed the job's figures of each window (results.job_window
+    over the ranks' all-reduced figures, so every rank decides the same)."""
 
     rel_precision: float
     min_s: float = 0.0

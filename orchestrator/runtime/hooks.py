@@ -10,8 +10,8 @@ it, so a run with none of these features pays nothing per step:
   bookkeeping (then the time since is nobody's data wait);
 - `on_window(run, win) -> bool`: a measured, whole window closed; True when it is not steady (the
   hook changed what the next windows measure): its figures then feed nothing;
-- `on_figures(run, win, figures)`: the job's figures of a steady window ([throughput summed, step time,
-  wall time], the same on every rank);
+- `on_figures(run, win, figures)`: the job's figures of a steady window (measure.results.WindowFigures
+  by job_window: throughput summed, the slowest rank's step time; the same on every rank);
 - `start(run)`: before the first step; `finish(run)`: the loop ended normally; `close(run)`: always, last; `summary(run, out)`: add to
   the rank's result.
 """
@@ -46,7 +46,7 @@ class Hook:
     def on_window(self, run: Any, win: Any) -> bool:
         return False
 
-    def on_figures(self, run: Any, win: Any, figures: List[float]) -> None:
+    def on_figures(self, run: Any, win: Any, figures: Any) -> None:
         pass
 
     def start(self, run: Any) -> None:
@@ -213,8 +213,8 @@ class LoaderAutotuneHook(Hook):
     def __init__(self, tuner: LoaderTuner, every: int) -> None:
         self.tuner, self.every = tuner, every
 
-    def on_figures(self, run: Any, win: Any, figures: List[float]) -> None:
-        self.tuner.add(figures[0], win.phases_s, win.steps)
+    def on_figures(self, run: Any, win: Any, figures: Any) -> None:
+        self.tuner.add(figures.throughput, win.phases_s, win.steps)
 
     def after_step(self, run: Any) -> bool:
         if run.stop or run.step % self.every != 0 or run.step >= run.total:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from .. import checkpoint
 from ..measure.plan import loader_queue, loader_round
 from ..measure.phases import OTHER
+from ..measure.results import Window, WindowFigures, job_window
 from ..measure.stats import StopRule
 from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent, checkpoint_request_path
 from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
@@ -34,7 +35,7 @@ from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
                     SignalCheckpointHook, loader_tuner, overriding)
-from .meter import StepMeter, Window, model_state_mb
+from .meter import StepMeter, model_state_mb
 from .batch import loss_fn
 from .step import Stepper, check_loss
 
@@ -124,7 +125,7 @@ class TrainResult:
     first_loss: float
     wall_s: float
     meter: Dict[str, Any]
-    windows: list
+    windows: List[Window]  # warmup windows first
 
 
 @dataclass(eq=False)
@@ -203,13 +204,17 @@ class Run:
             self.first_loss = self.last_loss
         self.events.write(LogEvent(type="log", step=self.step, epoch=self.epoch, loss=self.last_loss))
 
-    def job_figures(self, win: Window) -> list:
-        """[throughput summed over ranks, step time and wall time averaged]: the same on every rank."""
-        figures = [win.throughput, win.wall_s / win.steps, win.wall_s]
-        if self.collective:
-            figures = self.adapter.all_reduce_sum(figures)
-            figures[1:] = [v / self.adapter.world_size for v in figures[1:]]
-        return figures
+    def job_figures(self, win: Window) -> WindowFigures:
+        """The job's figures of this window (measure.results.job_window over every rank's window),
+        the same on every rank: one all-reduce, each rank's figures summed into its own slots."""
+        own = win.figures()
+        if not self.collective:
+            return job_window([own])
+        n, world, rank = len(WindowFigures.PACKED), self.adapter.world_size, self.adapter.rank
+        slots = [0.0] * (n * world)
+        slots[n * rank:n * (rank + 1)] = own.packed()
+        got = self.adapter.all_reduce_sum(slots)
+        return job_window([WindowFigures.unpacked(got[n * r:n * (r + 1)]) for r in range(world)])
 
     def on_window(self, win: Window) -> bool:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
@@ -217,23 +222,23 @@ class Run:
         meter.check_memory()
         if win.warmup:  # its step time includes the start-up: it may only shorten the first window
             if t.window_s > 0:
-                meter.resize(self.job_figures(win)[1], t.window_s, at_most=t.window_steps)
+                meter.resize(self.job_figures(win).step_time_s, t.window_s, at_most=t.window_steps)
             return False
-        self.events.write(WindowEvent(type="window", step=win.first_step + win.steps, throughput=win.throughput,
-                                      utilization=win.utilization, data_wait_frac=win.share("data"),
-                                      comm_frac=win.share("comm"), step_time_s=win.wall_s / win.steps,
-                                      tokens_per_s=win.tokens / win.wall_s if win.padded_tokens and win.wall_s > 0
-                                      else None))
+        own = win.figures()
+        self.events.write(WindowEvent(type="window", step=own.step, throughput=own.throughput,
+                                      utilization=own.utilization, data_wait_frac=own.data_wait_frac,
+                                      comm_frac=own.comm_frac, step_time_s=own.step_time_s,
+                                      tokens_per_s=own.tokens_per_s))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
             return False
         for hook in overriding(self.hooks, "on_window"):
             if hook.on_window(self, win):
                 return False
-        figures = self.job_figures(win)
+        job = self.job_figures(win)
         for hook in overriding(self.hooks, "on_figures"):
-            hook.on_figures(self, win, figures)
-        meter.resize(figures[1], t.window_s)
-        return self.rule is not None and self.rule.add(figures[0], figures[2]) is not None
+            hook.on_figures(self, win, job)
+        meter.resize(job.step_time_s, t.window_s)
+        return self.rule is not None and self.rule.add(job.throughput, job.wall_s) is not None
 
     def change_loader(self, new: LoaderSettings) -> None:
         """The loader autotune's switch, at this batch of the epoch; the new workers fill their
@@ -405,4 +410,4 @@ def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:
     return TrainResult(model=unwrap(run.model), param_digest=param_digest(run.model), steps=run.step,
                        epochs=run.epoch + 1, steps_per_epoch=run.per_epoch, item_bytes=item_bytes(run.dataset),
                        final_loss=run.last_loss, first_loss=run.first_loss, wall_s=wall,
-                       meter=summary, windows=[w.as_dict() for w in meter.warmup_windows + meter.windows])
+                       meter=summary, windows=meter.warmup_windows + meter.windows)

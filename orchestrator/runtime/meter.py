@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..measure.phases import BUSY, COMM, COMPUTE, PHASES
+from ..measure.results import Window
 from ..measure.stats import estimate, estimate_of
 
 
@@ -225,43 +226,6 @@ def cores_per_rank() -> int:
     except AttributeError:
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-@dataclass
-class Window:
-    index: int
-    first_step: int
-    steps: int
-    samples: int
-    wall_s: float
-    phases_s: Dict[str, float]
-    utilization: float
-    t_start: float  # perf_counter, for timelines
-    t_end: float
-    sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
-    phases_cpu_s: Optional[Dict[str, float]] = None  # CPU only: the process's CPU time in each phase
-    busy_cpu_s: Optional[float] = None  # CPU only: the loop thread's CPU time in compute + optimizer
-    warmup: bool = False
-    partial: bool = False  # cut short (the run's end, a new epoch): left out of the estimate
-    tokens: int = 0  # dict batches with an attention_mask: the real tokens (mask ones) in the window
-    padded_tokens: int = 0  # and every position computed (the mask's size): real + padding
-
-    @property
-    def throughput(self) -> float:
-        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
-
-    def share(self, phase: str) -> float:
-        total = sum(self.phases_s.values())
-        return self.phases_s[phase] / total if total > 0 else 0.0
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {
-            "index": self.index, "first_step": self.first_step, "steps": self.steps, "samples": self.samples,
-            "wall_s": self.wall_s, "throughput": self.throughput, "utilization": self.utilization,
-            "phases_s": self.phases_s, "t_start": self.t_start, "t_end": self.t_end, "sm_active": self.sm_active,
-            "warmup": self.warmup, "partial": self.partial, "phases_cpu_s": self.phases_cpu_s,
-            "busy_cpu_s": self.busy_cpu_s, "tokens": self.tokens, "padded_tokens": self.padded_tokens,
-        }
 
 
 @dataclass

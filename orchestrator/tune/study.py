@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
+from ..measure.results import Estimate, JobResult
 from ..measure.stats import MIN_WINDOWS, estimate
 from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
@@ -618,10 +619,12 @@ class Tuner:
             if not results:
                 continue
             m: Dict[str, Any] = {"runs": len(results)}
-            for name, key in ESTIMATES:
-                if name == "tokens_per_s" and not all(res.get(key) for res in results):
+            jobs = [JobResult.from_dict(res) for res in results]
+            for name, key in JobResult.ESTIMATES:
+                ests = [getattr(job, key) for job in jobs]
+                if name == "tokens_per_s" and not all(ests):
                     continue  # real tokens/s: batches with an attention_mask only
-                est = combine([res[key] for res in results if res.get(key)])
+                est = combine([e.as_dict() for e in ests if e])
                 m[name] = est["mean"]
                 m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
                 if name == "throughput":
@@ -840,28 +843,26 @@ def _is_oom(err: str) -> bool:
     return any(s in err for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory", "memory_cap_mb"))
 
 
-# (figure, the job result's estimate of it): the figures a trial and its confirmation runs keep with intervals
-ESTIMATES = (("throughput", "estimate"), ("utilization", "utilization_estimate"), ("tokens_per_s", "tokens_estimate"))
-
-
 def trial_metrics(result: Dict[str, Any]) -> Dict[str, float]:
-    """A measured job's figures for the study: METRICS, with `throughput` and `utilization` their
-    estimates (means over the measured time, report.merge, as the confirmation runs combine them),
-    the 95% intervals of those means, the throughput's relative standard error, windows and measured seconds
-    (the rest of a trial's wall time is overhead); for batches with an attention_mask, real tokens/s
-    (`tokens_per_s`) likewise with its interval."""
-    out = {k: float(result[k]) for k in METRICS if isinstance(result.get(k), (int, float))}
-    for name, key in ESTIMATES:
-        est = result.get(key) or {}
-        if est.get("mean") is None:
+    """A measured job's figures for the study (its result, as result.json holds it: JobResult):
+    METRICS, with `throughput` and `utilization` their estimates (means over the measured time,
+    merge.merge, as the confirmation runs combine them), the 95% intervals of those means, the
+    throughput's relative standard error, windows and measured seconds (the rest of a trial's wall
+    time is overhead); for batches with an attention_mask, real tokens/s (`tokens_per_s`)
+    likewise with its interval."""
+    job = JobResult.from_dict(result)
+    out = {k: float(v) for k in METRICS if isinstance(v := job.get(k), (int, float))}
+    for name, key in JobResult.ESTIMATES:
+        est: Optional[Estimate] = getattr(job, key)
+        if est is None or est.mean is None:
             continue
-        out[name] = float(est["mean"])  # over the measured time (windows weighted by their length)
-        if est.get("interval"):
-            out[f"{name}_lo"], out[f"{name}_hi"] = map(float, est["interval"])
+        out[name] = float(est.mean)  # over the measured time (windows weighted by their length)
+        if est.interval:
+            out[f"{name}_lo"], out[f"{name}_hi"] = map(float, est.interval)
         if name == "throughput":
-            out["windows"], out["measured_s"] = float(est["windows"]), float(est["measured_s"])
-            if est.get("rel_se") is not None:
-                out["rel_se"] = float(est["rel_se"])
+            out["windows"], out["measured_s"] = float(est.windows), float(est.measured_s)
+            if est.rel_se is not None:
+                out["rel_se"] = float(est.rel_se)
     return out
 
 
