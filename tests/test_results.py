@@ -87,6 +87,8 @@ def test_the_stop_rule_the_live_log_and_the_merge_read_the_same_job_window():
     for i in range(4):
         live([(r, {"type": "window", **ranks[r][i].figures().__dict__}) for r in (1, 0)])
     assert len(judged) == 4
+    assert not logged  # MLflow gets them in one batch (every LiveLog.FLUSH_S, and at the job's end)
+    live.flush()
     for job, seen in zip(want, judged):
         assert seen == pytest.approx(job.metrics())
         assert set(seen) == {"throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s", "tokens_per_s"}
