@@ -463,10 +463,12 @@ def _archive_attempt(run_dir: Path) -> None:
 def print_summary(result: Dict[str, Any], run_dir: Path) -> None:
     from rich.table import Table
 
-    table = Table(title=f"run {run_dir}", show_header=False)
+    table = Table(show_header=False)
     for k, v in summary_rows(result):
         table.add_row(k, v)
     out = console()
+    # the run dir on a line of its own, never wrapped (a table's title wraps at the table's width)
+    out.print(f"[bold]run[/bold] {run_dir}", highlight=False, soft_wrap=True)
     out.print(table)
     diag = result.get("diagnosis")
     if diag:

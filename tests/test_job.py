@@ -152,3 +152,13 @@ def test_full_disk_fails_the_run_in_one_line_and_keeps_no_empty_record(make_cfg,
     assert not (tmp_path / "result.json").exists() and not list(tmp_path.glob("*.tmp"))
     result = info.value.result
     assert result["status"] == "FAILED" and mlflow_run(cfg, result["mlflow_run_id"]).info.status == "FAILED"
+
+
+def test_the_summary_names_its_run_dir_on_one_line(capsys, tmp_path):
+    """Piped, a run's summary keeps its run dir whole: a table's title wraps at the table's width
+    (a 2-column summary split a 60-character path over three lines)."""
+    from orchestrator.app import print_summary
+
+    run_dir = tmp_path / ("a-long-run-dir-name-" * 6)
+    print_summary({"status": "FINISHED", "backend": "single", "world_size": 1, "steps": 2}, run_dir)
+    assert f"run {run_dir}" in capsys.readouterr().out.splitlines()
