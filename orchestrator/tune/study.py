@@ -590,7 +590,12 @@ class Tuner:
             for tr in active[r % len(active):] + active[:r % len(active)]:
                 done += 1
                 self._confirm_run(study, tr, r, parent, done, total, runs)
-        out = self._combined(runs, say=True)
+        out = self._combined(runs)
+        for number, m in out.items():
+            tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
+            self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
+                      f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else "")
+                      + tokens)
         study.set_user_attr("confirmed", out)
         self.confirmed_here = True
 
@@ -610,7 +615,7 @@ class Tuner:
             self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
         self._show(lambda p: p.ended(best_words(study, self.t)))
 
-    def _combined(self, runs: Dict[int, List[Dict[str, Any]]], say: bool = False) -> Dict[str, Dict[str, Any]]:
+    def _combined(self, runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
         """Trial number (str) -> the combined figures of its confirmation runs so far."""
         from ..measure.stats import combine
 
@@ -631,12 +636,6 @@ class Tuner:
                     m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
             if m["throughput"] is not None and m["utilization"] is not None:
                 out[str(number)] = m
-                if not say:
-                    continue
-                tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
-                self._say(f"[tune] confirmed trial {number:3d}: utilization {100 * m['utilization']:.1f}%  "
-                          f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else "")
-                          + tokens)
         return out
 
     def _confirmation_due(self, study: Any) -> bool:
