@@ -79,6 +79,7 @@ def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 MIN_WINDOWS = 4  # fewer windows say little about their own spread
+MIN_SPREAD = 2  # windows before a measurement may end at its time cap: a spread, so an interval
 Z95 = 1.96  # the normal 95% quantile: a relative standard error of p has a half width of Z95 x p (many windows)
 
 
@@ -87,7 +88,14 @@ class StopRule:
     """When a measurement may end (trainer.rel_precision > 0, tuning trials): at least
     MIN_WINDOWS windows and `min_s` measured seconds, and the throughput's relative standard
     error over windows within `rel_precision`, judged on the 95% interval (Student t): its half
-    width within 1.96 x rel_precision of the mean; or `max_s` measured seconds (0: no cap).
+    width within 1.96 x rel_precision of the mean; or `max_s` measured seconds (0: no cap), once
+    there are MIN_SPREAD windows.
+
+    The cap waits for a second window: one window has no spread, and a figure without an interval
+    passes for exact. Windows last whole rounds of the loader's workers, and a large batch with many
+    workers has rounds longer than the cap (default space, cpu_transform, b512 w6 a1: one 7 s
+    window); with the cap at one window such a trial came out of a study as exact, and its lucky
+    window was picked over configs measured to +-10%.
 
     The t quantile matters for the few windows a short trial has: 4 windows that happen to agree
     give a small standard deviation by chance (2 runs of one 2-rank config, 4 windows of 0.1 s each,
@@ -109,7 +117,7 @@ class StopRule:
         self.throughputs.append(throughput)
         self.walls.append(wall_s)
         self.measured_s += wall_s
-        if self.max_s and self.measured_s >= self.max_s:
+        if self.max_s and self.measured_s >= self.max_s and len(self.throughputs) >= MIN_SPREAD:
             self.reason = "max_measure_s"
         elif len(self.throughputs) >= MIN_WINDOWS and self.measured_s >= self.min_s:
             est = estimate(self.throughputs, weights=self.walls)
