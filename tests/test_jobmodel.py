@@ -182,3 +182,31 @@ def test_a_measured_config_is_predicted_as_measured_and_anchors_its_neighbours()
     assert model.predict(64, 8, 1).hi > 0.95 * 14000.0
     model.anchors = []  # the stages alone
     assert model.predict(64, 8, 2).throughput < 0.85 * 14000.0 and model.predict(64, 8, 1).hi < 0.95 * 14000.0
+
+
+def test_the_workers_edge_widens_only_where_the_job_model_sees_a_gain(make_cfg):
+    """A best trial at the space's most workers with an input-bound verdict: extend_edges widens
+    the workers when the study's job model predicts a gain there (a loader that waits on storage),
+    and says why not when the cores bind (a loader that computes, 4 workers on 2 cores)."""
+    import optuna
+
+    from orchestrator.tune.proposals import Proposals
+    from orchestrator.tune.space import SearchSpace
+
+    cfg = make_cfg("tune.sampler=guided")
+    proposals = Proposals(SearchSpace(cfg), cfg.tune, "sqlite://", "s", lambda _: None, cfg)
+
+    def best_of(rate: float, data_frac: float, cost: dict) -> tuple:
+        study = optuna.create_study(direction="maximize")
+        values = {"data.batch_size": 32, "data.num_workers": 4, "trainer.accumulation_steps": 1}
+        study.add_trial(optuna.trial.create_trial(value=1.0, params={}, distributions={}, user_attrs={
+            "values": values, "throughput": rate, "utilization": 0.3, "step_time_s": 32 / rate,
+            "data_wait_frac": data_frac, "input_cost": cost, "rel_se": 0.03}))
+        return study, study.trials[0]
+
+    waits = best_of(780.0, 0.9, {"workers_cpu_s": 0.1e-3, "consume_cpu_s": 0.1e-3, "cores": 2, "threads": 2})
+    assert proposals._more_workers(*waits, {"value": 6}) == {"value": 6}
+    computes = best_of(600.0, 0.3, {"workers_cpu_s": 2e-3, "consume_cpu_s": 1.1e-3, "data_wall_s": 0.5e-3,
+                                    "cores": 2, "threads": 2})
+    why = proposals._more_workers(*computes, {"value": 6})["capped"]
+    assert why.startswith("the job model predicts") and "with 6 workers" in why and "cpu-bound" in why
