@@ -264,8 +264,10 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
               "job model predicts cannot reach the objective's floor (trials.csv: reason)")
     share = summary.get("measured_share") or {}
     if share.get("wall_s"):
+        spent = share.get("spent") or {}
+        rest = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in spent.items() if k != "measuring")
         print(f"[tune] measuring took {share['measured_s']:.1f}s of the study's {share['wall_s']:.1f}s "
-              f"({100 * share['share']:.0f}%)")
+              f"({100 * share['share']:.0f}%)" + (f"; the rest: {rest}" if rest else ""))
     for edge in summary["edges"]:
         print(f"[tune] edge: {advice(edge, t.extend_edges)}")
     if summary["global_batch"]:

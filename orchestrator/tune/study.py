@@ -223,6 +223,7 @@ class Tuner:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
+        self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0}  # seconds, over this process's launches
         finished = self._finished_study()
         if finished is not None:  # nothing to check, launch or record
             self._say_study()
@@ -426,8 +427,14 @@ class Tuner:
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
                 "run_kind": "trial"} if parent else {}
         try:
-            result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
-                             ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
+            launched = time.monotonic()
+            try:
+                result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
+                                 ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
+            except (JobStopped, JobFailed) as exc:
+                self._account(launched, exc.result)
+                raise
+            self._account(launched, result)
             self._completed(study, trial, rec, result, t0)
         except JobStopped as exc:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
@@ -605,15 +612,26 @@ class Tuner:
         tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
         cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
+        launched = time.monotonic()
         try:
             runs[tr.number].append(run_job(
                 cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
                 extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
                 run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
+            self._account(launched, runs[tr.number][-1])
         except JobFailed as exc:
+            self._account(launched, exc.result)
             self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
         self._show(lambda p: p.ended(best_words(study, self.t)))
+
+    def _account(self, launched: float, result: Optional[Dict[str, Any]]) -> None:
+        """A launch's seconds, and its training loops' and warmups' (merge's `time_s`), toward the
+        study's time breakdown (_measured_share)."""
+        self.spent["launch"] += time.monotonic() - launched
+        loops = (result or {}).get("time_s") or {}
+        self.spent["train"] += float(loops.get("train") or 0.0)
+        self.spent["warmup"] += float(loops.get("warmup") or 0.0)
 
     def _combined(self, runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
         """Trial number (str) -> the combined figures of its confirmation runs so far."""
@@ -767,15 +785,21 @@ class Tuner:
                         f"steps per epoch); hold it with tune.global_batch={base}"}
         return notes
 
-    def _measured_share(self, study: Any) -> Dict[str, float]:
+    def _measured_share(self, study: Any) -> Dict[str, Any]:
         """This process's study time spent measuring: the measured seconds of its trials and
-        confirmation runs over its wall time (the rest: starting ranks, warmups, model building,
-        the database, plots)."""
+        confirmation runs over its wall time, and where the rest went (`spent`, seconds):
+        measured, the warmups, the rest of the training loops (windows cut by an epoch, the step
+        that ends a run), each launch outside its loop (ranks, model and data, the records), and
+        the tuner between launches (sampling, the job model, the database, MLflow, the report)."""
         wall = time.monotonic() - self.started
         mine = [tr for tr in study.get_trials(deepcopy=False) if tr.number in self.mine]
         measured = sum(tr.user_attrs.get("measured_s") or 0.0 for tr in mine)
         measured += sum(m.get("measured_s") or 0.0 for m in confirmed(study).values()) if self.confirmed_here else 0.0
-        return {"measured_s": measured, "wall_s": wall, "share": measured / wall if wall > 0 else 0.0}
+        launch, train, warmup = (self.spent[k] for k in ("launch", "train", "warmup"))
+        spent = {"measuring": measured, "warmup": warmup, "rest_of_loops": max(0.0, train - warmup - measured),
+                 "launch": max(0.0, launch - train), "tuner": max(0.0, wall - launch)}
+        return {"measured_s": measured, "wall_s": wall, "share": measured / wall if wall > 0 else 0.0,
+                "spent": {k: round(v, 2) for k, v in spent.items()}}
 
     def _finish(self, study: Any, parent: Optional[str], status: str) -> Dict[str, Any]:
 
