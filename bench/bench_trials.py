@@ -26,8 +26,8 @@ kept-alive ranks (orchestrator/tune/pool.py), as the tuner's trials do.
    tune.measure_steps=20, tune.confirm_top=0: a fixed 20 steps after the warmup, no confirmation);
    the ratio of study wall times (target <= 2x) and the median trial durations are printed.
 
-`--quick` runs 12 of the 24 points per grid (every other one), 2 seeds, and 5x the samples for
-the reference. The full run takes about 25-35 minutes on 2 idle cores; the load average is printed
+`--quick` runs every other accumulation of each grid (12 or 16 of its 24 points; the studies search
+the same points, so every pick has a reference), 2 seeds, and 5x the samples for the reference. The full run takes about 25-35 minutes on 2 idle cores; the load average is printed
 before and after (other work on the machine makes every figure noisier).
 
     .venv/bin/python bench/bench_trials.py [--quick] [--only input_bound|comm_heavy] [--keep]
@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 
 import optuna  # noqa: E402
@@ -165,16 +165,18 @@ def validity(name: str, cfg: Config, space: SearchSpace, grid: List[Point], fact
 
 
 def settle(name: str, cfg: Config, space: SearchSpace, steady: Dict[Point, Figures], jobs: Jobs, factor: float,
-           stored: Optional[Dict[str, Any]], cache: Optional[Path]) -> None:
-    """The references of the configs near the steady best (score >= SETTLE_NEAR) measured
-    SETTLE_RUNS times in all, in interleaved rounds, and replaced by their mean: one long run's
-    utilization moves by +-10% between runs of one config on 2 shared cores (input_bound's four
-    4-worker configs within 5% of the best throughput each read 0.52-0.69 in three runs), so the
-    grid-best by a single reference run is a draw among them. Prints each one's range."""
+           stored: Optional[Dict[str, Any]], cache: Optional[Path], also: Sequence[Point] = ()) -> None:
+    """The references of the configs near the steady best (score >= SETTLE_NEAR), and of `also`
+    (a benchmark's picks: a pick is scored by its reference), measured SETTLE_RUNS times in all,
+    in interleaved rounds, and replaced by their mean: one long run's utilization moves by +-10%
+    between runs of one config on 2 shared cores (input_bound's four 4-worker configs within 5% of
+    the best throughput each read 0.52-0.69 in three runs), so the grid-best by a single reference
+    run is a draw among them. Prints each one's range."""
     import json
 
     floor = cfg.tune.throughput_floor
-    near = [p for p in steady if steady[p].get("runs", 1) < SETTLE_RUNS and quality(steady, p, floor) >= SETTLE_NEAR]
+    near = [p for p in steady if steady[p].get("runs", 1) < SETTLE_RUNS
+            and (quality(steady, p, floor) >= SETTLE_NEAR or p in also)]
     if not near:
         return
     keep = stored is not None and cache is not None  # the settled figures go to the cache file
@@ -217,10 +219,10 @@ def study_time(name: str, cfg_overrides: List[str], seed: int, tmp: Path, old: b
 
 def bench_workload(name: str, spec: Dict[str, Any], quick: bool, tmp: Path, cache: Optional[Path],
                    retrial: bool = False) -> Dict[str, Any]:
-    space_spec = spec["space"]
+    space_spec = dict(spec["space"])
+    if quick:  # every other accumulation: the studies search the quick grid, so every pick is scored
+        space_spec[KNOBS[-1]] = space_spec[KNOBS[-1]][::2]
     grid: List[Point] = list(itertools.product(*(space_spec[k] for k in KNOBS)))
-    if quick:
-        grid = grid[::2]
     n_trials = max(1, math.floor(TRIALS_SHARE * len(grid)))
     common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
               "tune.baseline=false", f"tune.n_trials={n_trials}", *space_overrides(space_spec)]
@@ -245,7 +247,7 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, tmp: Path, cach
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="12 grid points, 2 seeds, 5x reference samples")
+    ap.add_argument("--quick", action="store_true", help="every other accumulation, 2 seeds, 5x reference samples")
     ap.add_argument("--only", choices=sorted(WORKLOADS), nargs="*", default=None, help="run only these workloads")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--cache", type=Path, default=None, help="JSON file of steady-state figures shared with bench_samplers")

@@ -28,7 +28,8 @@ Parts (--part, any subset, in this order; all of them by default):
            a pick outside the grid could not be scored). Stored: the pick, the study's wall time,
            its measured seconds (trials + confirmation runs) and their share of the wall time,
            launched trials, the path of configs tried. A stored (label, task, sampler, seed) is
-           not run again.
+           not run again. Then every pick (of this label) whose reference is a single run is
+           settled like the near-best ones (3 runs, interleaved): a pick is scored by it.
   default  per task, a 12-trial guided study on the DEFAULT space (conf/tune/default.yaml, no
            space overrides); its pick and the task's steady grid-best are then run side by side in
            steady state (2 interleaved rounds, the same reference runs): ratio = the pick's score
@@ -91,7 +92,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.enviro
 
 import optuna  # noqa: E402
 from bench_samplers import study  # noqa: E402
-from bench_trials import Jobs, figures, quality, reference_config, validity  # noqa: E402
+from bench_trials import SETTLE_RUNS, Jobs, figures, quality, reference_config, settle, validity  # noqa: E402
 from bench_tune import (KNOBS, Point, compose_cfg, fmt, objective_best, point_of, prepare,  # noqa: E402
                         run_workloads, space_overrides, table, values_of)
 from zoo import TASKS  # noqa: E402
@@ -246,6 +247,27 @@ def studies_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp:
             print(f"    {sampler:6s} seed {seed}: pick {fmt(pick) if pick else 'none'} (score {q:.3f}, thr {thr:.3f}); "
                   f"study {rec['wall_s']:.0f}s, measured {100 * rec['measured_s'] / rec['wall_s']:.0f}%, "
                   f"{rec['launched']} launched; load {rec['load']:.2f}; path {', '.join(rec['path'])}", flush=True)
+    settle_picks(name, cfg, args, tmp)
+
+
+def settle_picks(name: str, cfg: Config, args: argparse.Namespace, tmp: Path) -> None:
+    """Every pick of this label's studies of the task scored by a settled reference: the grid
+    settles the configs near its best, and a pick below them would be judged by one long run
+    (compute's b64 w0 a2 read 0.745 of b64 w0 a1 in one run; runs of one config there spread +-12%)."""
+    data = load(args.cache)
+    grid = grid_of(space_of(TASKS[name], args.smoke))
+    steady = steady_of(data, name, args.factor, grid)
+    picks = {tuple(rec["pick"]) for by_seed in data.get("studies", {}).get(args.label, {}).get(name, {}).values()
+             for rec in by_seed.values() if rec.get("pick")}
+    picks = {p for p in picks if p in steady and steady[p].get("runs", 1) < SETTLE_RUNS}
+    if not picks:
+        return
+    print(f"    settling the references of {len(picks)} pick(s): {', '.join(map(fmt, sorted(picks)))}", flush=True)
+    jobs = Jobs(tmp, f"{name}-settle")
+    try:
+        settle(name, cfg, SearchSpace(cfg), steady, jobs, args.factor, data, args.cache, also=sorted(picks))
+    finally:
+        jobs.close()
 
 
 # -- part default -----------------------------------------------------------------------------
