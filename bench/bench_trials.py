@@ -11,7 +11,7 @@ kept-alive ranks (orchestrator/tune/pool.py), as the tuner's trials do.
      warmup, measured to tune.rel_precision); its estimate is `result["estimate"]["mean"]`;
    * the steady-state reference: the same config with a warmup of 3x the steady warmup (well past
      the loader's queue) and >= 10x the trial's measured samples, in windows of 0.25 s; its figure
-     is the same estimator over its windows (new epochs re-warm, as in every run).
+     is the same estimator over its windows (epoch restarts included, as in every run).
    Printed: the ratio trial / steady per config; targets: within +-10% for >= 90% of configs, and
    the best config by the trials' figures (the objective's rule) scores >= 0.97 of the steady best.
    The references near the steady best (score >= 0.85) are then measured 3 times in all, in

@@ -10,7 +10,7 @@ bottleneck:
   storage_cpu     1 ms sleep plus a lighter augmentation (~0.5 ms); the user's workers=1 is off-grid
   comm_ddp        backend=ddp, 2 ranks, a 10M-parameter embedding bag: the all-reduce dominates
   compute         a small transformer encoder on in-memory sequences
-  short_epochs    300 items: large batches leave few steps per epoch, and every epoch re-warms
+  short_epochs    300 items: large batches leave few steps per epoch, and every epoch restarts the workers
   memory_cap      activations grow with the batch; trainer.memory_cap_mb=850 fails batch 512
                   (measured peaks: b64 460 MB, b128 530, b256 695, b512 1040)
   already_best    compute-bound MLP on in-memory data; the user's b64 w0 a1 is (near) the best

@@ -126,7 +126,7 @@ def test_warmup_reads_the_loader_queue_and_rewarms_after_a_restart():
     _steps(m, 4)  # 1 warmup step asked for, but 3 pre-filled micro-batches + 1 must be read first
     assert len(m.warmup_windows) == 1 and m.warmup_windows[0].steps == 4 and not m.windows
     _steps(m, 3)  # one window of 2, one step into the next
-    partial = m.rewarm("epoch")  # a new iterator: its queue is full again
+    partial = m.rewarm("loader")  # a new loader (loader_autotune): its queue is full again
     assert partial is not None and partial.partial and partial.steps == 1
     _steps(m, 4)
     assert len(m.warmup_windows) == 2 and m.warmup_windows[1].steps == 4
@@ -137,7 +137,7 @@ def test_warmup_reads_the_loader_queue_and_rewarms_after_a_restart():
     assert s["estimate"]["windows"] == 2  # the partial window is left out of the estimate
     w = s["warmup"]
     assert w["steps"] == 4 and w["queue_micro_batches"] == 3 and "queue" in w["why"]
-    assert w["rewarmed"] == [{"why": "epoch", "from_step": 7, "steps": 4}]
+    assert w["rewarmed"] == [{"why": "loader", "from_step": 7, "steps": 4}]
 
 
 def test_estimate_and_stop_rule():
@@ -227,7 +227,7 @@ def test_figures_are_those_of_the_measured_time_not_of_the_median_window():
     assert sum(s["phase_s"].values()) == pytest.approx(s["step_time_s"], rel=0.02)
 
 
-def test_loop_warmup_is_steady_and_epochs_rewarm():
+def test_loop_warmup_is_steady_and_epoch_restarts_are_measured():
     # 2 workers x prefetch 4 = 8 queued micro-batches; accumulation 2: ceil(9 / 2) = 5 warmup steps
     cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=320", "data.batch_size=16",
                                          "data.num_workers=2", "data.prefetch_factor=4", "trainer.accumulation_steps=2",
@@ -242,9 +242,44 @@ def test_loop_warmup_is_steady_and_epochs_rewarm():
     assert w["steps"] == 5 and w["min_steps"] == 1 and "queue" in w["why"]
     measured = [x for x in res.windows if not x.warmup]
     assert measured[0].first_step == 5
-    # 10 steps an epoch: each new epoch's iterator is read for 5 steps before measuring again
-    assert [(r["why"], r["from_step"], r["steps"]) for r in w["rewarmed"]] == [("epoch", 10, 5), ("epoch", 20, 5)]
-    assert all(not (10 <= x.first_step < 15 or 20 <= x.first_step < 25) for x in measured)
+    # 10 steps an epoch, 5 windows of 2: each new epoch's restart (its workers start and refill the
+    # queue while the step waits) is part of the steady state, measured in the window it falls in
+    assert not w.get("rewarmed") and w["epochs_per_window"] == 0
+    assert [(x.first_step, x.steps) for x in measured if not x.partial] == [(s, 2) for s in range(5, 29, 2)]
+
+
+def test_short_epochs_are_measured_in_windows_of_whole_epochs():
+    # 160 / 16 = 10 steps an epoch, windows of 20 steps: 2 epochs a window, each with its restart;
+    # after the warmup (3 steps: 1 worker x prefetch 2 + 1) the rest of its epoch is a partial window
+    res = train_tiny("data.args.size=160", "data.batch_size=16", "data.num_workers=1", "data.prefetch_factor=2",
+                     "trainer.epochs=6", "trainer.window_steps=20")
+    assert res.meter["warmup"]["epochs_per_window"] == 2 and res.meter["warmup"]["steps"] == 3
+    assert [(x.first_step, x.steps) for x in full_windows(res)] == [(10, 20), (30, 20)]
+    assert [(x.first_step, x.steps) for x in res.windows if x.partial] == [(3, 7), (50, 10)]
+    assert res.meter["estimate"]["windows"] == 2  # the whole ones
+
+
+def test_a_run_shorter_than_an_epoch_is_still_measured():
+    # 4 steps an epoch, 3 steps in all: the steps after the warmup are one partial window, and the
+    # figures come from it (nothing else was measured)
+    res = train_tiny("data.args.size=64", "data.batch_size=16", "trainer.max_steps=3", "trainer.window_steps=20")
+    assert res.meter["warmup"]["epochs_per_window"] == 5 and res.meter["measured_steps"] == 2
+    assert res.meter["throughput"] > 0 and res.meter["estimate"]["windows"] == 1
+
+
+def test_an_epoch_restart_is_measured_in_the_next_window():
+    """Meter alone, 4 steps an epoch, windows of 4: a window is an epoch; the 50 ms an epoch's
+    iterator takes to start (before its first step's data arrives) is in the window it starts."""
+    m = StepMeter(torch.device("cpu"), window_steps=4, warmup_steps=1, epoch_steps=4)
+    m.start()
+    for epoch in range(4):
+        if epoch:
+            time.sleep(0.05)  # the new iterator's workers start
+        _steps(m, 4)
+        m.epoch_end()
+    assert [w.steps for w in m.warmup_windows] == [1] and [(w.steps, w.partial) for w in m.windows] == [
+        (3, True), (4, False), (4, False), (4, False)]  # the rest of the warmup's epoch, then whole epochs
+    assert all(w.wall_s >= 0.05 and w.phases_s["data"] >= 0.045 for w in m.windows[1:])
 
 
 def train_tiny(*overrides):
@@ -264,26 +299,17 @@ def test_a_one_step_epoch_of_many_micro_batches_is_measured():
     # 2 (1 worker); re-warming at every epoch would never leave a step to measure
     res = train_tiny("data.args.size=64", "data.batch_size=8", "data.num_workers=1", "trainer.accumulation_steps=8",
                      "trainer.epochs=12", "trainer.window_steps=2")
-    assert res.steps == 12 and not res.meter["warmup"]["epochs_rewarm"]
+    assert res.steps == 12 and res.meter["warmup"]["epochs_per_window"] == 2  # windows of 2 steps: 2 epochs
     assert len(full_windows(res)) >= 4
 
 
-def test_short_epochs_without_workers_do_not_rewarm():
-    # 64 samples / batch 16 = 4 steps an epoch, no workers (no queue to re-read): re-warming at every
-    # epoch left 3 steps, every 4-step window was cut short and none entered the estimate
+def test_short_epochs_without_workers_are_measured_whole():
+    # 64 samples / batch 16 = 4 steps an epoch, no workers, windows of 4: re-warming at every epoch
+    # once left 3 steps, every 4-step window was cut short and none entered the estimate
     res = train_tiny("data.args.size=64", "data.batch_size=16", "data.num_workers=0", "trainer.epochs=10",
                      "trainer.window_steps=4")
-    assert res.steps == 40 and not res.meter["warmup"]["epochs_rewarm"] and not res.meter["warmup"].get("rewarmed")
+    assert res.steps == 40 and res.meter["warmup"]["epochs_per_window"] == 1 and not res.meter["warmup"].get("rewarmed")
     assert len(full_windows(res)) == 9 and all(w.steps == 4 for w in full_windows(res))
-
-
-def test_windows_fit_in_what_a_rewarming_epoch_leaves():
-    # 160 / 16 = 10 steps an epoch, 1 worker x prefetch 2: each epoch re-reads its queue for
-    # ceil(3 / 1) = 3 steps and leaves 7; windows of 20 steps would all be cut short by the next epoch
-    res = train_tiny("data.args.size=160", "data.batch_size=16", "data.num_workers=1", "data.prefetch_factor=2",
-                     "trainer.epochs=4", "trainer.window_steps=20")
-    assert res.meter["warmup"]["epochs_rewarm"]
-    assert [(w.first_step, w.steps) for w in full_windows(res)] == [(3, 7), (13, 7), (23, 7), (33, 7)]
 
 
 @pytest.mark.perf

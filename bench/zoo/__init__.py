@@ -71,7 +71,7 @@ TASKS: Dict[str, Dict[str, Any]] = {
         "space": _space([8, 16, 32, 64], [0, 1, 2], [1, 2]),
     },
     "short_epochs": {
-        "bottleneck": "300 items (0.5 ms each): large batches leave few steps per epoch, each epoch re-warms",
+        "bottleneck": "300 items (0.5 ms each): large batches leave few steps per epoch, each epoch restarts the workers",
         "overrides": _user(MLP, "StoredFeatures size=300 latency_ms=0.5", batch=32, workers=2),
         "space": _space([8, 16, 32, 64], [0, 1, 2], [1, 2]),
     },

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..measure.plan import loader_queue, loader_round, rewarm_steps
 from ..schema import Balance, Config, ConfigError, DataConfig, import_target
 from .autotune import LoaderSettings
 from .balance import ShareSampler
@@ -179,27 +178,6 @@ def item_bytes(dataset: Dataset) -> int:
         return 8
 
     return size(item if isinstance(item, (tuple, list, dict)) else (item,))
-
-
-def rewarms_epochs(cfg: Config, loader: DataLoader) -> bool:
-    """A new epoch's iterator refills the loader's queue: warm up again at each epoch, unless there
-    is no queue (no workers: an epoch restart is only a reshuffle) or the epoch is too short to get
-    past it, counted in optimizer steps: the steps left after the re-warmup (`epoch_measured_steps`)
-    must be at least as many as the re-warmup and hold a whole round of the loader's workers. Then
-    epoch restarts are part of the steady state. Counted in micro-batches instead, a 1-step epoch of
-    8 micro-batches (batch 512 x accumulation 8 on a small dataset) re-warmed at every epoch and
-    never measured a window: its trial ran to the trial timeout."""
-    if loader_queue(cfg) == 0:
-        return False
-    left = epoch_measured_steps(cfg, loader)
-    return left >= rewarm_steps(cfg) and left >= loader_round(cfg)
-
-
-def epoch_measured_steps(cfg: Config, loader: DataLoader) -> int:
-    """Steps of an epoch after its re-warmup: when epochs re-warm, a measured window must fit in
-    them (StepMeter.epoch_steps), else every window is cut short by the next epoch, none enters the
-    estimate and a trial's stop rule never stops it (a 4-step epoch with windows of 10 steps)."""
-    return steps_per_epoch(loader, cfg.trainer.accumulation_steps) - rewarm_steps(cfg)
 
 
 def steps_per_epoch(loader: DataLoader, accumulation: int) -> int:

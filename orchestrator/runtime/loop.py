@@ -29,8 +29,8 @@ from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent, chec
 from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
 from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer, ShareSampler
-from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, epoch_iterator, epoch_measured_steps,
-                   item_bytes, loader_config, reset_latency, rewarms_epochs, steps_per_epoch, switch_loader)
+from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, epoch_iterator, item_bytes,
+                   loader_config, reset_latency, steps_per_epoch, switch_loader)
 from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
@@ -152,7 +152,6 @@ class Run:
     collective: bool = False  # the window figures are all-reduced (the same on every rank)
     total: int = 0
     per_epoch: int = 0
-    rewarm_epochs: bool = False
     # where the run is
     step: int = 0
     epoch: int = 0
@@ -187,10 +186,11 @@ class Run:
         self.n_batches = len(loader)
 
     def end_epoch(self) -> None:
+        if self.b == self.n_batches and not self.stop:  # windows of whole epochs end here (the next
+            window = self.meter.epoch_end()  # epoch's restart is measured in the next window)
+            self.stop = window is not None and self.on_window(window)
         if self.stop or self.step >= self.total:
             self.meter.flush()  # before the iterator's shutdown below
-        elif self.rewarm_epochs:
-            self.rewarm("epoch")  # the next epoch's iterator refills the loader's queue
         if self.b == self.n_batches:
             next(self.it, None)  # finish the epoch's iterator as a plain `for` loop would (sampler RNG)
 
@@ -245,10 +245,9 @@ class Run:
         queue: the meter fits the new loader and warms up again."""
         self.cfg, self.loader, self.it = switch_loader(self.cfg, new, self.loader, self.it, self.generator,
                                                        self.epoch_generator, self.b, self.device)
-        self.rewarm_epochs = rewarms_epochs(self.cfg, self.loader)
         self.meter.queue = loader_queue(self.cfg)
         self.meter.set_round(loader_round(self.cfg))
-        self.meter.fit_epoch(epoch_measured_steps(self.cfg, self.loader) if self.rewarm_epochs else 0)
+        self.meter.fit_epoch(steps_per_epoch(self.loader, self.cfg.trainer.accumulation_steps))
         self.rewarm("loader")
 
 
@@ -294,8 +293,7 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
         saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
         run.balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance, step=run.step,
                                 resumed=saved)
-    run.rewarm_epochs = rewarms_epochs(cfg, loader)
-    meter.fit_epoch(epoch_measured_steps(cfg, loader) if run.rewarm_epochs else 0)
+    meter.fit_epoch(steps_per_epoch(loader, t.accumulation_steps))
     run.rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
     run.collective = adapter.world_size > 1 and (run.rule is not None or t.window_s > 0 or t.loader_autotune)
     run.loader_tuner = loader_tuner(cfg, adapter, dataset, events, ck)
@@ -404,7 +402,6 @@ def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:
                                t.peak_tflops))
     summary["stopped_by"] = run.stopped_by or (run.rule.reason if run.rule is not None and run.rule.reason else "steps")
     summary["model_state_mb"] = model_state_mb(run.model, run.optimizer)
-    summary["warmup"]["epochs_rewarm"] = run.rewarm_epochs
     for hook in run.hooks:
         hook.summary(run, summary)
     return TrainResult(model=unwrap(run.model), param_digest=param_digest(run.model), steps=run.step,

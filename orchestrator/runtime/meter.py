@@ -29,8 +29,13 @@ workers the CPU time of the data phase itself, each per item delivered.
 
 Warmup ends in steady state: after `warmup_steps` steps and once the DataLoader's pre-filled queue
 (`queue` micro-batches: num_workers x prefetch_factor, filled while the model was built) has been
-read since the iterator (re)started; `rewarm()` starts a new warmup (a new epoch's iterator, the
-profiler's teardown). Windows last `window_steps` steps, more when `resize()` asks for a duration,
+read since the iterator (re)started; `rewarm()` starts a new warmup (the profiler's teardown, a new
+loader). A new epoch does not: its iterator starts the workers again (new processes unless
+persistent_workers) and the steps wait while they refill the queue, so every epoch pays it and a
+long run's figure includes it (`epoch_end()`). Short epochs (fewer than EPOCH_WINDOWS windows) are
+measured in windows of whole epochs, each with its restart; longer ones in windows that fall where
+they fall, one in several holding a restart.
+Windows last `window_steps` steps, more when `resize()` asks for a duration,
 and always a whole number of the loader's rounds (`round_steps`): its workers deliver batches in
 turn, each a batch per cycle, and often in bursts (workers fed together finish together); a window
 of whole rounds spans whole cycles, while a window that ends inside a burst counts batches that
@@ -54,6 +59,8 @@ import torch
 from ..measure.phases import BUSY, COMM, COMPUTE, PHASES
 from ..measure.results import Window
 from ..measure.stats import estimate, estimate_of
+
+EPOCH_WINDOWS = 4  # an epoch shorter than this many windows is measured in windows of whole epochs
 
 
 class NvmlSampler:
@@ -235,7 +242,7 @@ class StepMeter:
     warmup_steps: int = 5  # at least this many steps of warmup
     queue: int = 0  # micro-batches the loader pre-fills (num_workers x prefetch_factor), read before measuring
     round_steps: int = 1  # windows last a multiple of this many steps: one round of the loader's workers
-    epoch_steps: int = 0  # windows fit in this many steps: an epoch's after its re-warmup (0: no limit)
+    epoch_steps: int = 0  # optimizer steps an epoch (0: not known): short epochs are measured whole
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
     windows: List[Window] = field(default_factory=list)
@@ -276,6 +283,8 @@ class StepMeter:
         self._window_want = self.window_steps  # steps asked for; windows last whole_rounds() of it
         self._window_len = self.whole_rounds(self.window_steps)
         self._warm_why = "start"
+        self._epochs = 0  # epochs ended since the window began
+        self._aligned = False  # the window began with an epoch (windows of whole epochs)
         self.warmups: List[Dict[str, Any]] = []  # one per warmup: where it ended and why
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
@@ -341,8 +350,36 @@ class StepMeter:
             if self._step >= self.warmup_steps and self._micro > self.queue:
                 return self._end_warmup()
             return None
-        if self._step - self._window_first >= self._window_len:
+        if not self.whole_epochs() and self._step - self._window_first >= self._window_len:
             return self._close_window(warmup=False)
+        return None
+
+    def whole_epochs(self) -> int:
+        """Epochs a window lasts when windows are whole epochs (an epoch is shorter than
+        EPOCH_WINDOWS windows), else 0. A window of part of a short epoch would read either its
+        restart or none of it: windows would spread by the restart's cost, and a measurement that
+        stops mid-epoch would miss its share."""
+        if not self.epoch_steps or self.epoch_steps >= EPOCH_WINDOWS * self._window_len:
+            return 0
+        return max(1, round(self._window_len / self.epoch_steps))
+
+    def epoch_end(self) -> Optional[Window]:
+        """The epoch's last step ended. With windows of whole epochs, the window ends here once it
+        holds its epochs; returns it. The window that began after the warmup, mid-epoch, ends at
+        the first epoch end as a partial one (it holds no restart: left out of the estimate while
+        whole ones exist). The next epoch's restart (the workers' start and first batches) falls
+        in the next window, as in a long run."""
+        per = self.whole_epochs()
+        if not per or self._warming:
+            return None
+        if self._step == self._window_first:  # nothing since the warmup or the last window
+            self._aligned, self._epochs = True, 0
+            return None
+        self._epochs += 1
+        if not self._aligned or self._epochs >= per:
+            win = self._close_window(warmup=False, partial=not self._aligned)
+            self._aligned = True
+            return win
         return None
 
     def _end_warmup(self) -> Window:
@@ -359,9 +396,9 @@ class StepMeter:
         return win
 
     def rewarm(self, why: str) -> Optional[Window]:
-        """The loader's queue is refilled (a new epoch's iterator) or the steps just run were not
-        steady (the profiler): measure again only after a new warmup. A partial measured window
-        is closed first (it was steady); returns it."""
+        """A new loader's queue is filled (loader_autotune) or the steps just run were not steady
+        (the profiler): measure again only after a new warmup. A partial measured window is
+        closed first (it was steady); returns it."""
         win = None
         if not self._warming and self._step > self._window_first:
             win = self._close_window(warmup=False, partial=True)
@@ -379,11 +416,9 @@ class StepMeter:
             self._window_len = self.whole_rounds(self._window_want)
 
     def whole_rounds(self, steps: int) -> int:
-        """`steps` rounded up to whole rounds of the loader's workers (`round_steps`), and down to
-        the whole rounds that fit in `epoch_steps` when that is set."""
+        """`steps` rounded up to whole rounds of the loader's workers (`round_steps`)."""
         r = max(1, self.round_steps)
-        n = max(r, math.ceil(steps / r) * r)
-        return min(n, self.epoch_steps // r * r) if self.epoch_steps >= r else n
+        return max(r, math.ceil(steps / r) * r)
 
     def set_round(self, round_steps: int) -> None:
         """The loader changed (loader_autotune): windows of whole rounds of the new one."""
@@ -391,10 +426,8 @@ class StepMeter:
         self._window_len = self.whole_rounds(self._window_want)
 
     def fit_epoch(self, steps: int) -> None:
-        """Each epoch re-warms and leaves `steps` steps to measure (0: epochs do not re-warm):
-        windows fit in them, so a short epoch's window is not always cut short by the next one."""
+        """An epoch is `steps` optimizer steps (0: not known): see whole_epochs()."""
         self.epoch_steps = steps
-        self._window_len = self.whole_rounds(self._window_want)
 
     def check_memory(self) -> None:
         """Raise when this job's resident high-water passed the cap (CPU; checked per window)."""
@@ -452,6 +485,7 @@ class StepMeter:
         last = marks[-1]
         self._marks = [(-1, last[1])]
         self._window_first = self._step
+        self._epochs, self._aligned = 0, False
         self._samples = 0
         self._tokens = self._padded = 0
         self._wall0 = wall1
@@ -475,6 +509,7 @@ class StepMeter:
         first = self.warmups[0] if self.warmups else None
         out: Dict[str, Any] = {"min_steps": self.warmup_steps, "queue_micro_batches": self.queue,
                                "steps": first["until_step"] if first else self._step, "finished": first is not None}
+        out["epochs_per_window"] = self.whole_epochs()  # 0: windows of steps (epoch restarts fall in them)
         if first is not None and first["why"] != "start":  # e.g. start+profiler: read again after profiling
             out["after"] = first["why"].split("+", 1)[1]
         if first is None:

@@ -74,6 +74,7 @@ class Tuner:
 
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
+        self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0}  # seconds, over this process's launches
         cfg = resolve_allocation(cfg)  # inside a SLURM allocation: its nodes (orchestrator/slurm.py)
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
@@ -223,7 +224,6 @@ class Tuner:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         self.started, self.mine, self.confirmed_here, self.rejected = time.monotonic(), set(), False, 0
-        self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0}  # seconds, over this process's launches
         finished = self._finished_study()
         if finished is not None:  # nothing to check, launch or record
             self._say_study()
