@@ -427,14 +427,8 @@ class Tuner:
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
                 "run_kind": "trial"} if parent else {}
         try:
-            launched = time.monotonic()
-            try:
-                result = run_job(cfg, run_dir, echo=False, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
-                                 ranks=self.pool, tracker=self.tracker.sibling(), plots=self.t.trial_plots)
-            except (JobStopped, JobFailed) as exc:
-                self._account(launched, exc.result)
-                raise
-            self._account(launched, result)
+            result = self._launch(cfg, run_dir, extra_tags=tags, monitor=monitor, run_name=f"trial {trial.number}",
+                                  plots=self.t.trial_plots)
             self._completed(study, trial, rec, result, t0)
         except JobStopped as exc:
             rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
@@ -612,26 +606,32 @@ class Tuner:
         tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
         cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
-        launched = time.monotonic()
         try:
-            runs[tr.number].append(run_job(
-                cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}", echo=False, ranks=self.pool,
+            runs[tr.number].append(self._launch(
+                cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}",
                 extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
-                run_name=f"confirm trial {tr.number}", tracker=self.tracker.sibling()))
-            self._account(launched, runs[tr.number][-1])
+                run_name=f"confirm trial {tr.number}"))
         except JobFailed as exc:
-            self._account(launched, exc.result)
             self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
         self._show(lambda p: p.ended(best_words(study, self.t)))
 
-    def _account(self, launched: float, result: Optional[Dict[str, Any]]) -> None:
-        """A launch's seconds, and its training loops' and warmups' (merge's `time_s`), toward the
-        study's time breakdown (_measured_share)."""
-        self.spent["launch"] += time.monotonic() - launched
-        loops = (result or {}).get("time_s") or {}
-        self.spent["train"] += float(loops.get("train") or 0.0)
-        self.spent["warmup"] += float(loops.get("warmup") or 0.0)
+    def _launch(self, cfg: Config, run_dir: Path, **kwargs: Any) -> Dict[str, Any]:
+        """run_job on the study's ranks and tracker (a trial or a confirmation run); its seconds,
+        and its training loops' and warmups' (merge's `time_s`), go toward the study's time
+        breakdown (_measured_share), whether it finished, was pruned or failed."""
+        launched, result = time.monotonic(), None
+        try:
+            result = run_job(cfg, run_dir, echo=False, ranks=self.pool, tracker=self.tracker.sibling(), **kwargs)
+            return result
+        except (JobStopped, JobFailed) as exc:
+            result = exc.result
+            raise
+        finally:
+            loops = (result or {}).get("time_s") or {}
+            self.spent["launch"] += time.monotonic() - launched
+            self.spent["train"] += float(loops.get("train") or 0.0)
+            self.spent["warmup"] += float(loops.get("warmup") or 0.0)
 
     def _combined(self, runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
         """Trial number (str) -> the combined figures of its confirmation runs so far."""
@@ -788,8 +788,8 @@ class Tuner:
     def _measured_share(self, study: Any) -> Dict[str, Any]:
         """This process's study time spent measuring: the measured seconds of its trials and
         confirmation runs over its wall time, and where the rest went (`spent`, seconds):
-        measured, the warmups, the rest of the training loops (windows cut by an epoch, the step
-        that ends a run), each launch outside its loop (ranks, model and data, the records), and
+        measured, the warmups, the rest of the training loops (partial windows: the rest of the
+        warmup's epoch when windows are whole epochs, the steps that end a run), each launch outside its loop (ranks, model and data, the records), and
         the tuner between launches (sampling, the job model, the database, MLflow, the report)."""
         wall = time.monotonic() - self.started
         mine = [tr for tr in study.get_trials(deepcopy=False) if tr.number in self.mine]
