@@ -210,3 +210,20 @@ def test_the_workers_edge_widens_only_where_the_job_model_sees_a_gain(make_cfg):
                                     "cores": 2, "threads": 2})
     why = proposals._more_workers(*computes, {"value": 6})["capped"]
     assert why.startswith("the job model predicts") and "with 6 workers" in why and "cpu-bound" in why
+
+
+def test_a_wait_of_one_hand_off_per_batch_is_not_the_loader_waiting():
+    """The zoo's compute task at b8 w2 a1: the step waited 17% of its time for data, 1.5 ms a batch,
+    about one hand-off (1.4 ms at b8), with 0.15 ms of loader CPU per item. The workers kept up: no
+    loader wait is inferred, and a larger batch (fewer hand-offs per item) is predicted faster, not
+    held back by a loader that waits 2 ms on every item."""
+    cost = {"busy_cpu_s": 0.000775, "consume_cpu_s": 0.00147, "cores": 2, "data_cpu_s": 0.000487,
+            "data_wall_s": 0.000188, "threads": 2, "workers_cpu_s": 0.000151}
+    run = _run(8, 2, 900.4, 0.169, cost)
+    assert run.load_wait is not None  # alone, the run reads as workers running flat out
+    model = JobModel.fit([run], cores=2, threads=2, handoff=lambda b: 1.4e-3)
+    assert model.load_wait is None
+    assert model.predict(64, 1, 1).throughput > model.predict(8, 2, 1).throughput
+    # a wait of several hand-offs a batch is still the loader's
+    slow = _run(8, 2, 450.0, 0.6, {**cost, "data_wall_s": 1.33e-3})
+    assert JobModel.fit([slow], cores=2, threads=2, handoff=lambda b: 1.4e-3).load_wait is not None
