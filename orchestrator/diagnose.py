@@ -3,7 +3,7 @@
 A step's wall time is tiled by its phases (see runtime/meter.py), so the shares say where the
 time went. The verdict is the first rule that holds, in this order:
 
-  memory-bound          peak memory >= MEMORY_FULL of the device (CUDA total / host RAM):
+  memory-bound          peak memory >= MEMORY_FULL of the device (CUDA total / host RAM, or trainer.memory_cap_mb on CPU):
                         nothing larger fits, whatever the other shares say
   input-bound           data wait + host-to-device >= INPUT_BOUND of the step
   communication-bound   exposed communication >= COMM_BOUND of the step
@@ -103,11 +103,12 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
     cuda = str((job.get("per_rank") or [{}])[0].get("device", "cpu")).startswith("cuda")
     peak = job.get("peak_mem_mb") or 0.0
     mem_share = peak / device_mem_mb if device_mem_mb else 0.0
+    dev = "the memory cap" if t.memory_cap_mb and not cuda else "the device"  # on CPU the cap is the limit (meter.memory_stats)
     step = job.get("step_time_s") or 0.0
 
     if mem_share >= MEMORY_FULL:
         moves = [Move({"data.batch_size": max(1, d.batch_size // 2), "trainer.accumulation_steps": t.accumulation_steps * 2},
-                      f"peak memory is {_pct(mem_share)} of the device; half the batch takes half the activations, and "
+                      f"peak memory is {_pct(mem_share)} of {dev}; half the batch takes half the activations, and "
                       "twice the accumulation keeps the global batch (the same model math)")]
         shard = _shard_move(job, cfg, peak)
         if shard is not None:  # first when the replicated model state is most of the peak
@@ -135,7 +136,7 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
                               f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per "
                               f"4x the samples divides it by 4 per sample, and unlike accumulation the larger batch also "
                               f"runs larger kernels and pays the per-step overheads once per 4x the samples (peak memory "
-                              f"is {_pct(mem_share)} of the device); {_global_note(cfg, 4)}"))
+                              f"is {_pct(mem_share)} of {dev}); {_global_note(cfg, 4)}"))
         moves.append(Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
                           f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
                           f"samples divides it by 4 per sample, at the same memory; {_global_note(cfg, 4)}"))
@@ -153,7 +154,7 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
         moves.append(Move({"trainer.amp": True}, "tensor cores run bf16/fp16 several times faster than fp32"))
     if mem_share and mem_share < 0.5:
         moves.append(Move({"data.batch_size": d.batch_size * 2},
-                          f"peak memory is {_pct(mem_share)} of the device, so twice the batch fits; larger batches run "
+                          f"peak memory is {_pct(mem_share)} of {dev}, so twice the batch fits; larger batches run "
                           f"more efficient kernels and pay per-step overheads half as often; {_global_note(cfg, 2)}"))
     return Diagnosis("compute-bound", f"compute + optimizer take {_pct(busy)} of the step; input {_pct(inp)}, "
                                       f"communication {_pct(comm)}", moves,

@@ -364,3 +364,16 @@ def test_the_interval_uses_students_t_at_every_window_count():
     assert half(5) == pytest.approx(2.776, abs=1e-3)
     assert half(32) == pytest.approx(2.040, abs=1e-3)
     assert half(41) == pytest.approx(2.021, abs=1e-3)  # the table's 1.96 here
+
+
+def test_a_memory_cap_is_the_memory_the_diagnosis_sizes_batches_by():
+    """With trainer.memory_cap_mb on CPU, the memory a rank can use is the cap, not the host's RAM:
+    the zoo's memory_cap read "peak memory is 3% of the device, so twice the batch fits" under a
+    cap that the doubled batch then passed."""
+    import psutil
+
+    cap = 256.0
+    capped = StepMeter(torch.device("cpu"), memory_cap_mb=cap).summary()
+    free = StepMeter(torch.device("cpu")).summary()
+    assert capped["device_mem_mb"] == cap
+    assert free["device_mem_mb"] == pytest.approx(psutil.virtual_memory().total / 2**20)

@@ -169,16 +169,17 @@ def test_crashing_and_oom_trials_fail_and_the_study_goes_on(make_cfg, tmp_path):
     summary = run_study(cfg, tmp_path, echo=False)
     assert summary["status"] == "FINISHED" and summary["n_trials"] == 6
     trials = study_of(summary).trials
-    oom = []  # (batch, trial) that ran out of memory so far: no larger batch is launched after
-    for t in trials:
+    oom = {}  # fail_at -> (batch, trial) that ran out of memory so far under the cap: no batch as large is
+    for t in trials:  # launched after at the same other knobs (the cap and fail_at)
         v = t.user_attrs["values"]
-        if oom and v["data.batch_size"] > min(oom)[0]:
-            assert t.user_attrs["over_memory_of"] == min(oom)[1] and t.state == optuna.trial.TrialState.PRUNED
+        ceiling = min(oom.get(v["model.args.fail_at"], []), default=None)
+        if ceiling and v["trainer.memory_cap_mb"] == 30 and v["data.batch_size"] >= ceiling[0]:
+            assert t.user_attrs["over_memory_of"] == ceiling[1] and t.state == optuna.trial.TrialState.PRUNED
             continue
         if "duplicate_of" in t.user_attrs:  # a re-proposed config: not launched again
             continue
         if v["trainer.memory_cap_mb"] == 30:
-            oom.append((v["data.batch_size"], t.number))
+            oom.setdefault(v["model.args.fail_at"], []).append((v["data.batch_size"], t.number))
         should_fail = v["model.args.fail_at"] == 2 or v["trainer.memory_cap_mb"] == 30
         assert (t.state == optuna.trial.TrialState.FAIL) == should_fail, (v, t.state, t.user_attrs.get("error"))
         if v["trainer.memory_cap_mb"] == 30:
@@ -767,3 +768,35 @@ def test_confirmation_goes_on_while_the_pick_is_within_the_noise():
     assert open_contest({"1": fig(0.2, 1000.0, 50.0), "2": fig(0.2, 960.0, 50.0)}, tt) == [1, 2]
     assert open_contest({"1": fig(0.2, 1000.0, 10.0), "2": fig(0.2, 900.0, 10.0)}, tt) == []
     assert open_contest({"1": fig(0.2, 1000.0, 10.0)}, t) == []
+
+
+def test_the_memory_ceiling_holds_the_batch_that_ran_out_whatever_its_workers(make_cfg, tmp_path):
+    """The zoo's memory_cap: batch 512 ran out of memory at 0 workers and accumulation 2; a later
+    diagnosis proposed batch 512 at 2 workers and accumulation 1, and it was launched and ran out
+    again. The same micro-batch does not fit with other workers; a memory-bound batch (it ran)
+    stays launchable, larger ones do not; another memory cap has its own ceiling."""
+    from orchestrator.tune.proposals import Proposals
+
+    cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
+                   "+tune.space.cap={key: trainer.memory_cap_mb, type: categorical, choices: [0, 300]}")
+    space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(storage=storage, study_name="mem", direction="maximize")
+    proposals = Proposals(space, cfg.tune, storage, "mem", lambda line: None)
+
+    def trial(values: dict, **attrs) -> None:
+        tr = study.ask()
+        tr.set_user_attr("values", {"data.num_workers": 0, "trainer.accumulation_steps": 1, **values})
+        for k, v in attrs.items():
+            tr.set_user_attr(k, v)
+        study.tell(tr, state=optuna.trial.TrialState.FAIL)
+
+    capped = {"trainer.memory_cap_mb": 300}
+    assert proposals.memory_ceiling(study, capped) is None
+    trial({"data.batch_size": 512, "trainer.accumulation_steps": 2, **capped}, error="out of memory: rss 412 MB")
+    ceiling = proposals.memory_ceiling(study, {"data.batch_size": 512, "data.num_workers": 2, **capped})
+    assert ceiling is not None and ceiling[0] == 512 and "ran out of memory at batch 512" in ceiling[2]
+    assert proposals.memory_ceiling(study, {"trainer.memory_cap_mb": 0}) is None  # no cap: its own ceiling
+    trial({"data.batch_size": 128, **capped}, verdict="memory-bound")
+    assert proposals.memory_ceiling(study, capped)[0] == 129  # 128 ran: only larger batches are held back
+    candidates = proposals._candidates(study, capped)
+    assert candidates and {c["data.batch_size"] for c in candidates} == {64, 128}

@@ -554,7 +554,7 @@ class StepMeter:
         return out
 
     def summary(self) -> Dict[str, Any]:
-        base = {"warmup": self.warmup_summary(), **memory_stats(self.device, self.memory)}
+        base = {"warmup": self.warmup_summary(), **memory_stats(self.device, self.memory, self.memory_cap_mb)}
         wins = self.windows or self.warmup_windows  # a run shorter than its warmup: say so
         if not wins:
             return {"measured_steps": 0, "utilization_source": self.source, **base}
@@ -628,9 +628,10 @@ def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return (2 * params + state) / 2**20
 
 
-def memory_stats(device: torch.device, sampler: Optional[MemorySampler] = None) -> Dict[str, Any]:
+def memory_stats(device: torch.device, sampler: Optional[MemorySampler] = None, cap_mb: float = 0.0) -> Dict[str, Any]:
     """This job's peak memory: the CUDA allocator's (its peak was reset when the job started) on
-    GPU; on CPU the sampled resident high-water of the rank and its loader workers."""
+    GPU; on CPU the sampled resident high-water of the rank and its loader workers, against the
+    host's memory or `cap_mb` (trainer.memory_cap_mb) when less: what the diagnosis sizes batches by."""
     if device.type == "cuda":
         return {
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
@@ -643,5 +644,6 @@ def memory_stats(device: torch.device, sampler: Optional[MemorySampler] = None) 
 
     rss = psutil.Process(os.getpid()).memory_info().rss / 2**20
     peak = max(sampler.peak_mb, rss) if sampler is not None else rss
-    return {"peak_mem_mb": peak, "reserved_mem_mb": rss,
-            "device_mem_mb": psutil.virtual_memory().total / 2**20, "mem_source": "rss"}
+    total = psutil.virtual_memory().total / 2**20
+    return {"peak_mem_mb": peak, "reserved_mem_mb": rss, "device_mem_mb": min(total, cap_mb) if cap_mb > 0 else total,
+            "mem_source": "rss"}

@@ -11,7 +11,7 @@ study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within
   proposed trial proposes again while it beats the trial that proposed it);
 - `edges` (tune.extend_edges): the best on the top of a dimension its verdict points past widens
   that dimension one step and is tried there (edges.py);
-- `memory_ceiling`: no batch larger than one that ran out of memory is launched at all.
+- `memory_ceiling`: no batch as large as one that ran out of memory (at the same other knobs) is launched at all.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Proposals:
             return []
         trials = study.get_trials(deepcopy=False)
         seen = [tr.params or tr.system_attrs.get("fixed_params") or {} for tr in trials]
-        ceiling = self.memory_ceiling(study)
+        ceiling = self.memory_ceiling(study, here)
         items = max([tr.user_attrs["steps_per_epoch"] * tr.user_attrs["values"].get(BATCH_KEY, 1)
                      * (tr.user_attrs["values"].get(ACCUM_KEY) or 1) for tr in trials
                      if tr.user_attrs.get("steps_per_epoch") and "values" in tr.user_attrs] + [0])
@@ -83,7 +83,7 @@ class Proposals:
             if ACCUM_KEY not in dims and self.space.global_batch:
                 point[ACCUM_KEY] = self.space.global_batch // (self.space.world * int(point[BATCH_KEY]))
             b, a = int(point.get(BATCH_KEY) or self.cfg.data.batch_size), int(point.get(ACCUM_KEY) or 1)
-            if ceiling is not None and b >= ceiling[0]:  # the batch that ran out, whatever the other knobs
+            if ceiling is not None and b >= ceiling[0]:
                 continue
             if items and not self.t.allow_large_global_batch and items // (b * a) <= 1:
                 continue
@@ -232,11 +232,20 @@ class Proposals:
         waiting = sum(tr.state.name == "WAITING" for tr in trials)
         return counted(trials) + waiting < self.t.n_trials
 
-    def memory_ceiling(self, study: Any) -> Optional[Tuple[int, int]]:
-        """(batch, trial): the smallest batch that ran out of memory (or was memory-bound) so far
-        at this world size; no larger batch is launched for the rest of the study."""
-        bad = [(tr.user_attrs["values"][BATCH_KEY], tr.number) for tr in study.get_trials(deepcopy=False)
-               if BATCH_KEY in (tr.user_attrs.get("values") or {}) and out_of_memory(tr)]
+    def memory_ceiling(self, study: Any, values: Dict[str, Any]) -> Optional[Tuple[int, int, str]]:
+        """(batch, trial, why): the smallest batch known not to fit so far at `values`' other knobs
+        (a memory cap, amp, a backend or a model's size change what fits; workers and accumulation
+        do not change a micro-batch's activations): one that ran out of memory, or the next above
+        one that was memory-bound (it ran, at the edge). No batch from it up is launched for the
+        rest of the study."""
+        bad, mine = [], self._others(values)
+        for tr in study.get_trials(deepcopy=False):
+            b = (tr.user_attrs.get("values") or {}).get(BATCH_KEY)
+            if b is None or not out_of_memory(tr) or self._others(tr.user_attrs["values"]) != mine:
+                continue
+            ran_out = str(tr.user_attrs.get("error", "")).startswith("out of memory")
+            bad.append((b if ran_out else b + 1, tr.number,
+                        f"trial {tr.number} {'ran out of memory' if ran_out else 'was memory-bound'} at batch {b}"))
         return min(bad) if bad else None
 
     def _more_workers(self, study: Any, best: Any, step: Dict[str, Any]) -> Dict[str, Any]:

@@ -405,10 +405,10 @@ class Tuner:
                 running = " (running)" if twin.state == self.optuna.trial.TrialState.RUNNING else ""
                 return self._unlaunched(study, trial, rec, t0, "duplicate_of", twin.number,
                                         f"duplicate of trial {twin.number}{running}")
-        ceiling = self.proposals.memory_ceiling(study)
-        if ceiling is not None and values.get(BATCH_KEY, 0) > ceiling[0]:  # known to run out: no launch
-            return self._unlaunched(study, trial, rec, t0, "over_memory_of", ceiling[1], f"batch {values[BATCH_KEY]} > "
-                                    f"{ceiling[0]}, which ran out of memory in trial {ceiling[1]}")
+        ceiling = self.proposals.memory_ceiling(study, values)
+        if ceiling is not None and values.get(BATCH_KEY, 0) >= ceiling[0]:  # known not to fit: no launch
+            return self._unlaunched(study, trial, rec, t0, "over_memory_of", ceiling[1],
+                                    f"batch {values[BATCH_KEY]} does not fit: {ceiling[2]}")
         below = (self.proposals.cannot_win(study, values)
                  if rec.proposed_by == "sampler" and self.rejected < MAX_REJECTED else None)
         self.rejected = self.rejected + 1 if below is not None else 0
