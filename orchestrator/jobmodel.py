@@ -91,9 +91,14 @@ class Run:
             # workers that kept the step waiting ran flat out: w items per (cpu + wait) each; unless
             # the cores were busy throughout, when what they waited for was a core (cpu-bound)
             load_wait = None
-            cores_busy = rate * ((load_cpu or 0.0) + (cost.get("consume_cpu_s") or consume)) / (cost.get("cores") or 1)
+            consume_cpu, threads = cost.get("consume_cpu_s"), cost.get("threads")
+            cores_busy = rate * ((load_cpu or 0.0) + (consume_cpu or consume)) / (cost.get("cores") or 1)
             if load_cpu is not None and data_frac >= 0.15 and cores_busy < CORES_FULL:
                 load_wait = max(0.0, w * per_item - load_cpu)
+            if cores_busy >= CORES_FULL and consume_cpu and threads:
+                # the training process waited for cores its workers held: its own time is at most
+                # its CPU spread over its threads (the cpu budget, not the consumer, bound this run)
+                consume = min(consume, consume_cpu / threads)
         return cls(b, w, a, rate, float(figures.get("rel_se") or BASE_NOISE), consume, cost.get("consume_cpu_s"),
                    cost.get("busy_cpu_s"), load_cpu, load_wait, per_item * data_frac)
 
@@ -287,8 +292,9 @@ class JobModel:
         if w not in {r.workers for r in self.runs}:
             unc += 0.05 * min(abs(math.log2((w + 1) / (r.workers + 1))) for r in self.runs)
         util = None
-        if self.busy_ratio is not None:
-            util = min(1.0, rate * self.busy_ratio * self.consume(b, a))  # the loop thread's busy CPU per second
+        if self.busy_ratio is not None:  # the loop thread's busy CPU per second: in process, the loop's own consume
+            consume = self.consume(b, a) * (self.inproc_factor if w == 0 else 1.0)
+            util = min(1.0, rate * self.busy_ratio * consume)
         return Prediction(rate * self.world, unc, util, bound)
 
     def best_workers(self, b: int, a: int, top: int) -> int:

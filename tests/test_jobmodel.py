@@ -167,8 +167,8 @@ def test_a_config_without_workers_never_measured_keeps_its_chance():
 
 
 def test_a_measured_config_is_predicted_as_measured_and_anchors_its_neighbours():
-    """A run whose consumer and CPU budget allow just the rate it reached (the soft minimum of two
-    equal rates reads 0.84 of it): anchored, the model predicts it as measured, and its neighbour at
+    """A run whose CPU budget allows just the rate it reached (the soft minimum with the stages
+    near it reads less): anchored, the model predicts it as measured, and its neighbour at
     the other accumulation (the same loader, the same per-item cost) keeps up with it; unanchored,
     the neighbour's top fell below the measured run's floor and a sampler's proposal of it was held
     back."""
@@ -180,8 +180,8 @@ def test_a_measured_config_is_predicted_as_measured_and_anchors_its_neighbours()
     assert model.predict(64, 8, 2).throughput == pytest.approx(14000.0, rel=1e-6)
     assert model.predict(32, 0, 1).throughput == pytest.approx(2000.0, rel=1e-6)
     assert model.predict(64, 8, 1).hi > 0.95 * 14000.0
-    model.anchors = []  # the stages alone
-    assert model.predict(64, 8, 2).throughput < 0.85 * 14000.0 and model.predict(64, 8, 1).hi < 0.95 * 14000.0
+    model.anchors = []  # the stages alone read the run below its own measurement
+    assert model.predict(64, 8, 2).throughput < 0.95 * 14000.0
 
 
 def test_the_workers_edge_widens_only_where_the_job_model_sees_a_gain(make_cfg):
@@ -227,3 +227,21 @@ def test_a_wait_of_one_hand_off_per_batch_is_not_the_loader_waiting():
     # a wait of several hand-offs a batch is still the loader's
     slow = _run(8, 2, 450.0, 0.6, {**cost, "data_wall_s": 1.33e-3})
     assert JobModel.fit([slow], cores=2, threads=2, handoff=lambda b: 1.4e-3).load_wait is not None
+
+
+def test_a_training_process_that_waited_for_cores_is_not_a_slow_consumer():
+    """The zoo's cpu_transform: b32 w0 a1 (591/s) and b64 w4 a2 (564/s), 2 ms of loader CPU per
+    item on 2 cores. With 4 workers the training process's time outside the data wait was 1.45
+    ms/item, 5x its time without workers: it waited for the cores its workers held. Taken as its
+    own cost, the consumer stage (623/s) and the cpu budget (571/s) both bound 2 workers, and their
+    soft minimum put b32 w2 a1 at 492/s (its steady figure: 616/s). The budget alone bounds it now;
+    without workers the loop's utilization is predicted from its own consume, as measured."""
+    w0 = _run(32, 0, 591.1, 0.8425, {"busy_cpu_s": 0.000255, "consume_cpu_s": 0.000467, "cores": 2, "threads": 2,
+                                      "data_cpu_s": 0.001424, "data_wall_s": 0.001426})
+    w4 = _run(64, 4, 563.8, 0.1849, {"busy_cpu_s": 0.000686, "consume_cpu_s": 0.001352, "cores": 2, "threads": 2,
+                                      "data_wall_s": 0.000328, "workers_cpu_s": 0.001992}, a=2)
+    model = JobModel.fit([w0, w4], cores=2, threads=2, handoff=lambda b: 2e-3)
+    two = model.predict(32, 2, 1)
+    assert two.bound == "cpu" and two.throughput > 0.9 * 563.8
+    assert model.predict(32, 0, 1).utilization == pytest.approx(591.1 * 0.000255, rel=0.1)
+    assert two.utilization > 2 * model.predict(32, 0, 1).utilization  # workers leave the loop its compute
