@@ -484,6 +484,7 @@ class TuneConfig:
     min_measure_s: float = 0.3  # ... and at least this long
     max_measure_s: float = 2.0  # ... or stop here
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
+    run_noise: float = 0.10  # a run's mean is off by this (relative sd) beyond its windows' spread: every interval is widened by it
     global_batch: Optional[int] = None  # batch x accumulation x world held at this value
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5  # end the study once more than this share of its trials failed
@@ -507,6 +508,7 @@ class TuneConfig:
         _require(self.n_trials >= 1, f"tune.n_trials: must be >= 1, got {self.n_trials}")
         _require(self.workers >= 1, f"tune.workers: must be an integer >= 1 (1: this process tunes), got {self.workers}")
         _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
+        _require(0 <= self.run_noise < 1, f"tune.run_noise: must be in [0, 1), got {self.run_noise}")
         _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")
         _require(self.window_steps >= 1, f"tune.window_steps: must be >= 1, got {self.window_steps}")

@@ -93,6 +93,7 @@ def test_names_later_issues_rely_on():
     (["tune.space.batch_size.type=nah"], "tune.space.batch_size.type: Invalid value 'nah'"),
     (["+tune.space.x={kee: data.batch_size}"], "tune.space.x.kee: Key 'kee' not in 'ParamSpec'"),
     (["tune.throughput_floor=0"], "tune.throughput_floor: must be in (0, 1]"),
+    (["tune.run_noise=1.5"], "tune.run_noise: must be in [0, 1)"),
     (["trainer.memory_cap_mb=-1"], "trainer.memory_cap_mb: must be >= 0"),
     (["tune.rel_precision=1.5"], "tune.rel_precision: must be in [0, 1)"),
     (["tune.confirm_top=-1"], "tune.confirm_top: must be >= 0"),

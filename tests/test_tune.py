@@ -800,3 +800,33 @@ def test_the_memory_ceiling_holds_the_batch_that_ran_out_whatever_its_workers(ma
     assert proposals.memory_ceiling(study, capped)[0] == 129  # 128 ran: only larger batches are held back
     candidates = proposals._candidates(study, capped)
     assert candidates and {c["data.batch_size"] for c in candidates} == {64, 128}
+
+
+def test_intervals_carry_the_noise_of_whole_runs():
+    """The zoo's comm_ddp: b64 w0 a4 and b64 w1 a4 read 2,067 and 3,052 samples/s in trials whose
+    window intervals did not overlap, so the second was picked with no confirmation (long runs:
+    2,656 and 2,410). Widened by tune.run_noise, the intervals overlap and both are confirmed; the
+    mean of several runs is widened less; a one-window figure gets an interval."""
+    from orchestrator.measure.stats import with_run_noise
+    from orchestrator.schema import TuneConfig
+    from orchestrator.tune.rules import confirm_candidates
+
+    t = TuneConfig()
+    figs = [{"throughput": 2067.0, "throughput_lo": 1853.0, "throughput_hi": 2281.0, "utilization": 0.424,
+             "utilization_lo": 0.40, "utilization_hi": 0.45},
+            {"throughput": 3052.0, "throughput_lo": 2829.0, "throughput_hi": 3276.0, "utilization": 0.632,
+             "utilization_lo": 0.61, "utilization_hi": 0.65}]
+
+    def candidates(widen: float) -> list:
+        study = optuna.create_study(direction="maximize")
+        for f in figs:
+            study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"values": {}, **with_run_noise(f, widen)}))
+        return [tr.number for tr in confirm_candidates(study, t)]
+
+    assert candidates(0.0) == [1]  # the windows alone: a lone leader
+    assert candidates(t.run_noise) == [1, 0]
+    one, four = with_run_noise(figs[0], 0.1), with_run_noise(figs[0], 0.1, runs=4)
+    assert one["throughput_lo"] < four["throughput_lo"] < figs[0]["throughput_lo"]
+    assert one["throughput"] == figs[0]["throughput"] and with_run_noise(figs[0], 0.0) == figs[0]
+    bare = with_run_noise({"throughput": 100.0, "utilization": 0.5}, 0.1)
+    assert bare["throughput_lo"] == pytest.approx(100 - 1.96 * 10) and bare["utilization_hi"] == pytest.approx(0.5 + 1.96 * 0.05)

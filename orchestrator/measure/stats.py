@@ -78,6 +78,31 @@ def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
     return _estimate(n, mean, math.sqrt(ss / (n - 1)) if n > 1 else 0.0, sum(e["measured_s"] for e in parts))
 
 
+def with_run_noise(figs: Dict[str, Any], run_noise: float, runs: int = 1,
+                   names: tuple = ("throughput", "utilization", "tokens_per_s")) -> Dict[str, Any]:
+    """`figs` (a trial's or its confirmation runs' figures: `name`, `name_lo`, `name_hi`) with each
+    95% interval widened by the noise of whole runs. A run's mean is off by about `run_noise`
+    (relative standard deviation) beyond what the spread of its own windows shows: where its ranks
+    and workers were placed, the caches, the machine's other load. The mean of `runs` runs is off
+    by that over sqrt(runs). On the zoo's 2-core machine a trial's figure and three long runs of the
+    same config (234 configs) differed by a log standard deviation of 0.125, where the trials'
+    own intervals implied about a third of it: two configs read 2,067 and 3,052 samples/s in
+    intervals that did not overlap, and 2,656 and 2,410 in long runs. A figure with one window (no
+    interval of its own) gets one from the run noise alone."""
+    if run_noise <= 0:
+        return figs
+    out = dict(figs)
+    for name in names:
+        mean = figs.get(name)
+        if mean is None or mean <= 0:
+            continue
+        lo, hi = figs.get(f"{name}_lo"), figs.get(f"{name}_hi")
+        se = (hi - lo) / (2 * Z95) if lo is not None and hi is not None else 0.0
+        half = Z95 * math.hypot(se, run_noise * mean / math.sqrt(max(1, runs)))
+        out[f"{name}_lo"], out[f"{name}_hi"] = mean - half, mean + half
+    return out
+
+
 MIN_WINDOWS = 4  # fewer windows say little about their own spread
 MIN_SPREAD = 2  # windows before a measurement may end at its time cap: a spread, so an interval
 Z95 = 1.96  # the normal 95% quantile: a relative standard error of p has a half width of Z95 x p (many windows)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.results import Estimate, JobResult
-from ..measure.stats import MIN_WINDOWS, estimate
+from ..measure.stats import MIN_WINDOWS, estimate, with_run_noise
 from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
@@ -502,7 +502,7 @@ class Tuner:
         """A measured trial: its figures on the trial and its MLflow run, its score told, and the
         guided search's next proposal (the job model's, else the diagnosis')."""
         values = rec.values
-        rec.metrics = trial_metrics(result)
+        rec.metrics = with_run_noise(trial_metrics(result), self.t.run_noise)
         rec.measured_s = rec.metrics.get("measured_s", 0.0)
         if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
             raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
@@ -653,7 +653,7 @@ class Tuner:
                 if name == "throughput":
                     m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
             if m["throughput"] is not None and m["utilization"] is not None:
-                out[str(number)] = m
+                out[str(number)] = with_run_noise(m, self.t.run_noise, runs=len(results))
         return out
 
     def _confirmation_due(self, study: Any) -> bool:
