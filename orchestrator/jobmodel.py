@@ -26,6 +26,11 @@ budget; tf.data's AUTOTUNE sizes parallelism the same way):
   cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and the training
                                                                   process share the rank's cores
 
+A run whose workers and training process kept the cores full measured a training process that
+waited for cores its workers held: its consume is bounded by consume_cpu / threads, so that wait
+is counted once (in the cpu budget), not again as a slow consumer; and a run whose step waited
+under HANDOFF_MARGIN hand-offs per batch kept up with its workers and shows no loader wait.
+
 combined as a soft minimum (two rates close to each other lose a little to queueing), and anchored
 to the runs: each prediction is scaled by the measured / modelled rate of the nearest run, so a
 measured config is predicted as measured and its neighbours carry its correction. A loader
