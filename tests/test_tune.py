@@ -830,3 +830,46 @@ def test_intervals_carry_the_noise_of_whole_runs():
     assert one["throughput"] == figs[0]["throughput"] and with_run_noise(figs[0], 0.0) == figs[0]
     bare = with_run_noise({"throughput": 100.0, "utilization": 0.5}, 0.1)
     assert bare["throughput_lo"] == pytest.approx(100 - 1.96 * 10) and bare["utilization_hi"] == pytest.approx(0.5 + 1.96 * 0.05)
+
+
+def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, monkeypatch):
+    """The zoo's memory_cap: b256 with 2 workers completed its trial just under the memory cap, then
+    ran out of memory in confirmation. It gets no more rounds, its figures are not confirmed, it is
+    never the pick though its trial led, and the summary says why."""
+    from orchestrator.app import JobFailed
+    from orchestrator.tune import report
+    from orchestrator.tune import study as study_module
+    from orchestrator.tune.rules import best_trials, confirmed, failed_confirmation
+    from orchestrator.tune.study import Tuner
+
+    study = optuna.create_study(direction="maximize")
+    for b, util, thr in ((64, 0.90, 1000.0), (256, 0.95, 1040.0), (128, 0.80, 900.0)):
+        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+            "values": {"data.batch_size": b, "data.num_workers": 2}, "utilization": util, "throughput": thr,
+            "throughput_lo": 0.9 * thr, "throughput_hi": 1.1 * thr, "utilization_lo": util - 0.05,
+            "utilization_hi": util + 0.05}))
+    tuner = Tuner(make_cfg("mode=tune", "tune.confirm_top=3", f"tune.storage=sqlite:///{tmp_path}/o.db"),
+                  tmp_path, echo=False)
+    assert best_trials(study, tuner.t)[0].number == 1  # on its trial's figures, b256 leads
+    runs = []
+
+    def measured(mean, spread):
+        return {"mean": mean, "rel_se": spread / mean, "interval": [mean - 2 * spread, mean + 2 * spread],
+                "windows": 4, "measured_s": 0.4}
+
+    def run_job(cfg, run_dir, **kwargs):
+        runs.append(cfg.data.batch_size)
+        if cfg.data.batch_size == 256:
+            raise JobFailed("out of memory: process 11 used 854 MB > trainer.memory_cap_mb=850", {})
+        thr = {64: 1000.0, 128: 900.0}[cfg.data.batch_size]
+        return {"estimate": measured(thr, 10.0), "utilization_estimate": measured(0.9, 0.01)}
+
+    monkeypatch.setattr(study_module, "run_job", run_job)
+    tuner._confirm(study, None)
+    assert runs.count(256) == 1 and runs.count(64) >= 2  # no second round for the one that failed
+    assert set(confirmed(study)) == {"0", "2"} and failed_confirmation(study)["1"].startswith("out of memory")
+    assert best_trials(study, tuner.t)[0].number == 0
+    assert not tuner._confirmation_due(study)  # a resumed study does not confirm them again
+    summary = report.write_outputs(study, best_trials(study, tuner.t), t=tuner.t, out_dir=tmp_path / "out", name="oom",
+                                   storage="sqlite:///x.db", overrides=[], echo=True)
+    assert summary["confirm_failed"]["1"].startswith("out of memory") and summary["best"]["number"] == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..schema import Objective, TuneConfig
-from .rules import completed, confirmed, figures, refused
+from .rules import completed, confirmed, figures, pickable, refused
 
 FILE = "tuning.png"
 
@@ -42,7 +42,7 @@ def _floor(study: Any, t: TuneConfig) -> Optional[float]:
     possible pick, judged on the confirmed figures when there are (as rules.ranked reads it)."""
     if t.objective is not Objective.utilization:
         return None
-    done = [tr for tr in completed(study) if not refused(tr, t)] or completed(study)
+    done = pickable(study, t)
     conf = confirmed(study)
     pool = [tr for tr in done if str(tr.number) in conf] or done
     return t.throughput_floor * max(figures(tr, conf)["throughput"] for tr in pool) if pool else None

@@ -19,7 +19,7 @@ from ..stores import redact
 from .edges import advice
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
-from .rules import best_trials, completed, confirmed, counted, figures, ranked, refused, separation
+from .rules import best_trials, completed, confirmed, counted, failed_confirmation, figures, ranked, refused, separation
 
 # Optuna's importances (a random forest over the completed trials) are noise below this many trials;
 # the plot also costs the first scikit-learn import, 2-3 s of a 6-trial study on 2 cores
@@ -86,6 +86,8 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     conf = confirmed(study)
     if conf:
         summary["confirmed"] = conf
+    if failed_confirmation(study):
+        summary["confirm_failed"] = failed_confirmation(study)
     summary["separation"] = separation(study, t)
     if best:
         b = best[0]
@@ -235,11 +237,13 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
                 *(("real tokens/s (95% interval)",) if tokens else ()), "verdict", "notes"):
         table.add_column(col)
 
+    failed = failed_confirmation(study)
     for i, tr in enumerate(done, 1):
         a, f = tr.user_attrs, figures(tr, conf)
         knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
-                                 ("baseline", a.get("baseline")), ("refused", refused(tr, t))) if on]
+                                 ("baseline", a.get("baseline")), ("refused", refused(tr, t)),
+                                 ("failed when confirmed", str(tr.number) in failed)) if on]
         real = (("-" if f.get("tokens_per_s") is None else f"{f['tokens_per_s']:.0f}"
                  + interval_words(f, "tokens_per_s", 1.0, "{:.0f}")),) if tokens else ()
         shown = f"{f['throughput']:.1f}" + interval_words(f, "throughput", 1.0, "{:.0f}")

@@ -69,6 +69,21 @@ def confirmed(study: Any) -> Dict[str, Dict[str, Any]]:
     return study.user_attrs.get("confirmed") or {}
 
 
+def failed_confirmation(study: Any) -> Dict[str, str]:
+    """Trial number (str) -> why one of its confirmation runs failed (Tuner._confirm). Such a config
+    is not a pick: run again it failed (the zoo's memory_cap: b256 with 2 workers completed its trial
+    at 840 MB under an 850 MB cap, then ran out of memory in 2 of its 4 confirmation runs)."""
+    return study.user_attrs.get("confirm_failed") or {}
+
+
+def pickable(study: Any, t: TuneConfig) -> List[Any]:
+    """The completed trials that may be the pick: not refused, and none whose confirmation failed
+    (all of them when that leaves none: the best of what ran is still reported)."""
+    done = [tr for tr in completed(study) if not refused(tr, t)] or completed(study)
+    failed = failed_confirmation(study)
+    return [tr for tr in done if str(tr.number) not in failed] or done
+
+
 def figures(trial: Any, confirmed_: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """What a trial is judged by: its confirmed figures when it was re-measured, else its own."""
     return confirmed_.get(str(trial.number)) or trial.user_attrs
@@ -85,7 +100,7 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
         return []
     conf = confirmed(study)
     fig = {tr.number: figures(tr, conf) for tr in done}
-    eligible = [tr for tr in done if not refused(tr, t)] or done  # the floor is measured from a possible pick
+    eligible = pickable(study, t)  # the floor is measured from a possible pick
     pool = [tr for tr in eligible if str(tr.number) in conf] or eligible
     # the pool's own scores decide; the rest (unconfirmed when some were confirmed) follow by theirs
     expected = {tr.number: e for tr, e in zip(done, expected_scores([fig[tr.number] for tr in done], t.throughput_floor))}
@@ -146,7 +161,8 @@ def best_trials(study: Any, t: TuneConfig) -> List[Any]:
     """Best first: the Pareto front for objective both, else the top of `ranked`."""
     if t.objective is Objective.both:
         return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
-    return [tr for tr in ranked(study, t) if not refused(tr, t)][:1]
+    eligible = {tr.number for tr in pickable(study, t)}
+    return [tr for tr in ranked(study, t) if tr.number in eligible][:1]
 
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:

@@ -32,8 +32,8 @@ from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, write_outputs
-from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, figures, not_launched, open_contest,
-                    refused, stale_streak, utilization_score)
+from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation, figures,
+                    not_launched, open_contest, refused, stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
@@ -573,13 +573,15 @@ class Tuner:
         if len(top) == 1:
             self._say(f"[tune] trial {numbers[0]} needs no confirmation: the other candidates' throughput and "
                       "utilization intervals lie below its own")
-        if len(top) < 2 or sorted(map(int, confirmed(study))) == numbers:
+        if len(top) < 2 or sorted(map(int, [*confirmed(study), *failed_confirmation(study)])) == numbers:
             return  # nothing to choose between, or already confirmed (a resumed, finished study)
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds "
                   f"(up to {CONFIRM_MAX_ROUNDS} while the pick is within the noise), windows x{CONFIRM_LONGER:g}")
         runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
+        failed: Dict[str, str] = {}  # a candidate whose run failed is out: no more rounds, never the pick
         active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
         for r in range(CONFIRM_MAX_ROUNDS):
+            active = [tr for tr in active if str(tr.number) not in failed]
             if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
                 still = set(open_contest(self._combined(runs), self.t))
                 active = [tr for tr in top if tr.number in still]
@@ -590,19 +592,22 @@ class Tuner:
                           "still within each other's noise")
             for tr in active[r % len(active):] + active[:r % len(active)]:
                 done += 1
-                self._confirm_run(study, tr, r, parent, done, total, runs)
-        out = self._combined(runs)
+                self._confirm_run(study, tr, r, parent, done, total, runs, failed)
+        out = {n: m for n, m in self._combined(runs).items() if n not in failed}
         for number, m in out.items():
             tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
             self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
                       f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else "")
                       + tokens)
+        if failed:
+            study.set_user_attr("confirm_failed", failed)
         study.set_user_attr("confirmed", out)
         self.confirmed_here = True
 
     def _confirm_run(self, study: Any, tr: Any, r: int, parent: Optional[str], done: int, total: int,
-                     runs: Dict[int, List[Dict[str, Any]]]) -> None:
-        """One confirmation run of trial `tr` (round `r`), its result added to `runs`."""
+                     runs: Dict[int, List[Dict[str, Any]]], failed: Dict[str, str]) -> None:
+        """One confirmation run of trial `tr` (round `r`), its result added to `runs`, or why it
+        failed to `failed`."""
         tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
         cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
@@ -613,7 +618,9 @@ class Tuner:
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
                 run_name=f"confirm trial {tr.number}"))
         except JobFailed as exc:
-            self._say(f"[tune] confirmation of trial {tr.number} failed: {str(exc).splitlines()[0]}")
+            failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
+            self._say(f"[tune] confirmation of trial {tr.number} failed: {why}; a config that fails when run again "
+                      "is not the pick")
         self._show(lambda p: p.ended(best_words(study, self.t)))
 
     def _launch(self, cfg: Config, run_dir: Path, **kwargs: Any) -> Dict[str, Any]:
@@ -659,7 +666,7 @@ class Tuner:
     def _confirmation_due(self, study: Any) -> bool:
         """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
         numbers = sorted(tr.number for tr in confirm_candidates(study, self.t))
-        return len(numbers) >= 2 and sorted(map(int, confirmed(study))) != numbers
+        return len(numbers) >= 2 and sorted(map(int, [*confirmed(study), *failed_confirmation(study)])) != numbers
 
     def _interrupted(self, study: Any, trial: Any) -> None:
         """Record the running trial as failed and `interrupted`, so a resumed study neither counts
