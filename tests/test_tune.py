@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import re
 import shlex
@@ -873,3 +874,24 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
     summary = report.write_outputs(study, best_trials(study, tuner.t), t=tuner.t, out_dir=tmp_path / "out", name="oom",
                                    storage="sqlite:///x.db", overrides=[], echo=True)
     assert summary["confirm_failed"]["1"].startswith("out of memory") and summary["best"]["number"] == 0
+
+
+def test_among_configs_as_promising_the_model_tries_the_busiest_first(make_cfg, tmp_path):
+    """The zoo's storage_5 after 5 trials: b16 w8 a2 and b16 w8 a1 may both reach ~2,380/s (their
+    tops 0.4% apart), a1 predicted 1.4x busier. The utilization objective measures a1 next; the
+    throughput objective the higher top; a top well below the best's is not pulled up by utilization."""
+    from orchestrator.jobmodel import Prediction
+    from orchestrator.schema import Objective
+    from orchestrator.tune.proposals import Proposals
+
+    cfg = make_cfg("mode=tune")
+    space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
+    a2 = (Prediction(1517.0, 0.29, 0.152, "loader"), {"data.batch_size": 16, "data.num_workers": 8,
+                                                      "trainer.accumulation_steps": 2})
+    a1 = (Prediction(1510.0, 0.29, 0.212, "loader"), {**a2[1], "trainer.accumulation_steps": 1})
+    slow = (Prediction(900.0, 0.29, 0.9, "loader"), {**a2[1], "data.num_workers": 2})
+    done = [{"throughput": 1546.0, "utilization": 0.04}]
+    util = Proposals(space, cfg.tune, storage, "u", lambda line: None)
+    assert util._next([a2, a1, slow], done)[1] is a1[1]
+    thr = Proposals(space, replace(cfg.tune, objective=Objective.throughput), storage, "t", lambda line: None)
+    assert thr._next([a2, a1, slow], done)[1] is a2[1]
