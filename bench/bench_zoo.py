@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -97,8 +98,9 @@ from bench_tune import (KNOBS, Point, compose_cfg, fmt, objective_best, point_of
                         run_workloads, space_overrides, table, values_of)
 from zoo import TASKS  # noqa: E402
 
-from orchestrator.schema import Config  # noqa: E402
-from orchestrator.tune.rules import not_launched  # noqa: E402
+from orchestrator.measure.stats import Z95  # noqa: E402
+from orchestrator.schema import Config, TuneConfig  # noqa: E402
+from orchestrator.tune.rules import expected_scores, not_launched  # noqa: E402
 from orchestrator.tune.space import SearchSpace  # noqa: E402
 from orchestrator.tune.study import trial_config  # noqa: E402
 
@@ -166,6 +168,36 @@ def score(steady: Dict[Point, Figures], pick: Optional[Point], floor: float) -> 
         return 0.0, 0.0
     top = max(r["throughput"] for r in steady.values())
     return quality(steady, pick, floor), (steady[pick]["throughput"] / top if top else 0.0)
+
+
+RUN_NOISE = TuneConfig().run_noise
+RANGE_OF_3 = 1.69  # the expected range of 3 normal draws, in standard deviations
+
+
+def with_spread(f: Figures) -> Figures:
+    """A steady reference with a 95% throughput interval for its mean: from the range of its
+    settled runs when it has them (3 runs: sd ~ range / 1.69), else from its windows widened by
+    one run's noise (tune.run_noise's default)."""
+    thr = f["throughput"]
+    if f.get("runs", 1) > 1 and f.get("throughput_range"):
+        lo, hi = f["throughput_range"]
+        se = (hi - lo) / RANGE_OF_3 / math.sqrt(f["runs"])
+    else:
+        se = thr * math.hypot(f.get("rel_se") or 0.0, RUN_NOISE)
+    return {**f, "throughput_lo": thr - Z95 * se, "throughput_hi": thr + Z95 * se}
+
+
+def noise_aware(steady: Dict[Point, Figures], pick: Optional[Point], floor: float) -> float:
+    """`pick`'s score by the product's own rule for noisy figures (rules.expected_scores: within the
+    floor by utilization, weighted by the chance of keeping up with it) over the references' own
+    spread, as a share of the best reference's: a pick the references cannot tell from the best
+    scores near 1, where the point rule can drop it to its throughput ratio for a 1% difference."""
+    if pick is None or pick not in steady:
+        return 0.0
+    points = list(steady)
+    scores = expected_scores([with_spread(steady[p]) for p in points], floor)
+    top = max(scores)
+    return scores[points.index(pick)] / top if top > 0 else 0.0
 
 
 # -- part grid --------------------------------------------------------------------------------
@@ -339,12 +371,13 @@ def med_worst(xs: List[float]) -> str:
 def score_part(args: argparse.Namespace, names: List[str]) -> bool:
     data = load(args.cache)
     labels = list(dict.fromkeys([*data.get("studies", {}), *data.get("default", {})]))  # in the order stored
-    rows = [["task", "label", *(f"{s} score med/worst (thr)" for s in SAMPLERS), "default ratio", "guided wall",
-             "measured", "load grid/studies"]]
+    rows = [["task", "label", *(f"{s} score med/worst (thr)" for s in SAMPLERS), "guided noise-aware",
+             "default ratio", "guided wall", "measured", "load grid/studies"]]
     fails: Dict[str, List[str]] = {f"{label}: {what}": [] for label in labels for what in CHECKS}
     missing: Dict[str, List[str]] = {key: [] for key in fails}  # no figures to judge
     judged = dict.fromkeys(fails, 0)
     overall: Dict[str, Dict[str, float]] = {label: {} for label in labels}
+    noisy: Dict[str, Dict[str, float]] = {label: {} for label in labels}  # guided, scored within the references' spread
     for name, label in itertools.product(names, labels):
         spec = TASKS[name]
         grid = grid_of(space_of(spec, args.smoke))
@@ -363,11 +396,14 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
             if recs:
                 med[s], worst[s] = statistics.median(q), min(q)
         guided = list(studies.get("guided", {}).values())
+        aware = [noise_aware(steady, tuple(r["pick"]) if r["pick"] else None, floor) for r in guided]
+        if aware:
+            noisy[label][name] = statistics.median(aware)
         share = statistics.median(r["measured_s"] / r["wall_s"] for r in guided) if guided else None
         gload = data.get("grid", {}).get(f"{name} x{args.factor:g}", {}).get("load", [])
         sload = [r["load"] for recs in studies.values() for r in recs.values()]
         partial = "" if len(steady) == len(grid) else f" [grid {len(steady)}/{len(grid)}]"
-        rows.append([name + partial, label, *cells, f"{dflt['ratio']:.3f}" if dflt else "-",
+        rows.append([name + partial, label, *cells, med_worst(aware), f"{dflt['ratio']:.3f}" if dflt else "-",
                      f"{statistics.median(r['wall_s'] for r in guided):.0f}s" if guided else "-",
                      f"{100 * share:.0f}%" if share is not None else "-",
                      f"{max(gload, default=float('nan')):.1f}/{statistics.median(sload) if sload else float('nan'):.1f}"])
@@ -399,6 +435,11 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
             low = min(known, key=lambda n: known[n])
             print(f"{label}: guided median over tasks {statistics.median(known.values()):.3f}, worst task {low} "
                   f"{known[low]:.3f}")
+        aware = noisy[label]
+        if aware:
+            low = min(aware, key=lambda n: aware[n])
+            print(f"{label}: noise-aware (the references' own spread): median over tasks "
+                  f"{statistics.median(aware.values()):.3f}, worst task {low} {aware[low]:.3f}")
     print(f"targets: guided median >= {TARGET_MEDIAN} and worst seed >= {TARGET_WORST} on every task; guided >= tpe "
           f"and >= random; default-space ratio >= {TARGET_DEFAULT}; measured share >= {100 * TARGET_SHARE:.0f}%")
     for what, bad in fails.items():
