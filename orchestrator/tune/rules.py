@@ -72,7 +72,7 @@ def confirmed(study: Any) -> Dict[str, Dict[str, Any]]:
 def failed_confirmation(study: Any) -> Dict[str, str]:
     """Trial number (str) -> why one of its confirmation runs failed (Tuner._confirm). Such a config
     is not a pick: run again it failed (the zoo's memory_cap: b256 with 2 workers completed its trial
-    at 840 MB under an 850 MB cap, then ran out of memory in 2 of its 4 confirmation runs)."""
+    just under an 850 MB cap, then ran out of memory in 2 of its 4 confirmation runs)."""
     return study.user_attrs.get("confirm_failed") or {}
 
 
@@ -162,7 +162,7 @@ def best_trials(study: Any, t: TuneConfig) -> List[Any]:
     if t.objective is Objective.both:
         return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
     eligible = {tr.number for tr in pickable(study, t)}
-    return [tr for tr in ranked(study, t) if tr.number in eligible][:1]
+    return [tr for tr in ranked(study, t) if tr.number in eligible and not refused(tr, t)][:1]
 
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
