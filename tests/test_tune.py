@@ -874,6 +874,12 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
     summary = report.write_outputs(study, best_trials(study, tuner.t), t=tuner.t, out_dir=tmp_path / "out", name="oom",
                                    storage="sqlite:///x.db", overrides=[], echo=True)
     assert summary["confirm_failed"]["1"].startswith("out of memory") and summary["best"]["number"] == 0
+    # every candidate failing in its first round ends the confirmation, with none confirmed
+    monkeypatch.setattr(study_module, "run_job", lambda cfg, run_dir, **kw: (_ for _ in ()).throw(JobFailed("crash", {})))
+    study.set_user_attr("confirmed", {})
+    study.set_user_attr("confirm_failed", {})
+    tuner._confirm(study, None)
+    assert confirmed(study) == {} and set(failed_confirmation(study)) == {"0", "1", "2"}
 
 
 def test_among_configs_as_promising_the_model_tries_the_busiest_first(make_cfg, tmp_path):

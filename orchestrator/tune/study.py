@@ -573,7 +573,7 @@ class Tuner:
         if len(top) == 1:
             self._say(f"[tune] trial {numbers[0]} needs no confirmation: the other candidates' throughput and "
                       "utilization intervals lie below its own")
-        if len(top) < 2 or sorted(map(int, [*confirmed(study), *failed_confirmation(study)])) == numbers:
+        if not self._confirmation_due(study):
             return  # nothing to choose between, or already confirmed (a resumed, finished study)
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds "
                   f"(up to {CONFIRM_MAX_ROUNDS} while the pick is within the noise), windows x{CONFIRM_LONGER:g}")
@@ -581,19 +581,20 @@ class Tuner:
         failed: Dict[str, str] = {}  # a candidate whose run failed is out: no more rounds, never the pick
         active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
         for r in range(CONFIRM_MAX_ROUNDS):
-            active = [tr for tr in active if str(tr.number) not in failed]
             if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
                 still = set(open_contest(self._combined(runs), self.t))
                 active = [tr for tr in top if tr.number in still]
-                if not active:
-                    break
+            active = [tr for tr in active if str(tr.number) not in failed]
+            if not active:
+                break
+            if r >= CONFIRM_ROUNDS:
                 total = done + len(active) * (CONFIRM_MAX_ROUNDS - r)
                 self._say(f"[tune] round {r + 1}: trials {', '.join(str(tr.number) for tr in active)} "
                           "still within each other's noise")
             for tr in active[r % len(active):] + active[:r % len(active)]:
                 done += 1
                 self._confirm_run(study, tr, r, parent, done, total, runs, failed)
-        out = {n: m for n, m in self._combined(runs).items() if n not in failed}
+        out = self._combined(runs)  # a failed candidate's runs were dropped with it
         for number, m in out.items():
             tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
             self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
@@ -619,6 +620,7 @@ class Tuner:
                 run_name=f"confirm trial {tr.number}"))
         except JobFailed as exc:
             failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
+            runs.pop(tr.number, None)  # its earlier runs do not make it a contender again
             self._say(f"[tune] confirmation of trial {tr.number} failed: {why}; a config that fails when run again "
                       "is not the pick")
         self._show(lambda p: p.ended(best_words(study, self.t)))
