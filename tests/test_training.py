@@ -109,3 +109,40 @@ def test_loader_knobs_apply(make_cfg):
     assert loader.pin_memory is False  # pinning only applies to CUDA copies; this is a CPU run
     assert loader.batch_size == cfg.data.batch_size and loader.drop_last
     assert train(cfg, adapter).steps == 6
+
+
+class _MarksAfterSleep(torch.utils.data.Dataset):
+    """Items past the first batch take 1.5 s and then leave a file: a worker that is let finish
+    its batch leaves one."""
+
+    def __init__(self, marks) -> None:
+        self.marks = marks
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, idx: int):
+        if idx >= 4:
+            import time
+
+            time.sleep(1.5)
+            (self.marks / f"{idx}").touch()
+        return torch.zeros(2)
+
+
+def test_a_loader_stopped_mid_epoch_does_not_wait_for_its_workers_batches(tmp_path):
+    """A stopped run (the stop rule, max_steps) ends its workers at once: torch's own teardown would
+    let each finish the batch it is loading, which nobody reads."""
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from orchestrator.runtime.data import end_workers
+
+    loader = DataLoader(_MarksAfterSleep(tmp_path), batch_size=4, num_workers=2, sampler=SequentialSampler(range(64)))
+    it = iter(loader)
+    assert next(it).shape == (4, 2)  # worker 0's batch; both workers are now inside a slow one
+    end_workers(it)
+    assert not any(w.is_alive() for w in it._workers)
+    import time
+
+    time.sleep(2.0)  # past the slow items: a worker still loading would have left its files by now
+    assert not list(tmp_path.iterdir())

@@ -195,14 +195,44 @@ def loader_config(cfg: Config, ck: Optional[Dict[str, Any]]) -> Config:
     return dataclasses.replace(cfg, data=settings.data(cfg.data))
 
 
+def end_workers(it: Any) -> None:
+    """End the workers of a loader iterator that was stopped part-way through its epoch (the stop
+    rule, max_steps, a failure): their batches in flight would be thrown away, and torch's own
+    teardown lets each worker finish the batch it is loading before it joins them: a batch's full
+    loading time (0.35 s for 64 items of 5 ms) added to every stopped run, a tuning trial included.
+    The workers are terminated, as that teardown does to workers that outlast its timeout, in its
+    order: the pin-memory thread first, the worker pids out of torch's SIGCHLD watch before the
+    signal. An exhausted iterator, one without workers, or a torch whose iterator lacks these
+    attributes gets torch's teardown as it is."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    workers = getattr(it, "_workers", None)
+    if shutdown is None or not workers or getattr(it, "_shutdown", True) or not hasattr(it, "_worker_pids_set"):
+        if shutdown is not None:
+            shutdown()
+        return
+    from torch.utils.data import _utils
+
+    if hasattr(it, "_pin_memory_thread"):
+        it._pin_memory_thread_done_event.set()
+        it._worker_result_queue.put((None, None))  # wakes it; shutdown() sends another, harmlessly
+        it._pin_memory_thread.join()
+    if it._worker_pids_set:
+        _utils.signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    for w in workers:
+        if w.is_alive():
+            w.terminate()
+    for w in workers:
+        w.join(timeout=_utils.MP_STATUS_CHECK_INTERVAL)
+    shutdown()
+
+
 def switch_loader(cfg: Config, new: LoaderSettings, loader: DataLoader, it: Any, generator: Optional[torch.Generator],
                   epoch_generator: Optional[torch.Tensor], batches_done: int, device: torch.device) -> tuple:
     """(cfg, loader, iterator) with `new` loader settings, the iterator at the same batch of the
     same epoch: the old workers end, the sampler's order is restored to the epoch's start and the
     batches already trained are skipped unloaded (`epoch_iterator`, as a resume does)."""
-    shutdown = getattr(it, "_shutdown_workers", None)  # torch's own teardown of the old iterator's workers
-    if shutdown is not None:
-        shutdown()
+    end_workers(it)
     cfg = dataclasses.replace(cfg, data=new.data(cfg.data))
     if generator is not None and epoch_generator is not None:
         generator.set_state(epoch_generator)

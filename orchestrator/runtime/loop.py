@@ -29,7 +29,7 @@ from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent, chec
 from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
 from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer, ShareSampler
-from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, epoch_iterator, item_bytes,
+from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, end_workers, epoch_iterator, item_bytes,
                    loader_config, reset_latency, steps_per_epoch, switch_loader)
 from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
@@ -386,6 +386,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
         for hook in overriding(run.hooks, "finish"):
             hook.finish(run)
     finally:
+        end_workers(run.it)  # a run stopped mid-epoch: its workers' batches in flight are not waited for
         meter.close()
         for hook in overriding(run.hooks, "close"):
             hook.close(run)
