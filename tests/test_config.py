@@ -149,3 +149,39 @@ def test_non_finite_floats_are_refused():
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match=r"^trainer.lr: must be > 0, got nan$"):  # nan fails every range check
         to_config(compose_dict(["trainer.lr=nan"]))
+
+
+def test_written_config_is_what_omegaconf_writes():
+    """config.yaml and the MLflow params come from `plain`, a fast stand-in for OmegaConf's own
+    conversion of the typed config: the same keys, values and enums, passwords masked."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.schema import shown
+
+    cfg = to_config(compose_dict([
+        "experiment=transformer_lm", "backend=ddp", "tune.storage=postgresql+psycopg://u:pw@h/db",
+        "+tune.space.fp16={key: backend.fp16_compression, type: categorical, choices: [false, true]}",
+        "+tags.team=vision", "+tags.ratio='1e-3'"]))
+    ours = OmegaConf.create(to_yaml(cfg))
+    assert ours == OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(shown(cfg))))
+    assert "pw@" not in to_yaml(cfg) and ours.tune.storage == "postgresql+psycopg://u:***@h/db"
+    assert flatten(cfg)["backend.name"] == "ddp" and flatten(cfg)["tune.space.fp16.choices"] == "[False, True]"
+
+
+def test_applied_values_are_checked_on_either_path():
+    """space.apply replaces typed fields directly when it can, else converts and checks through
+    to_config: the same config, and the same one-line refusals, either way."""
+    from orchestrator.tune import space
+
+    cfg = to_config(compose_dict(["backend=ddp", "parallelism.nproc_per_node=2"]))
+    values = {"data.batch_size": 64, "data.num_workers": 2, "trainer.accumulation_steps": 2,
+              "data.prefetch_factor": None, "trainer.window_s": 1}  # an int for a float field
+    assert space._replaced(cfg, values) is not None  # typed: replaced
+    assert space._replaced(cfg, {**values, "trainer.window_s": "1"}) is None  # a string: converted and checked
+    assert space.apply(cfg, values) == space.apply(cfg, {**values, "trainer.window_s": "1"})
+    for bad, line in [({"data.batch_size": 0}, "data.batch_size: must be an integer >= 1"),
+                      ({"data.batch_size": "x"}, "data.batch_size: 'x' is not a valid Integer"),
+                      ({"data.bogus": 1}, "data.bogus: unknown key in data"),
+                      ({"tune.throughput_floor": 2}, "tune.throughput_floor: must be in (0, 1]")]:
+        with pytest.raises(ConfigError, match=r"^" + line.replace("(", r"\(").replace("[", r"\[")):
+            space.apply(cfg, bad)

@@ -6,8 +6,11 @@ run, so an invalid combination is never launched.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
+import typing
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
@@ -31,9 +34,14 @@ def default_max_workers(cfg: Config, cpu_count: Optional[int] = None) -> int:
 
 def apply(cfg: Config, values: Dict[str, Any]) -> Config:
     """`cfg` with dotted `key: value` pairs set, validated like any run (raises ConfigError; an
-    unknown key too). Through a plain copy (`dataclasses.asdict`), not an OmegaConf node of `cfg`:
-    a study applies values once or twice per trial and per confirmation run, and the node cost
-    0.13 s a call on 2 cores (2.7 s of a 6-trial study), the copy about a third of that."""
+    unknown key too). A study applies values once or twice per trial and per confirmation run, on
+    the path from one run to the next: when every key is a field of the schema and every value
+    already has its field's type, the sections are replaced (`dataclasses.replace`, which runs
+    their checks and the whole config's again); otherwise through a plain copy and `to_config`
+    (about 30 ms a call on 2 cores; an OmegaConf node of `cfg` cost 0.13 s)."""
+    fast = _replaced(cfg, values)
+    if fast is not None:
+        return fast
     plain = asdict(cfg)
     for key, value in values.items():
         *path, last = key.split(".")
@@ -44,6 +52,51 @@ def apply(cfg: Config, values: Dict[str, Any]) -> Config:
             node = node[part]
         node[last] = value
     return to_config(plain)
+
+
+def _replaced(cfg: Config, values: Dict[str, Any]) -> Optional[Config]:
+    """`cfg` with `values` set by dataclasses.replace, or None when a key is not a typed field of
+    the schema or a value is not exactly of its field's type (`apply` then converts and checks it
+    as any config; an int for a float field is converted here, as there)."""
+    changes: Dict[str, Dict[str, Any]] = {}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        part = getattr(cfg, section, None)
+        if "." in name or not dataclasses.is_dataclass(part) or name not in _hints(type(part)):
+            return None
+        fitted = _fitted(_hints(type(part))[name], value)
+        if fitted is _MISFIT:
+            return None
+        changes.setdefault(section, {})[name] = fitted
+    try:
+        return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in changes.items()})
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a check's own error, as to_config reports it
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+_MISFIT = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fitted(hint: Any, value: Any) -> Any:
+    """`value` for a field typed `hint`: as it is (None for an Optional), an int as a float for a
+    float field, or _MISFIT (a type this does not check: enums by name, containers, unions)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and len(args) == 2 and type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint in (int, bool, str) and type(value) is hint:
+        return value
+    if hint is float and type(value) in (int, float):
+        return float(value)
+    return _MISFIT
 
 
 NEEDS_WORKERS = (PREFETCH_KEY, "data.persistent_workers")  # sampled only when num_workers > 0
