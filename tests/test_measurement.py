@@ -377,3 +377,20 @@ def test_a_memory_cap_is_the_memory_the_diagnosis_sizes_batches_by():
     free = StepMeter(torch.device("cpu")).summary()
     assert capped["device_mem_mb"] == cap
     assert free["device_mem_mb"] == pytest.approx(psutil.virtual_memory().total / 2**20)
+
+
+def test_runs_of_one_config_combine_as_runs_not_as_windows():
+    """The confirmation's runs of a config: each run counts once, a disturbed one (slow, so it measured
+    longest) neither outweighs the others nor narrows the interval, and from 3 runs it is outvoted."""
+    from orchestrator.measure.stats import combine
+
+    def run(mean, windows, measured_s):
+        return {"mean": mean, "rel_se": 0.03, "windows": windows, "measured_s": measured_s}
+
+    steady, disturbed = [run(1617.0, 5, 0.9), run(1650.0, 5, 0.8)], run(855.0, 12, 2.4)
+    two = combine([steady[0], disturbed])
+    assert two["mean"] == pytest.approx((1617 + 855) / 2)  # not pulled toward the run with more windows
+    assert two["interval"][1] > 1617  # the pair's spread, not its 17 windows: the leader may still be this config
+    three = combine([*steady, disturbed])
+    assert three["mean"] == 1617.0 and three["windows"] == 22 and three["measured_s"] == pytest.approx(4.1)
+    assert combine([steady[0]])["mean"] == 1617.0
