@@ -78,10 +78,10 @@ def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
     windows, measured_s = sum(e["windows"] for e in parts), sum(e["measured_s"] for e in parts)
     if not parts:
         return _estimate(0, 0.0, 0.0, measured_s)
+    if len(parts) == 1:
+        return {**parts[0], "measured_s": measured_s}
     k, means = len(parts), [e["mean"] for e in parts]
     mean = statistics.median(means) if k >= 3 else statistics.fmean(means)
-    if k == 1:
-        return {**parts[0], "measured_s": measured_s}
     within = math.sqrt(sum(((e.get("rel_se") or 0.0) * e["mean"]) ** 2 for e in parts)) / k
     se = max(within, statistics.stdev(means) / math.sqrt(k))
     half = Z95 * se
