@@ -18,9 +18,11 @@ and predicts the per-rank item rate of any config as the slowest of three rates 
 MLSys 2022: the pipeline's rate is bounded by each stage's parallelism and by the host's CPU
 budget; tf.data's AUTOTUNE sizes parallelism the same way):
 
-  workers = 0   1 / (load_cpu + load_wait + k0 consume)         the loop does both in turn (k0: its
-                                                                  compute's time without workers over
-                                                                  with them, where both were measured)
+  workers = 0   1 / (load_cpu + load_wait + consume0)           the loop does both in turn (consume0:
+                                                                  fitted to the runs without workers
+                                                                  when they measured 2+ configs, else
+                                                                  k0 consume, k0 their compute's time
+                                                                  over the same with workers)
   producers     w / (load_cpu + load_wait)                       w workers in parallel
   consumer      1 / (consume + handoff / b)
   cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and the training
@@ -136,6 +138,8 @@ class JobModel:
     busy_ratio: Optional[float] = None
     residual: float = 0.0
     inproc_factor: float = 1.0  # the training process's time without workers / with them, as measured
+    inproc_coef: Optional[np.ndarray] = None  # its own fit, when runs without workers measured 2+ configs
+    inproc_residual: float = 0.0
     anchors: List[tuple] = field(default_factory=list)  # (run, its measured rate / the model's)
 
     @classmethod
@@ -180,11 +184,35 @@ class JobModel:
     def _fit_consume(self) -> None:
         """consume(b, a) = beta + alpha / b + gamma / (a b), with only the terms the runs can tell
         apart (one batch: a per-item cost; two: plus a per-micro-batch cost; accumulation varied at
-        one batch: plus a per-step cost). In-process runs (no workers) beside runs with workers keep
-        their own factor on it (`inproc_factor`)."""
+        one batch: plus a per-step cost). In-process runs (no workers) beside runs with workers get
+        a fit of their own when they measured two configs or more and outnumber its terms
+        (`inproc_coef`), else keep their factor on the workers' fit (`inproc_factor`)."""
+        runs = self.fitted
+        self.coef, self.residual, _ = self._fit(runs)
+        ratios = [r.consume_cpu / r.consume for r in runs if r.consume_cpu is not None and r.consume > 0]
+        self.cpu_ratio = float(np.median(ratios)) if ratios else 1.0
+        busy = [r.busy_cpu / r.consume for r in runs if r.busy_cpu is not None and r.consume > 0]
+        self.busy_ratio = float(np.median(busy)) if busy else None
+        inproc = [r for r in self.runs if r.workers == 0]
+        if runs is self.runs or not inproc:
+            return
+        coef, residual, spare = self._fit(inproc)
+        if len({(r.batch, r.accum) for r in inproc}) >= 2 and spare:
+            # the loop's own shape over batch and accumulation: the memory_cap zoo task's four
+            # runs without workers were predicted from one run with 2 workers times a factor, so
+            # every batch and accumulation without workers read alike. Only with more runs than
+            # terms: three terms through three runs that each read +-15% fit their noise exactly
+            # (a fresh process's first trial 30% low bent the fit to "smaller batches are slower")
+            self.inproc_coef, self.inproc_residual = coef, residual
+            return
+        factors = [r.consume / self.consume(r.batch, r.accum) for r in inproc if self.consume(r.batch, r.accum) > 0]
+        self.inproc_factor = float(np.median(factors)) if factors else 1.0
+
+    def _fit(self, runs: List[Run]) -> tuple:
+        """(coefficients, relative rms residual, whether there were more runs than terms) of consume
+        over `runs`: non-negative least squares on the terms `runs` can tell apart."""
         from scipy.optimize import nnls
 
-        runs = self.fitted
         batches = {r.batch for r in runs}
         steps = {(r.batch, r.accum) for r in runs}
         used = [0] + ([1] if len(batches) > 1 else []) + ([2] if len(steps) > len(batches) else [])
@@ -194,20 +222,21 @@ class JobModel:
         y = np.array([r.consume for r in runs])
         scale = y.mean()
         sol, _ = nnls(x / scale, y / scale)
-        self.coef = np.zeros(3)
-        self.coef[used] = sol
-        pred = np.array([self.consume(r.batch, r.accum) for r in runs])
-        self.residual = float(np.sqrt(np.mean(((pred - y) / y) ** 2))) if len(runs) > len(used) else 0.0
-        inproc = [r.consume / self.consume(r.batch, r.accum) for r in self.runs
-                  if r.workers == 0 and runs is not self.runs and self.consume(r.batch, r.accum) > 0]
-        self.inproc_factor = float(np.median(inproc)) if inproc else 1.0
-        ratios = [r.consume_cpu / r.consume for r in runs if r.consume_cpu is not None and r.consume > 0]
-        self.cpu_ratio = float(np.median(ratios)) if ratios else 1.0
-        busy = [r.busy_cpu / r.consume for r in runs if r.busy_cpu is not None and r.consume > 0]
-        self.busy_ratio = float(np.median(busy)) if busy else None
+        coef = np.zeros(3)
+        coef[used] = sol
+        pred = x @ sol
+        spare = len(runs) > len(used)
+        residual = float(np.sqrt(np.mean(((pred - y) / y) ** 2))) if spare else 0.0
+        return coef, residual, spare
 
     def consume(self, b: int, a: int) -> float:
         return float(np.dot(self.coef, [1.0, 1.0 / b, 1.0 / (a * b)]))
+
+    def consume_inproc(self, b: int, a: int) -> float:
+        """The training process's seconds per item when it loads its own data (no workers)."""
+        if self.inproc_coef is not None:
+            return float(np.dot(self.inproc_coef, [1.0, 1.0 / b, 1.0 / (a * b)]))
+        return self.inproc_factor * self.consume(b, a)
 
     def _loader(self, name: str) -> Optional[float]:
         """A loader figure as workers see it: from runs with workers when there are (a worker runs
@@ -243,7 +272,7 @@ class JobModel:
         load = max(load_cpu + load_wait, 1e-9)
         if w == 0:
             inproc = self.inproc_load
-            return {"loop": 1.0 / ((inproc if inproc is not None else load) + self.inproc_factor * consume)}
+            return {"loop": 1.0 / ((inproc if inproc is not None else load) + max(self.consume_inproc(b, a), 1e-9))}
         hand = self.handoff_s(b) / b
         return {"loader": w / load, "consumer": 1.0 / (consume + hand),
                 "cpu": self.cores / max(load_cpu + self.cpu_ratio * consume + hand, 1e-9)}
@@ -282,7 +311,8 @@ class JobModel:
         rates = self.rates(b, w, a)
         rate = self._raw_rate(b, w, a, rates) * self.anchor(b, w, a)
         bound = min(rates, key=rates.__getitem__)
-        unc = max(BASE_NOISE, float(np.median([r.rel_se for r in self.runs])), self.residual)
+        unc = max(BASE_NOISE, float(np.median([r.rel_se for r in self.runs])),
+                  self.inproc_residual if w == 0 and self.inproc_coef is not None else self.residual)
         # unmeasured batch sizes and accumulations: a per-micro-batch and a per-step cost (>= 0) the
         # runs could not tell apart may make a larger one faster, rarely a smaller one
         up = min(max(0.0, math.log2(b / r.batch)) + 0.5 * max(0.0, math.log2(a / r.accum)) for r in self.runs)
@@ -298,7 +328,7 @@ class JobModel:
             unc += 0.05 * min(abs(math.log2((w + 1) / (r.workers + 1))) for r in self.runs)
         util = None
         if self.busy_ratio is not None:  # the loop thread's busy CPU per second: in process, the loop's own consume
-            consume = self.consume(b, a) * (self.inproc_factor if w == 0 else 1.0)
+            consume = self.consume_inproc(b, a) if w == 0 else self.consume(b, a)
             util = min(1.0, rate * self.busy_ratio * consume)
         return Prediction(rate * self.world, unc, util, bound)
 

@@ -152,6 +152,24 @@ def test_runs_without_workers_do_not_bend_the_fit_of_those_with_workers():
     assert model.predict(32, 0, 1).throughput == pytest.approx(1 / (wait + slow), rel=0.05)
 
 
+def test_runs_without_workers_keep_their_own_shape():
+    """Four in-process runs whose loop pays 3 ms an optimizer step (gamma) beside one run with
+    workers: the in-process runs are fitted on their own, so accumulation 2 without workers is
+    predicted faster than 1 (one factor on the single run with workers made every batch and
+    accumulation without workers read alike: the zoo's memory_cap)."""
+    truth = lambda b, a: 2e-4 + 3e-3 / (a * b)  # noqa: E731  seconds per item without workers
+    wait = 1e-5
+    cost = {"data_wall_s": wait, "data_cpu_s": wait, "consume_cpu_s": 2e-4, "cores": 2, "threads": 2}
+    runs = [_run(b, 0, 1 / (wait + truth(b, a)), wait / (wait + truth(b, a)), cost, a=a)
+            for b, a in ((128, 1), (256, 1), (256, 2), (64, 1))]
+    runs.append(_run(256, 2, 1 / 6e-4, 0.0, {"workers_cpu_s": 1e-5, "consume_cpu_s": 6e-4, "cores": 2, "threads": 2}))
+    model = JobModel.fit(runs, cores=2, threads=2, handoff=lambda b: 0.0)
+    want = 1 / (wait + truth(64, 2))
+    assert model.predict(64, 0, 2).throughput == pytest.approx(want, rel=0.05)
+    assert model.predict(64, 0, 2).throughput > 1.07 * model.predict(64, 0, 1).throughput  # truth: 1.10x
+    assert model.predict(256, 2, 1).throughput == pytest.approx(1 / 6e-4, rel=0.05)  # the workers' fit is its own
+
+
 def test_a_config_without_workers_never_measured_keeps_its_chance():
     """Only runs with workers: a config without them gets the unseen regime's wider interval (its
     in-process loading and what the workers took from the cores were never measured), so the
