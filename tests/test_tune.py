@@ -56,6 +56,10 @@ def test_tuned_workers_beat_the_default(workers_study):
     assert base["values"]["data.num_workers"] == 0  # trial 0 is the config as given
     assert best["values"]["data.num_workers"] > 0
     assert best["utilization"] > base["utilization"] and best["throughput"] > base["throughput"]
+    # the gain reported over the config as given was measured side by side with it
+    vs = summary["versus_baseline"]
+    assert vs["baseline"] == base["number"] and vs["side_by_side"] and str(base["number"]) in summary["confirmed"]
+    assert vs["throughput_ratio_lo"] > 1
     # best.yaml is a Hydra override file that reruns the job with the tuned knobs
     best_yaml = run_dir / "tuned" / "best.yaml"
     assert best_yaml.read_text().startswith("# @package _global_")
@@ -373,6 +377,38 @@ def test_the_pick_comes_from_the_confirmed_figures():
         "throughput_lo": 276.0, "throughput_hi": 296.0}})
     sep = separation(study, t)
     assert sep["figure"] == "utilization" and sep["separated"] is False  # within the noise of each other
+
+
+def test_the_users_config_is_confirmed_beside_the_pick():
+    """The baseline trial (the config as given) joins the confirmation of a pick that is not it, so
+    the gain the summary reports is measured side by side; a baseline that leads alone needs none."""
+    from orchestrator.schema import TuneConfig
+    from orchestrator.tune.rules import confirm_candidates, versus_baseline
+
+    def study_with(*rows):
+        study = optuna.create_study(direction="maximize")
+        for util, thr, lo, hi, base in rows:
+            study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+                "values": {"thr": thr}, "utilization": util, "throughput": thr, "throughput_lo": lo,
+                "throughput_hi": hi, "utilization_lo": util - 0.02, "utilization_hi": util + 0.02,
+                **({"baseline": True} if base else {})}))
+        return study
+
+    t = TuneConfig(confirm_top=2)
+    study = study_with((0.50, 100.0, 90, 110, True), (0.90, 300.0, 280, 320, False))
+    assert [tr.number for tr in confirm_candidates(study, t)] == [1, 0]
+    vs = versus_baseline(study, t)
+    assert vs["best"] == 1 and vs["baseline"] == 0 and vs["throughput_ratio"] == pytest.approx(3.0)
+    assert not vs["side_by_side"]
+    study.set_user_attr("confirmed", {  # side by side the first trial's lead was smaller
+        "1": {"utilization": 0.85, "throughput": 240.0, "throughput_lo": 230.0, "throughput_hi": 250.0},
+        "0": {"utilization": 0.55, "throughput": 120.0, "throughput_lo": 110.0, "throughput_hi": 130.0}})
+    vs = versus_baseline(study, t)
+    assert vs["side_by_side"] and vs["throughput_ratio"] == pytest.approx(2.0)
+    assert 1.0 < vs["throughput_ratio_lo"] < 2.0 < vs["throughput_ratio_hi"]
+    assert vs["baseline_utilization"] == pytest.approx(0.55)
+    lone = study_with((0.90, 300.0, 280, 320, True), (0.50, 100.0, 90, 110, False))
+    assert [tr.number for tr in confirm_candidates(lone, t)] == [0]
 
 
 def test_a_busier_trial_just_below_the_floor_is_confirmed():

@@ -19,7 +19,8 @@ from ..stores import redact
 from .edges import advice
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
-from .rules import best_trials, completed, confirmed, counted, failed_confirmation, figures, ranked, refused, separation
+from .rules import (best_trials, completed, confirmed, counted, failed_confirmation, figures, ranked, refused, separation,
+                    versus_baseline)
 
 # Optuna's importances (a random forest over the completed trials) are noise below this many trials;
 # the plot also costs the first scikit-learn import, 2-3 s of a 6-trial study on 2 cores
@@ -89,6 +90,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     if failed_confirmation(study):
         summary["confirm_failed"] = failed_confirmation(study)
     summary["separation"] = separation(study, t)
+    summary["versus_baseline"] = versus_baseline(study, t)
     if best:
         b = best[0]
         values = b.user_attrs["values"]
@@ -255,6 +257,13 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         figure = "real tokens/s" if sep["figure"] == "tokens_per_s" else sep["figure"]
         print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
               f"(their {figure} intervals overlap): either is as good")
+    vs = summary.get("versus_baseline") or {}
+    if vs and vs["best"] != vs["baseline"]:
+        print(f"[tune] trial {vs['best']} against your config (trial {vs['baseline']}), "
+              + ("measured side by side" if vs["side_by_side"] else "single trials measured apart")
+              + f": {vs['throughput_ratio']:.2f}x the samples/s ({vs['throughput_ratio_lo']:.2f}-"
+              f"{vs['throughput_ratio_hi']:.2f}), utilization {100 * vs['utilization']:.1f}% against "
+              f"{100 * vs['baseline_utilization']:.1f}%")
     if summary.get("stopped"):
         print(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary["refused"]:

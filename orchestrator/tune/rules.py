@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..measure.stats import Z95
 from ..schema import Objective, TuneConfig
 
 # The figure a single-figure objective ranks by: samples/s, real tokens/s (padding excluded), or mfu
@@ -169,7 +170,22 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     """The tune.confirm_top best trials by their own figures, and the fastest (the utilization
     objective's floor is measured from it), less those the noise cannot make win: a runner-up
     whose intervals lie below the leader's on both throughput and utilization, and the fastest
-    when the leader is within the floor of it for certain. A lone leader needs no confirmation."""
+    when the leader is within the floor of it for certain; and the user's config (the baseline
+    trial), so that the pick is compared with it side by side (`versus_baseline`): a trial's
+    single short run is no fair comparison (the zoo's first trials, each in fresh processes, read
+    a median 0.81-0.89 of their steady figure on three tasks where later trials read 0.91-1.03). A
+    lone leader that is the baseline needs no confirmation."""
+    out = _candidates(study, t)
+    base = baseline_trial(study, t)
+    return out + [base] if out and base is not None and base not in out else out
+
+
+def baseline_trial(study: Any, t: TuneConfig) -> Optional[Any]:
+    """The completed trial that ran the config as given (tune.baseline), unless refused."""
+    return next((tr for tr in completed(study) if tr.user_attrs.get("baseline") and not refused(tr, t)), None)
+
+
+def _candidates(study: Any, t: TuneConfig) -> List[Any]:
     done = [tr for tr in completed(study) if not refused(tr, t)]
     if not done or t.objective is Objective.both or t.confirm_top == 0:
         return []
@@ -264,6 +280,30 @@ def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
     return {"winner": order[0].number, "runner_up": order[1].number, "figure": name,
             "separated": None if lo_a is None or hi_b is None else lo_a > hi_b,
             "confirmed": str(order[0].number) in conf and str(order[1].number) in conf}
+
+
+def versus_baseline(study: Any, t: TuneConfig) -> Dict[str, Any]:
+    """The pick against the user's config: its samples/s over theirs with a 95% interval (the two
+    figures' relative errors combined), and both utilizations; `side_by_side` when both were
+    confirmed in the same interleaved rounds, else they are single trials, measured apart."""
+    best, base = best_trials(study, t), baseline_trial(study, t)
+    if not best or base is None or t.objective is Objective.both:
+        return {}
+    conf = confirmed(study)
+    a, b = figures(best[0], conf), figures(base, conf)
+    if not a.get("throughput") or not b.get("throughput"):
+        return {}
+    ratio = a["throughput"] / b["throughput"]
+
+    def rel(f: Dict[str, Any]) -> float:
+        lo, hi = f.get("throughput_lo"), f.get("throughput_hi")
+        return (hi - lo) / (2 * Z95 * f["throughput"]) if lo is not None and hi is not None else 0.0
+
+    err = Z95 * math.hypot(rel(a), rel(b)) * ratio
+    return {"best": best[0].number, "baseline": base.number, "throughput_ratio": ratio,
+            "throughput_ratio_lo": max(0.0, ratio - err), "throughput_ratio_hi": ratio + err,
+            "utilization": a["utilization"], "baseline_utilization": b["utilization"],
+            "side_by_side": str(best[0].number) in conf and str(base.number) in conf}
 
 
 def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
