@@ -34,6 +34,10 @@ Parts (--part, any subset, in this order; all of them by default):
            space overrides); its pick and the task's steady grid-best are then run side by side in
            steady state (2 interleaved rounds, the same reference runs): ratio = the pick's score
            against the grid-best by the objective's rule (bench_trials.quality; > 1 is shown as 1).
+  resettle per task, the references that decide its scores (the configs near the steady best and
+           every pick of every label) measured again side by side, --rounds runs each, interleaved;
+           today's mean replaces them (the earlier figures are kept as "steady_before"): references
+           settled hours or days apart differ by the host's drift.
   score    reads the cache and prints one table: per task and label, each sampler's median / worst
            seed score, the default-space ratio, the guided studies' median wall time and measured
            share, the load averages. Score of a pick = bench_trials.quality(steady grid, pick,
@@ -93,7 +97,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.enviro
 
 import optuna  # noqa: E402
 from bench_samplers import study  # noqa: E402
-from bench_trials import SETTLE_RUNS, Jobs, figures, quality, reference_config, settle, validity  # noqa: E402
+from bench_trials import SETTLE_NEAR, SETTLE_RUNS, Jobs, figures, quality, reference_config, settle, validity  # noqa: E402
 from bench_tune import (KNOBS, Point, compose_cfg, fmt, objective_best, point_of, prepare,  # noqa: E402
                         run_workloads, space_overrides, table, values_of)
 from zoo import TASKS  # noqa: E402
@@ -106,7 +110,7 @@ from orchestrator.tune.study import trial_config  # noqa: E402
 
 ROOT = BENCH.parent
 SAMPLERS = ("guided", "tpe", "random")
-PARTS = ("grid", "studies", "default", "score")
+PARTS = ("grid", "studies", "default", "resettle", "score")
 STUDY_TRIALS = 6
 DEFAULT_TRIALS = {False: 12, True: 4}  # by --smoke
 DEFAULT_ROUNDS = 2
@@ -302,6 +306,62 @@ def settle_picks(name: str, cfg: Config, args: argparse.Namespace, tmp: Path) ->
         jobs.close()
 
 
+# -- part resettle ----------------------------------------------------------------------------
+def resettle_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
+    """The references that decide the scores measured again side by side, today: the configs near
+    the steady best and near the top throughput (bench_trials.SETTLE_NEAR) and every pick of every
+    label, --rounds runs each in interleaved rounds, replacing their figures by today's mean (the
+    earlier ones kept as "steady_before"). References settled on different days differ by the host's drift (a matmul
+    loop read 302-698 iterations per 0.5 s on an idle machine within one day), and a grid-best
+    decided by a few percent between two configs measured hours apart is a draw."""
+    data = load(args.cache)
+    grid = grid_of(space_of(spec, args.smoke))
+    steady = steady_of(data, name, args.factor, grid)
+    if len(steady) < len(grid):
+        print(f"\n== {name} resettle: the grid is not measured yet ({len(steady)}/{len(grid)}): run --part grid first")
+        return
+    cfg = compose_cfg([*base(spec, tmp), *space_overrides(space_of(spec, args.smoke))])
+    floor = cfg.tune.throughput_floor
+    picks = {tuple(rec["pick"]) for by_label in data.get("studies", {}).values()
+             for by_seed in by_label.get(name, {}).values() for rec in by_seed.values() if rec.get("pick")}
+    top = max(f["throughput"] for f in steady.values())
+    # the picks, the configs near the best by the objective, and those near the top throughput
+    # (it sets the floor: short_epochs' b64 w2 a1 is the fastest and among the least busy)
+    chosen = [p for p in grid if p in picks or quality(steady, p, floor) >= SETTLE_NEAR
+              or steady[p]["throughput"] >= SETTLE_NEAR * top]
+    space = SearchSpace(cfg)
+    print(f"\n== {name} resettle: {len(chosen)} configs x {args.rounds} interleaved runs, load average {load_avg():.2f}",
+          flush=True)
+    jobs = Jobs(tmp, f"{name}-resettle")
+    runs: Dict[Point, List[Figures]] = {p: [] for p in chosen}
+    try:
+        for r in range(args.rounds):
+            for p in chosen[r % len(chosen):] + chosen[:r % len(chosen)]:
+                trial_like = {"throughput": steady[p]["throughput"], "measured_s": steady[p]["measured_s"] / args.factor}
+                tcfg = trial_config(cfg, values_of(space, p))
+                runs[p].append(figures(jobs.run(reference_config(tcfg, trial_like, args.factor))))
+            print(f"    round {r + 1}/{args.rounds} done, load average {load_avg():.2f}", flush=True)
+    finally:
+        jobs.close()
+    rows = load(args.cache).setdefault(f"{name} x{args.factor:g}", {})
+    for p in chosen:
+        got = [f for f in runs[p] if f["throughput"]]
+        if not got:
+            continue
+        before = steady[p]
+        now = {**before, "runs": len(got), "resettled": time.strftime("%Y-%m-%d %H:%M"),
+               **{k: statistics.fmean(f[k] for f in got) for k in ("throughput", "utilization")},
+               "utilization_range": [min(f["utilization"] for f in got), max(f["utilization"] for f in got)],
+               "throughput_range": [min(f["throughput"] for f in got), max(f["throughput"] for f in got)]}
+        print(f"    {fmt(p):12s} throughput {before['throughput']:7.0f} -> {now['throughput']:7.0f}/s "
+              f"({now['throughput_range'][0]:.0f}-{now['throughput_range'][1]:.0f}); utilization "
+              f"{before['utilization']:.3f} -> {now['utilization']:.3f} "
+              f"({now['utilization_range'][0]:.2f}-{now['utilization_range'][1]:.2f})", flush=True)
+        store(args.cache, [f"{name} x{args.factor:g}", fmt(p), "steady"], now)
+        store(args.cache, [f"{name} x{args.factor:g}", fmt(p), "steady_before"], rows.get(fmt(p), {}).get(
+            "steady_before", before))
+
+
 # -- part default -----------------------------------------------------------------------------
 def side_by_side(jobs: Jobs, arms: Dict[str, Tuple[Config, Figures]], rounds: int, factor: float) -> Dict[str, Figures]:
     """Each arm's reference run once per round, order rotated every round; mean figures of the
@@ -457,6 +517,7 @@ def main() -> int:
     ap.add_argument("--label", default="current", help="studies are stored under this name (e.g. before / after)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--samplers", choices=SAMPLERS, nargs="*", default=list(SAMPLERS))
+    ap.add_argument("--rounds", type=int, default=4, help="part resettle: runs of each config, interleaved")
     ap.add_argument("--factor", type=float, default=5.0, help="reference length: x the trial's measured samples")
     ap.add_argument("--smoke", action="store_true", help="4-point spaces, a 4-trial default study: a check that all runs")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -475,7 +536,7 @@ def main() -> int:
               f"{' '.join(args.samplers)}, reference x{args.factor:g}{', smoke' if args.smoke else ''}; {os.cpu_count()} "
               f"CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cache {args.cache}; output {tmp}",
               flush=True)
-        parts = {"grid": grid_part, "studies": studies_part, "default": default_part}
+        parts = {"grid": grid_part, "studies": studies_part, "default": default_part, "resettle": resettle_part}
 
         def bench(name: str, spec: Dict[str, Any]) -> Dict[str, Any]:
             for p in measure:

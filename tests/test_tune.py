@@ -381,9 +381,10 @@ def test_the_pick_comes_from_the_confirmed_figures():
 
 def test_the_users_config_is_confirmed_beside_the_pick():
     """The baseline trial (the config as given) joins the confirmation of a pick that is not it, so
-    the gain the summary reports is measured side by side; a baseline that leads alone needs none."""
+    the gain the summary reports is measured side by side; there it is the reference, picked only
+    when it beats the pick beyond the noise; a baseline that leads alone needs no confirmation."""
     from orchestrator.schema import TuneConfig
-    from orchestrator.tune.rules import confirm_candidates, versus_baseline
+    from orchestrator.tune.rules import best_trials, confirm_candidates, versus_baseline
 
     def study_with(*rows):
         study = optuna.create_study(direction="maximize")
@@ -401,12 +402,22 @@ def test_the_users_config_is_confirmed_beside_the_pick():
     assert vs["best"] == 1 and vs["baseline"] == 0 and vs["throughput_ratio"] == pytest.approx(3.0)
     assert not vs["side_by_side"]
     study.set_user_attr("confirmed", {  # side by side the first trial's lead was smaller
-        "1": {"utilization": 0.85, "throughput": 240.0, "throughput_lo": 230.0, "throughput_hi": 250.0},
+        "1": {"utilization": 0.85, "utilization_lo": 0.82, "utilization_hi": 0.88, "throughput": 240.0,
+              "throughput_lo": 230.0, "throughput_hi": 250.0},
         "0": {"utilization": 0.55, "throughput": 120.0, "throughput_lo": 110.0, "throughput_hi": 130.0}})
     vs = versus_baseline(study, t)
     assert vs["side_by_side"] and vs["throughput_ratio"] == pytest.approx(2.0)
     assert 1.0 < vs["throughput_ratio_lo"] < 2.0 < vs["throughput_ratio_hi"]
     assert vs["baseline_utilization"] == pytest.approx(0.55)
+    # measured beside the pick, the user's config is the reference, not one more arm of the contest:
+    # a lucky run within the noise (faster, so the pick fell under its floor) does not win ...
+    lucky = {"utilization": 0.55, "throughput": 255.0, "throughput_lo": 235.0, "throughput_hi": 275.0}
+    study.set_user_attr("confirmed", {**study.user_attrs["confirmed"], "0": lucky})
+    assert best_trials(study, t)[0].number == 1
+    # ... one that beats the pick beyond the noise does
+    study.set_user_attr("confirmed", {**study.user_attrs["confirmed"], "0": {
+        **lucky, "throughput": 400.0, "throughput_lo": 380.0, "throughput_hi": 420.0}})
+    assert best_trials(study, t)[0].number == 0
     lone = study_with((0.90, 300.0, 280, 320, True), (0.50, 100.0, 90, 110, False))
     assert [tr.number for tr in confirm_candidates(lone, t)] == [0]
 

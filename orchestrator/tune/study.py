@@ -33,7 +33,7 @@ from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation, figures,
-                    not_launched, open_contest, refused, stale_streak, utilization_score)
+                    not_launched, open_contest, reference_only, refused, stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .proposals import Proposals
@@ -582,7 +582,8 @@ class Tuner:
         active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
         for r in range(CONFIRM_MAX_ROUNDS):
             if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
-                still = set(open_contest(self._combined(runs), self.t))
+                ref = reference_only(study, self.t)  # measured beside them, not in the contest
+                still = set(open_contest(self._combined({n: r for n, r in runs.items() if n != ref}), self.t))
                 active = [tr for tr in top if tr.number in still]
             active = [tr for tr in active if str(tr.number) not in failed]
             if not active:
