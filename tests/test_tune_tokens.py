@@ -84,7 +84,7 @@ def test_the_ranking_follows_real_tokens_per_second(tmp_path, monkeypatch):
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
     # Optuna's own plots (seconds: parameter importances) are not the objective's: the picture only
-    monkeypatch.setattr(report, "_plots", lambda study, best, out_dir, t: [str(write_picture(study, best, t, out_dir))])
+    monkeypatch.setattr(report, "_plots", lambda study, best, out_dir, t, say=print: [str(write_picture(study, best, t, out_dir))])
     best = best_trials(study, TOKENS)
     summary = write_outputs(study, best, t=TOKENS, out_dir=tmp_path, name="tok", storage="sqlite:///x.db",
                             overrides=[], echo=True)

@@ -7,7 +7,7 @@ import csv
 import io
 import shlex
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 
@@ -119,7 +119,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         summary["rerun"] = rerun
         summary["rerun_overrides"] = overrides
     summary["trial_overhead"] = _overhead(trials)
-    artifacts += _plots(study, best, out_dir, t)
+    artifacts += _plots(study, best, out_dir, t, say=print if echo else lambda line: None)
     write_json(out_dir / "summary.json", summary, indent=2)
     artifacts.append(str(out_dir / "summary.json"))
     summary["artifacts"] = artifacts
@@ -183,8 +183,8 @@ def _overhead(trials: List[Any]) -> Dict[str, float]:
     return {"median": shares[len(shares) // 2], "min": shares[0], "max": shares[-1]}
 
 
-def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig) -> List[str]:
-    """Optuna's matplotlib plots as PNG (each skipped, with a note, when the study can't make it),
+def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig, say: Callable[[str], None] = print) -> List[str]:
+    """Optuna's matplotlib plots as PNG (each skipped, with a note to `say`, when the study can't make it),
     and the tuning picture in user units (picture.py), its pick `best[0]`, the one best.yaml holds."""
     import matplotlib
 
@@ -201,7 +201,7 @@ def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig) -> List[st
                      ("parallel_coordinate", ovm.plot_parallel_coordinate)):
         path = out_dir / f"{name}.png"
         if name == "param_importances" and n_done < IMPORTANCE_MIN_TRIALS:
-            print(f"[tune] no {name} plot: {n_done} completed trials, importances need {IMPORTANCE_MIN_TRIALS} "
+            say(f"[tune] no {name} plot: {n_done} completed trials, importances need {IMPORTANCE_MIN_TRIALS} "
                   "(a forest fitted to fewer ranks noise)")
             continue
         try:
@@ -215,12 +215,12 @@ def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig) -> List[st
             plt.close(fig)
             made.append(str(path))
         except Exception as exc:  # e.g. importances need 2+ completed trials with varied params
-            print(f"[tune] no {name} plot: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            say(f"[tune] no {name} plot: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     try:
         picture = write_picture(study, best, t, out_dir)
         made += [str(picture)] if picture else []
     except Exception as exc:
-        print(f"[tune] no {PICTURE} picture: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        say(f"[tune] no {PICTURE} picture: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     return made
 
 
