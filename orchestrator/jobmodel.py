@@ -20,7 +20,7 @@ budget; tf.data's AUTOTUNE sizes parallelism the same way):
 
   workers = 0   1 / (load_cpu + load_wait + consume0)           the loop does both in turn (consume0:
                                                                   fitted to the runs without workers
-                                                                  when they measured 2+ configs, else
+                                                                  when they outnumber its terms, else
                                                                   k0 consume, k0 their compute's time
                                                                   over the same with workers)
   producers     w / (load_cpu + load_wait)                       w workers in parallel
@@ -138,7 +138,7 @@ class JobModel:
     busy_ratio: Optional[float] = None
     residual: float = 0.0
     inproc_factor: float = 1.0  # the training process's time without workers / with them, as measured
-    inproc_coef: Optional[np.ndarray] = None  # its own fit, when runs without workers measured 2+ configs
+    inproc_coef: Optional[np.ndarray] = None  # its own fit, when runs without workers outnumber its terms
     inproc_residual: float = 0.0
     anchors: List[tuple] = field(default_factory=list)  # (run, its measured rate / the model's)
 

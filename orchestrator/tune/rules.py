@@ -102,7 +102,7 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
     conf = confirmed(study)
     fig = {tr.number: figures(tr, conf) for tr in done}
     eligible = pickable(study, t)  # the floor is measured from a possible pick
-    ref = reference_only(study, t)
+    ref = reference_only(study, t) if conf else None
     pool = [tr for tr in eligible if str(tr.number) in conf and tr.number != ref] or eligible
     order = _ranked(done, pool, fig, t)
     if ref is not None and str(ref) in conf and improves(fig[ref], fig[order[0].number], t):

@@ -583,7 +583,7 @@ class Tuner:
         for r in range(CONFIRM_MAX_ROUNDS):
             if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
                 ref = reference_only(study, self.t)  # measured beside them, not in the contest
-                still = set(open_contest(self._combined({n: r for n, r in runs.items() if n != ref}), self.t))
+                still = set(open_contest(self._combined({n: rs for n, rs in runs.items() if n != ref}), self.t))
                 active = [tr for tr in top if tr.number in still]
             active = [tr for tr in active if str(tr.number) not in failed]
             if not active:
