@@ -311,9 +311,13 @@ def resettle_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp
     """The references that decide the scores measured again side by side, today: the configs near
     the steady best and near the top throughput (bench_trials.SETTLE_NEAR) and every pick of every
     label, --rounds runs each in interleaved rounds, replacing their figures by today's mean (the
-    earlier ones kept as "steady_before"). References settled on different days differ by the host's drift (a matmul
-    loop read 302-698 iterations per 0.5 s on an idle machine within one day), and a grid-best
-    decided by a few percent between two configs measured hours apart is a draw."""
+    earlier ones kept as "steady_before", each run's figures as "samples": the split-half ceiling
+    is computed from them). References settled on different days differ by the host's drift (a
+    matmul loop read 302-698 iterations per 0.5 s on an idle machine within one day), and a
+    grid-best decided by a few percent between two configs measured hours apart is a draw.
+    Today's figures can move the best: configs near the new best that were not measured today get
+    a second look, side by side with the best (storage_cpu's best became a config whose one
+    reference was taken on an earlier day, 15-20% faster for every config)."""
     data = load(args.cache)
     grid = grid_of(space_of(spec, args.smoke))
     steady = steady_of(data, name, args.factor, grid)
@@ -324,42 +328,89 @@ def resettle_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp
     floor = cfg.tune.throughput_floor
     picks = {tuple(rec["pick"]) for by_label in data.get("studies", {}).values()
              for by_seed in by_label.get(name, {}).values() for rec in by_seed.values() if rec.get("pick")}
-    top = max(f["throughput"] for f in steady.values())
-    # the picks, the configs near the best by the objective, and those near the top throughput
-    # (it sets the floor: short_epochs' b64 w2 a1 is the fastest and among the least busy)
-    chosen = [p for p in grid if p in picks or quality(steady, p, floor) >= SETTLE_NEAR
-              or steady[p]["throughput"] >= SETTLE_NEAR * top]
+    chosen = [p for p in grid if p in picks or _near(steady, p, floor)]
     space = SearchSpace(cfg)
-    print(f"\n== {name} resettle: {len(chosen)} configs x {args.rounds} interleaved runs, load average {load_avg():.2f}",
-          flush=True)
+    runs: Dict[Point, List[Figures]] = {}
     jobs = Jobs(tmp, f"{name}-resettle")
-    runs: Dict[Point, List[Figures]] = {p: [] for p in chosen}
     try:
-        for r in range(args.rounds):
-            for p in chosen[r % len(chosen):] + chosen[:r % len(chosen)]:
-                trial_like = {"throughput": steady[p]["throughput"], "measured_s": steady[p]["measured_s"] / args.factor}
-                tcfg = trial_config(cfg, values_of(space, p))
-                runs[p].append(figures(jobs.run(reference_config(tcfg, trial_like, args.factor))))
-            print(f"    round {r + 1}/{args.rounds} done, load average {load_avg():.2f}", flush=True)
+        _remeasure(jobs, cfg, space, chosen, steady, args, runs, f"{name} resettle")
+        now = {**steady, **{p: _today(steady[p], fs) for p, fs in runs.items() if _today(steady[p], fs)}}
+        more = [p for p in grid if p not in runs and _near(now, p, floor)]
+        if more:  # beside the (new) best few, so that they are compared in the same rounds
+            best = sorted(runs, key=lambda p: -quality(now, p, floor))[:2]
+            _remeasure(jobs, cfg, space, more + best, steady, args, runs, f"{name} resettle, second look")
     finally:
         jobs.close()
     rows = load(args.cache).setdefault(f"{name} x{args.factor:g}", {})
-    for p in chosen:
-        got = [f for f in runs[p] if f["throughput"]]
-        if not got:
+    for p, fs in runs.items():
+        before, now_p = steady[p], _today(steady[p], fs)
+        if now_p is None:
             continue
-        before = steady[p]
-        now = {**before, "runs": len(got), "resettled": time.strftime("%Y-%m-%d %H:%M"),
-               **{k: statistics.fmean(f[k] for f in got) for k in ("throughput", "utilization")},
-               "utilization_range": [min(f["utilization"] for f in got), max(f["utilization"] for f in got)],
-               "throughput_range": [min(f["throughput"] for f in got), max(f["throughput"] for f in got)]}
-        print(f"    {fmt(p):12s} throughput {before['throughput']:7.0f} -> {now['throughput']:7.0f}/s "
-              f"({now['throughput_range'][0]:.0f}-{now['throughput_range'][1]:.0f}); utilization "
-              f"{before['utilization']:.3f} -> {now['utilization']:.3f} "
-              f"({now['utilization_range'][0]:.2f}-{now['utilization_range'][1]:.2f})", flush=True)
-        store(args.cache, [f"{name} x{args.factor:g}", fmt(p), "steady"], now)
+        print(f"    {fmt(p):12s} throughput {before['throughput']:7.0f} -> {now_p['throughput']:7.0f}/s "
+              f"({now_p['throughput_range'][0]:.0f}-{now_p['throughput_range'][1]:.0f}); utilization "
+              f"{before['utilization']:.3f} -> {now_p['utilization']:.3f} "
+              f"({now_p['utilization_range'][0]:.2f}-{now_p['utilization_range'][1]:.2f})", flush=True)
+        store(args.cache, [f"{name} x{args.factor:g}", fmt(p), "steady"], now_p)
         store(args.cache, [f"{name} x{args.factor:g}", fmt(p), "steady_before"], rows.get(fmt(p), {}).get(
             "steady_before", before))
+
+
+def _near(steady: Dict[Point, Figures], p: Point, floor: float) -> bool:
+    """Near the best by the objective, or near the top throughput (it sets the floor: short_epochs'
+    b64 w2 a1 is the fastest and among the least busy)."""
+    top = max(f["throughput"] for f in steady.values())
+    return quality(steady, p, floor) >= SETTLE_NEAR or steady[p]["throughput"] >= SETTLE_NEAR * top
+
+
+def _remeasure(jobs: Jobs, cfg: Config, space: SearchSpace, points: List[Point], steady: Dict[Point, Figures],
+               args: argparse.Namespace, runs: Dict[Point, List[Figures]], what: str) -> None:
+    """--rounds reference runs of each of `points` (as long as their `steady` reference), interleaved,
+    added to `runs`."""
+    print(f"\n== {what}: {len(points)} configs x {args.rounds} interleaved runs, load average {load_avg():.2f}",
+          flush=True)
+    for r in range(args.rounds):
+        for p in points[r % len(points):] + points[:r % len(points)]:
+            trial_like = {"throughput": steady[p]["throughput"], "measured_s": steady[p]["measured_s"] / args.factor}
+            tcfg = trial_config(cfg, values_of(space, p))
+            runs.setdefault(p, []).append(figures(jobs.run(reference_config(tcfg, trial_like, args.factor))))
+        print(f"    round {r + 1}/{args.rounds} done, load average {load_avg():.2f}", flush=True)
+
+
+def _today(before: Figures, fs: List[Figures]) -> Optional[Figures]:
+    """A reference from today's runs (those that did not fail): their mean, range and samples."""
+    got = [f for f in fs if f["throughput"]]
+    if not got:
+        return None
+    return {**before, "runs": len(got), "resettled": time.strftime("%Y-%m-%d %H:%M"),
+            **{k: statistics.fmean(f[k] for f in got) for k in ("throughput", "utilization")},
+            "utilization_range": [min(f["utilization"] for f in got), max(f["utilization"] for f in got)],
+            "throughput_range": [min(f["throughput"] for f in got), max(f["throughput"] for f in got)],
+            "samples": [[f["throughput"], f["utilization"]] for f in got]}
+
+
+def ceiling(steady: Dict[Point, Figures], floor: float) -> Optional[Tuple[float, float]]:
+    """The split-half ceiling: the configs with per-run samples (resettled) split by run into two
+    halves; the best by one half scored by the other (both ways, every split of the runs into equal
+    halves); (median, worst). A tuner that had measured every config with half the references'
+    runs would score this: the bench cannot tell picks apart more finely than it. None when fewer
+    than two configs have four or more runs."""
+    sampled = {p: f["samples"] for p, f in steady.items() if len(f.get("samples") or []) >= 4}
+    if len(sampled) < 2:
+        return None
+    n = min(len(s) for s in sampled.values())
+    out: List[float] = []
+    for half in itertools.combinations(range(n), n // 2):
+        other = [i for i in range(n) if i not in half]
+        a, b = ({p: {**steady[p], **_mean([sampled[p][i] for i in idx])} for p in sampled} for idx in (half, other))
+        rest = {p: f for p, f in steady.items() if p not in sampled}
+        for x, y in ((a, b), (b, a)):
+            pick = objective_best({**rest, **x}, floor)
+            out.append(quality({**rest, **y}, pick, floor))
+    return statistics.median(out), min(out)
+
+
+def _mean(samples: List[List[float]]) -> Figures:
+    return {"throughput": statistics.fmean(s[0] for s in samples), "utilization": statistics.fmean(s[1] for s in samples)}
 
 
 # -- part default -----------------------------------------------------------------------------
@@ -432,7 +483,7 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
     data = load(args.cache)
     labels = list(dict.fromkeys([*data.get("studies", {}), *data.get("default", {})]))  # in the order stored
     rows = [["task", "label", *(f"{s} score med/worst (thr)" for s in SAMPLERS), "guided noise-aware",
-             "default ratio", "guided wall", "measured", "load grid/studies"]]
+             "ceiling", "default ratio", "guided wall", "measured", "load grid/studies"]]
     fails: Dict[str, List[str]] = {f"{label}: {what}": [] for label in labels for what in CHECKS}
     missing: Dict[str, List[str]] = {key: [] for key in fails}  # no figures to judge
     judged = dict.fromkeys(fails, 0)
@@ -463,7 +514,9 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
         gload = data.get("grid", {}).get(f"{name} x{args.factor:g}", {}).get("load", [])
         sload = [r["load"] for recs in studies.values() for r in recs.values()]
         partial = "" if len(steady) == len(grid) else f" [grid {len(steady)}/{len(grid)}]"
-        rows.append([name + partial, label, *cells, med_worst(aware), f"{dflt['ratio']:.3f}" if dflt else "-",
+        top = ceiling(steady, floor)
+        rows.append([name + partial, label, *cells, med_worst(aware), f"{top[0]:.3f}/{top[1]:.3f}" if top else "-",
+                     f"{dflt['ratio']:.3f}" if dflt else "-",
                      f"{statistics.median(r['wall_s'] for r in guided):.0f}s" if guided else "-",
                      f"{100 * share:.0f}%" if share is not None else "-",
                      f"{max(gload, default=float('nan')):.1f}/{statistics.median(sload) if sload else float('nan'):.1f}"])
@@ -484,7 +537,8 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
             elif not verdict[0]:
                 fails[f"{label}: {what}"].append(f"{name} {verdict[1]}")
     print(f"\n== bench_zoo scores (cache {args.cache}, references x{args.factor:g}); score = the objective's rule on "
-          "steady-state figures vs the steady grid-best, (thr) = steady throughput / the grid's best")
+          "steady-state figures vs the steady grid-best, (thr) = steady throughput / the grid's best; ceiling = "
+          "the best by half the resettled references' runs, scored by the other half (median/worst over splits)")
     if len(rows) == 1:
         print("nothing to score: run --part grid and studies (or default) first")
         return False
