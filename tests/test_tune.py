@@ -464,6 +464,9 @@ def test_a_busier_trial_that_may_not_keep_up_loses_to_one_that_does():
     exact = [{"utilization": 0.58, "throughput": 1000.0}, {"utilization": 0.60, "throughput": 955.0},
              {"utilization": 0.90, "throughput": 900.0}]
     assert expected_scores(exact, 0.95) == [0.58 / 0.60, 1.0, 0.9]
+    # an interval on throughput alone (the bench's references): utilization is exact in every draw
+    mixed = [{**f, "throughput_lo": 0.999 * f["throughput"], "throughput_hi": 1.001 * f["throughput"]} for f in exact]
+    assert [round(x, 3) for x in expected_scores(mixed, 0.95)] == [0.967, 1.0, 0.9]
 
 
 def test_a_much_busier_trial_that_may_keep_up_is_worth_its_chance():

@@ -161,11 +161,12 @@ def expected_scores(figs: List[Dict[str, Any]], floor: float) -> List[float]:
     if max(f["throughput"] for f in figs) <= 0:
         return [0.0] * len(figs)
     rng = np.random.default_rng(0)
+    se = {name: np.array([_se(f, name) for f in figs]) for name in ("throughput", "utilization")}
+    n = DRAWS if any(s.any() for s in se.values()) else 1
 
     def draws(name: str) -> np.ndarray:
         mean = np.array([f[name] for f in figs], dtype=float)
-        se = np.array([_se(f, name) for f in figs])
-        return np.maximum(mean + se * rng.standard_normal((DRAWS if se.any() else 1, len(figs))), 0.0)
+        return np.maximum(mean + se[name] * rng.standard_normal((n, len(figs))), 0.0)
 
     thr, util = draws("throughput"), draws("utilization")
     top = thr.max(axis=1, keepdims=True)
