@@ -36,14 +36,17 @@ Parts (--part, any subset, in this order; all of them by default):
            against the grid-best by the objective's rule (bench_trials.quality; > 1 is shown as 1).
   resettle per task, the references that decide its scores (the configs near the steady best and
            every pick of every label) measured again side by side, --rounds runs each, interleaved;
-           today's mean replaces them (the earlier figures are kept as "steady_before"): references
-           settled hours or days apart differ by the host's drift.
+           today's mean replaces them (the earlier figures are kept as "steady_before", each run's
+           as "samples"): references settled hours or days apart differ by the host's drift.
+           Configs that today's figures moved near the best get a second look beside it.
   score    reads the cache and prints one table: per task and label, each sampler's median / worst
            seed score, the default-space ratio, the guided studies' median wall time and measured
            share, the load averages. Score of a pick = bench_trials.quality(steady grid, pick,
            floor) (the utilization objective's rule: its steady utilization / the grid-best's
            when its steady throughput is within tune.throughput_floor of the best, else its
-           throughput / the best's); "thr" beside it: its steady throughput / the grid's best.
+           throughput / the best's); "thr" beside it: its steady throughput / the grid's best;
+           "ceiling": the best by half of the resettled references' runs scored by the other half
+           (median/worst over the splits), how finely the references can judge a pick.
            Targets: guided median >= 0.97 on every task and worst seed >= 0.90; guided's median
            >= tpe's and >= random's on every task; default-space ratio >= 0.97; measured share >= 50%.
 
@@ -523,8 +526,10 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
         g = med.get("guided")
         overall[label][name] = g if g is not None else float("nan")
         verdicts = {  # what -> (met, what to print when not), or None: nothing to judge
-            "guided median": None if g is None else (g >= TARGET_MEDIAN, f"{g:.3f}"),
-            "guided worst seed": None if g is None else (worst["guided"] >= TARGET_WORST, f"{worst['guided']:.3f}"),
+            "guided median": None if g is None else (g >= TARGET_MEDIAN, f"{g:.3f}" + (
+                f" (ceiling {top[0]:.3f})" if top else "")),
+            "guided worst seed": None if g is None else (worst["guided"] >= TARGET_WORST, f"{worst['guided']:.3f}" + (
+                f" (ceiling {top[1]:.3f})" if top else "")),
             **{f"guided >= {s}": None if g is None or s not in med else (g >= med[s], f"guided {g:.3f} < {s} {med[s]:.3f}")
                for s in ("tpe", "random")},
             "default-space ratio": None if not dflt else (dflt["ratio"] >= TARGET_DEFAULT, f"{dflt['ratio']:.3f}"),
