@@ -337,7 +337,8 @@ def resettle_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp
     jobs = Jobs(tmp, f"{name}-resettle")
     try:
         _remeasure(jobs, cfg, space, chosen, steady, args, runs, f"{name} resettle")
-        now = {**steady, **{p: _today(steady[p], fs) for p, fs in runs.items() if _today(steady[p], fs)}}
+        today = {p: _today(steady[p], fs) for p, fs in runs.items()}
+        now = {**steady, **{p: f for p, f in today.items() if f}}
         more = [p for p in grid if p not in runs and _near(now, p, floor)]
         if more:  # beside the (new) best few, so that they are compared in the same rounds
             best = sorted(runs, key=lambda p: -quality(now, p, floor))[:2]
@@ -401,11 +402,11 @@ def ceiling(steady: Dict[Point, Figures], floor: float) -> Optional[Tuple[float,
     if len(sampled) < 2:
         return None
     n = min(len(s) for s in sampled.values())
+    rest = {p: f for p, f in steady.items() if p not in sampled}
     out: List[float] = []
     for half in itertools.combinations(range(n), n // 2):
         other = [i for i in range(n) if i not in half]
         a, b = ({p: {**steady[p], **_mean([sampled[p][i] for i in idx])} for p in sampled} for idx in (half, other))
-        rest = {p: f for p, f in steady.items() if p not in sampled}
         for x, y in ((a, b), (b, a)):
             pick = objective_best({**rest, **x}, floor)
             out.append(quality({**rest, **y}, pick, floor))
