@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import re
 import signal
@@ -137,6 +138,12 @@ def _first_error(run_dir: Path, output: str = "") -> tuple[Optional[int], str]:
     return rank_of(errs[0]), first
 
 
+# the memory cap is checked at most this often: psutil walks /proc for the job's processes (about 5 ms
+# a check on 2 cores), and a kept-alive pool's jobs are polled every 20 ms, so checking at every poll
+# took about a fifth of a core from the job it measures (the zoo's memory_cap studies: 10 s of 56)
+MEMORY_POLL_S = 0.25
+
+
 def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
     """'' or a description of the first process of the job whose RSS is above `cap_mb`."""
     try:
@@ -227,6 +234,7 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
     start = time.monotonic()
     outcome = Outcome(returncode=None)
     fail_seen: Optional[float] = None
+    memory_checked = -math.inf
     try:
         while True:
             rc = proc.poll()
@@ -245,7 +253,8 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
                 outcome.timed_out = True
             elif should_stop is not None and should_stop():
                 outcome.stopped = True
-            elif memory_cap_mb:
+            elif memory_cap_mb and time.monotonic() - memory_checked >= MEMORY_POLL_S:
+                memory_checked = time.monotonic()
                 outcome.over_memory = over_memory(proc, memory_cap_mb)
             if outcome.timed_out or outcome.stopped or outcome.over_memory:
                 launched.kill()

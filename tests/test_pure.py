@@ -176,3 +176,70 @@ def test_target_arguments_bind_to_the_signature():
     check_target("model", "tests.custom_task.with_kwargs", {"width": 2, "anything": 1})  # **kwargs takes any key
     with pytest.raises(ConfigError, match=r"^model.args.width: required by tests.custom_task.with_kwargs and not given"):
         check_target("model", "tests.custom_task.with_kwargs", {"anything": 1})
+
+
+BUILT: list = []
+
+
+def counted_net(width: int = 4):
+    import torch
+
+    BUILT.append(width)
+    return torch.nn.Linear(width, 2)
+
+
+def test_a_model_config_is_checked_once_per_process(make_cfg):
+    """A study checks its model before every launch; building it again each time (on the meta
+    device a layer's init still runs) only cost the tuner's time. Another config is checked again,
+    and a bad one raises every time."""
+    from orchestrator.runtime.loop import check_model
+    from orchestrator.schema import ConfigError
+
+    BUILT.clear()
+    cfg = make_cfg("model=custom", "model._target_=tests.test_pure.counted_net", "+model.args.width=3")
+    for _ in range(3):
+        check_model(cfg)
+    assert BUILT == [3]
+    check_model(make_cfg("model=custom", "model._target_=tests.test_pure.counted_net", "+model.args.width=5"))
+    assert BUILT == [3, 5]
+    bad = make_cfg("model=custom", "model._target_=tests.custom_task.not_a_module")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="not a torch.nn.Module"):
+            check_model(bad)
+
+
+def test_the_memory_cap_is_checked_at_most_every_memory_poll(tmp_path, monkeypatch):
+    """A kept-alive pool's job is polled every 20 ms; walking /proc for its processes' memory at
+    each poll took a fifth of a core from the job being measured. The cap is still enforced."""
+    import collections
+    import subprocess
+    import sys
+    import time
+
+    from orchestrator import supervise
+
+    calls = []
+
+    def counting(proc, cap_mb):
+        calls.append(time.monotonic())
+        return ""
+
+    class Launched:  # what watch() uses of supervise.Launched
+        def __init__(self, seconds: float) -> None:
+            self.proc = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+            self.reader, self.tail = type("R", (), {"join": lambda self, timeout=None: None})(), collections.deque()
+
+        def kill(self, grace_s: float = 0.0) -> None:
+            self.proc.kill()
+            self.proc.wait()
+
+    monkeypatch.setattr(supervise, "over_memory", counting)
+    (tmp_path / "ranks").mkdir()
+    started = time.monotonic()
+    supervise.watch(Launched(1.0), tmp_path, done=lambda: False, memory_cap_mb=100, poll_s=0.01)
+    took = time.monotonic() - started
+    assert 1 <= len(calls) <= took / supervise.MEMORY_POLL_S + 1
+    assert all(b - a >= supervise.MEMORY_POLL_S for a, b in zip(calls, calls[1:]))
+    monkeypatch.setattr(supervise, "over_memory", lambda proc, cap_mb: "process 1 used 200 MB > trainer.memory_cap_mb=100")
+    out = supervise.watch(Launched(30.0), tmp_path, done=lambda: False, memory_cap_mb=100, poll_s=0.01)
+    assert out.over_memory.startswith("process 1 used 200 MB") and not out.ok

@@ -58,16 +58,25 @@ def build_model(cfg: Config) -> nn.Module:
     return model
 
 
+_MODELS_CHECKED: set = set()  # (target, args) that check_model passed in this process
+
+
 def check_model(cfg: Config) -> None:
-    """Before launch: model._target_ must build an nn.Module. Built on the meta device (no memory, no
-    init cost); a factory that cannot build there is left to the ranks. Raises ConfigError."""
+    """Before launch: model._target_ must build an nn.Module. Built on the meta device (no memory);
+    a factory that cannot build there is left to the ranks. Raises ConfigError. Once per model
+    config and process: a study checks before each of its launches, and on the meta device a
+    layer's init still costs (the zoo's 10M-parameter embedding: 0.12 s a build, 25 builds a study)."""
+    key = json.dumps([cfg.model._target_, cfg.model.args], sort_keys=True, default=str)
+    if key in _MODELS_CHECKED:
+        return
     try:
         with torch.device("meta"):
             build_model(cfg)
     except ConfigError:
         raise
     except Exception:
-        return
+        pass
+    _MODELS_CHECKED.add(key)
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
