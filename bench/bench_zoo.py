@@ -245,7 +245,8 @@ def record(r: Dict[str, Any]) -> Dict[str, Any]:
     return {"pick": list(point_of(best["values"])) if best else None, "wall_s": r["wall_s"], "measured_s": measured,
             "launched": sum(not not_launched(t) for t in trials if "values" in t.user_attrs),
             "confirmed": sorted(map(int, confirmed)), "path": path, "states": summary["states"],
-            "stopped": (summary.get("stopped") or {}).get("by"), "load": load_avg()}
+            "stopped": (summary.get("stopped") or {}).get("by"), "load": load_avg(),
+            "spent": (summary.get("measured_share") or {}).get("spent") or {}}
 
 
 def run(sname: str, overrides: List[str], tmp: Path) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
@@ -285,7 +286,8 @@ def studies_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp:
             q, thr = score(steady, pick, floor) if steady else (float("nan"), float("nan"))
             print(f"    {sampler:6s} seed {seed}: pick {fmt(pick) if pick else 'none'} (score {q:.3f}, thr {thr:.3f}); "
                   f"study {rec['wall_s']:.0f}s, measured {100 * rec['measured_s'] / rec['wall_s']:.0f}%, "
-                  f"{rec['launched']} launched; load {rec['load']:.2f}; path {', '.join(rec['path'])}", flush=True)
+                  f"{rec['launched']} launched; load {rec['load']:.2f}; path {', '.join(rec['path'])}; spent (s) "
+                  + " ".join(f"{k} {v:.1f}" for k, v in rec.get("spent", {}).items()), flush=True)
     settle_picks(name, cfg, args, tmp)
 
 
