@@ -138,10 +138,13 @@ def _first_error(run_dir: Path, output: str = "") -> tuple[Optional[int], str]:
     return rank_of(errs[0]), first
 
 
-# the memory cap is checked at most this often: psutil walks /proc for the job's processes (about 5 ms
-# a check on 2 cores), and a kept-alive pool's jobs are polled every 20 ms, so checking at every poll
-# took about a fifth of a core from the job it measures (the zoo's memory_cap studies: 10 s of 56)
+# A kept-alive pool's job is polled every 20 ms (its end is seen at once); what costs more than that
+# poll is done less often, since the supervisor's CPU is taken from the job it measures. On 2 cores a
+# pool's polling took 15-17% of a core with trainer.memory_cap_mb (psutil walks /proc for the job's
+# processes, about 5 ms a check) and 5% without; 4-5% now. The ranks' event files and tracebacks cost
+# a glob and a read each.
 MEMORY_POLL_S = 0.25
+FILES_POLL_S = 0.1
 
 
 def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
@@ -234,11 +237,14 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
     start = time.monotonic()
     outcome = Outcome(returncode=None)
     fail_seen: Optional[float] = None
-    memory_checked = -math.inf
+    memory_checked = files_read = -math.inf
     try:
         while True:
             rc = proc.poll()
-            if on_events is not None:
+            now = time.monotonic()
+            read_files = now - files_read >= FILES_POLL_S
+            files_read = now if read_files else files_read
+            if on_events is not None and read_files:
                 batch = events.poll()
                 if batch:
                     on_events(batch)
@@ -253,15 +259,15 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
                 outcome.timed_out = True
             elif should_stop is not None and should_stop():
                 outcome.stopped = True
-            elif memory_cap_mb and time.monotonic() - memory_checked >= MEMORY_POLL_S:
-                memory_checked = time.monotonic()
+            elif memory_cap_mb and now - memory_checked >= MEMORY_POLL_S:
+                memory_checked = now
                 outcome.over_memory = over_memory(proc, memory_cap_mb)
             if outcome.timed_out or outcome.stopped or outcome.over_memory:
                 launched.kill()
                 outcome.returncode = proc.returncode
                 break
             # a rank wrote its traceback: give the launcher a moment to stop the rest, then do it
-            if fail_seen is None and any(ranks_dir(run_dir).glob("rank*.err")):
+            if fail_seen is None and read_files and any(ranks_dir(run_dir).glob("rank*.err")):
                 fail_seen = time.monotonic()
             if fail_seen is not None and time.monotonic() - fail_seen > fail_grace_s:
                 launched.kill()
