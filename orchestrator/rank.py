@@ -241,6 +241,21 @@ def _warm_imports() -> None:
     from .runtime import loop  # noqa: F401
 
 
+def _release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's malloc_trim) between a pool's jobs: on
+    CPU a job's peak memory is its process's resident size, and without this the next job starts
+    at the last one's high-water (the zoo's memory_cap: batch 128 read 648 MB after batch 256, 463 MB
+    on fresh ranks), and its peak, the memory-bound verdict and the memory cap read that."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another libc (musl): nothing to trim with
+        pass
+
+
 def pool_main(pool_dir: str) -> int:
     """Kept-alive ranks (tuning): the backend is set up once, then one job after another, each
     rebuilding its data loader, model and optimizer from its own config. A failed job ends the
@@ -274,6 +289,7 @@ def pool_main(pool_dir: str) -> int:
             adapter.cfg = cfg  # same backend and world size; the knobs are the job's own
             run_one(root, adapter, cfg, datasets)
             gc.collect()  # the last job's loader workers and tensors go now, not later
+            _release_freed_memory()
             seq += 1
     except BaseException as exc:  # noqa: BLE001
         return _fail(root, rank, exc)

@@ -150,7 +150,9 @@ def test_records_written_before_typed_results_still_load(tmp_path):
     again = merge(ranks)
     for k in ("throughput", "utilization", "step_time_s", "data_wait_frac", "comm_frac", "measured_steps"):
         assert getattr(again, k) == pytest.approx(old[k]), k
-    assert again.per_rank == old["per_rank"]
+    # every field the old merge kept, as it was; the fields added since read None where the old ranks lack them
+    assert [{k: r[k] for k in old_r} for r, old_r in zip(again.per_rank, old["per_rank"])] == old["per_rank"]
+    assert all(r["start_mem_mb"] is None for r in again.per_rank)
     assert again.estimate.windows == old["estimate"]["windows"]
 
     m = trial_metrics(old)  # what a study keeps of a trial

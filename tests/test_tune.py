@@ -876,6 +876,43 @@ def test_the_memory_ceiling_holds_the_batch_that_ran_out_whatever_its_workers(ma
     assert candidates and {c["data.batch_size"] for c in candidates} == {64, 128}
 
 
+def test_a_batch_the_measured_memory_puts_over_the_limit_is_not_launched(make_cfg, tmp_path):
+    """The zoo's memory_cap (limit 850 MB): batch 128 read 495 MB on ranks that started at 310 MB,
+    so batch 512 needs about 1,044 MB; it ran out of memory in every study, each time a trial of the
+    budget. From one trial the activations are its peak over its memory before the first step; from
+    two batch sizes or more, a line through their peaks. A batch that ran is never held back."""
+    from orchestrator.tune.memory import first_over, memory_record
+    from orchestrator.tune.proposals import Proposals
+
+    def mem(peak: float, start: float = 310.0) -> dict:
+        return {"peak_mb": peak, "start_mb": start, "state_mb": 2.2, "limit_mb": 850.0}
+
+    b, why = first_over([(128, mem(495.0))])
+    assert b == 377 and "over the 850 MB limit" in why  # (850 - 312.2) / ((495 - 312.2) / 128) = 376.6
+    b, _ = first_over([(64, mem(428.0)), (128, mem(495.0)), (256, mem(612.0))])  # the line: 371 MB + 0.94 an item
+    assert 256 < b < 512
+    assert first_over([(128, mem(495.0)), (512, mem(840.0))])[0] > 512  # 512 ran
+    assert first_over([(64, mem(700.0)), (128, mem(495.0))]) is None  # 64's reading puts 128 over, and 128 ran
+    assert first_over([(128, mem(300.0))]) is None  # nothing grows with the batch
+    result = {"per_rank": [{"peak_mem_mb": 495.0, "start_mem_mb": 310.0, "model_state_mb": 2.2, "device_mem_mb": 850.0},
+                           {"peak_mem_mb": 400.0, "start_mem_mb": 300.0, "model_state_mb": 2.2, "device_mem_mb": 850.0}]}
+    assert memory_record(result) == mem(495.0)  # the rank with the largest peak
+    assert memory_record({"per_rank": [{"peak_mem_mb": 495.0, "model_state_mb": 2.2}]}) is None  # an older result
+
+    cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
+                   "tune.space.num_workers.high=0")
+    space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(storage=storage, study_name="mem", direction="maximize")
+    proposals = Proposals(space, cfg.tune, storage, "mem", lambda line: None)
+    tr = study.ask()
+    tr.set_user_attr("values", {"data.batch_size": 128, "data.num_workers": 0, "trainer.accumulation_steps": 1})
+    tr.set_user_attr("memory", mem(495.0))
+    study.tell(tr, 0.5)
+    ceiling = proposals.memory_ceiling(study, {"data.batch_size": 512})
+    assert ceiling is not None and ceiling[0] == 377 and ceiling[1] == tr.number
+    assert {c["data.batch_size"] for c in proposals._candidates(study, {})} == {64, 128, 256}  # the job model's
+
+
 def test_intervals_carry_the_noise_of_whole_runs():
     """The zoo's comm_ddp: b64 w0 a4 and b64 w1 a4 read 2,067 and 3,052 samples/s in trials whose
     window intervals did not overlap, so the second was picked with no confirmation (long runs:

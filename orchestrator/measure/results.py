@@ -255,7 +255,8 @@ class RankResult(_Record):
 PER_RANK_FIELDS = (
     "rank", "host", "device", "param_digest", "steps", "first_loss", "final_loss", "utilization", "utilization_source",
     "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac", "optimizer_frac",
-    "other_frac", "phase_s", "peak_mem_mb", "reserved_mem_mb", "model_state_mb", "mem_source", "measured_steps",
+    "other_frac", "phase_s", "peak_mem_mb", "reserved_mem_mb", "model_state_mb", "start_mem_mb", "device_mem_mb",
+    "mem_source", "measured_steps",
     "warmup_excluded", "utilization_spread", "throughput_spread", "mfu", "mfu_source", "mfu_dtype",
     "flops_per_sample", "peak_flops", "nvml_util", "nvml_util_source", "sm_active", "sm_active_source", "busy_frac",
     "input_cost",

@@ -289,8 +289,10 @@ class StepMeter:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
             self.memory: Optional[MemorySampler] = None
+            self.start_mem_mb = torch.cuda.memory_allocated(self.device) / 2**20
         else:
             self.memory = MemorySampler()
+            self.start_mem_mb = self.memory.peak_mb
 
     # -- hot path: a few hundred nanoseconds a mark ------------------------------------------
     def _token(self) -> Any:
@@ -554,7 +556,8 @@ class StepMeter:
         return out
 
     def summary(self) -> Dict[str, Any]:
-        base = {"warmup": self.warmup_summary(), **memory_stats(self.device, self.memory, self.memory_cap_mb)}
+        base = {"warmup": self.warmup_summary(), **memory_stats(self.device, self.memory, self.memory_cap_mb),
+                "start_mem_mb": self.start_mem_mb}
         wins = self.windows or self.warmup_windows  # a run shorter than its warmup: say so
         if not wins:
             return {"measured_steps": 0, "utilization_source": self.source, **base}

@@ -11,7 +11,8 @@ study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within
   proposed trial proposes again while it beats the trial that proposed it);
 - `edges` (tune.extend_edges): the best on the top of a dimension its verdict points past widens
   that dimension one step and is tried there (edges.py);
-- `memory_ceiling`: no batch as large as one that ran out of memory (at the same other knobs) is launched at all.
+- `memory_ceiling`: no batch as large as one that ran out of memory (at the same other knobs), or
+  as one the trials' measured memory predicts over the limit (tune/memory.py), is launched at all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..jobmodel import BASE_NOISE, JobModel, Prediction, runs_of
 from ..schema import Config, Objective, SamplerName, TuneConfig
 from .edges import apply_extensions, edges_of, next_step, workers_cap
+from .memory import first_over
 from .rules import best_trials, counted, improves, out_of_memory
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace
 
@@ -244,17 +246,25 @@ class Proposals:
     def memory_ceiling(self, study: Any, values: Dict[str, Any]) -> Optional[Tuple[int, int, str]]:
         """(batch, trial, why): the smallest batch known not to fit so far at `values`' other knobs
         (a memory cap, amp, a backend or a model's size change what fits; workers and accumulation
-        do not change a micro-batch's activations): one that ran out of memory, or the next above
-        one that was memory-bound (it ran, at the edge). No batch from it up is launched for the
-        rest of the study."""
-        bad, mine = [], self._others(values)
+        do not change a micro-batch's activations): one that ran out of memory, the next above
+        one that was memory-bound (it ran, at the edge), or the first that the trials' measured
+        memory, grown with the batch, puts over the limit (tune/memory.py; `trial`: the largest
+        batch measured). No batch from it up is launched for the rest of the study."""
+        bad, mine, fitted = [], self._others(values), []
         for tr in study.get_trials(deepcopy=False):
             b = (tr.user_attrs.get("values") or {}).get(BATCH_KEY)
-            if b is None or not out_of_memory(tr) or self._others(tr.user_attrs["values"]) != mine:
+            if b is None or self._others(tr.user_attrs["values"]) != mine:
+                continue
+            if tr.state.name == "COMPLETE" and tr.user_attrs.get("memory"):
+                fitted.append((int(b), tr.user_attrs["memory"], tr.number))
+            if not out_of_memory(tr):
                 continue
             ran_out = str(tr.user_attrs.get("error", "")).startswith("out of memory")
             bad.append((b if ran_out else b + 1, tr.number,
                         f"trial {tr.number} {'ran out of memory' if ran_out else 'was memory-bound'} at batch {b}"))
+        over = first_over([(b, m) for b, m, _ in fitted])
+        if over is not None:  # the memory the trials measured, grown with the batch (tune/memory.py)
+            bad.append((over[0], max(fitted, key=lambda f: f[0])[2], over[1]))
         return min(bad) if bad else None
 
     def _more_workers(self, study: Any, best: Any, step: Dict[str, Any]) -> Dict[str, Any]:

@@ -36,6 +36,7 @@ from .rules import (best_trials, confirm_candidates, confirmed, counted, decidin
                     not_launched, open_contest, reference_only, refused, stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
+from .memory import memory_record
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
@@ -513,7 +514,8 @@ class Tuner:
         self._log_estimate(rec.mlflow_run_id, rec.metrics)
         for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
                      "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch"),
-                     "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes")}.items():
+                     "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes"),
+                     "memory": memory_record(result)}.items():
             trial.set_user_attr(k, v)
         if result.get("diagnosis"):
             trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
