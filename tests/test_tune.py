@@ -897,6 +897,9 @@ def test_a_batch_the_measured_memory_puts_over_the_limit_is_not_launched(make_cf
     result = {"per_rank": [{"peak_mem_mb": 495.0, "start_mem_mb": 310.0, "model_state_mb": 2.2, "device_mem_mb": 850.0},
                            {"peak_mem_mb": 400.0, "start_mem_mb": 300.0, "model_state_mb": 2.2, "device_mem_mb": 850.0}]}
     assert memory_record(result) == mem(495.0)  # the rank with the largest peak
+    assert memory_record(result, workers=2) is None  # on CPU its peak holds the workers' memory too
+    on_gpu = {"per_rank": [{**r, "mem_source": "cuda-allocator"} for r in result["per_rank"]]}
+    assert memory_record(on_gpu, workers=2) == mem(495.0)  # the allocator's peak is the rank's own
     assert memory_record({"per_rank": [{"peak_mem_mb": 495.0, "model_state_mb": 2.2}]}) is None  # an older result
 
     cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",

@@ -5,7 +5,9 @@ A trial's memory record (`memory_record`, from its result's ranks) holds its pea
 resident high-water of the rank and its workers, against trainer.memory_cap_mb or the host's
 memory; on GPU the allocator's peak, against the device's memory), its memory when the training
 loop began (the model built, no step taken) and the model's state (parameters, their gradients,
-the optimizer's state). A micro-batch's activations grow with the batch; the rest does not:
+the optimizer's state); on CPU only for trials without loader workers (the peak counts their
+memory, which does not grow with the batch). A micro-batch's activations grow with the batch; the
+rest does not:
 
     peak(b) = fixed + per_item * b
 
@@ -27,13 +29,17 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 
-def memory_record(result: Dict[str, Any]) -> Optional[Dict[str, float]]:
+def memory_record(result: Dict[str, Any], workers: int = 0) -> Optional[Dict[str, float]]:
     """The memory figures of a measured job (its result.json) that the fit needs, from the rank
-    with the largest peak; None when a figure is missing (an old result, a rank that did not say)."""
+    with the largest peak; None when a figure is missing (an old result, a rank that did not say),
+    and on CPU for a job with loader workers: its peak counts their memory, which the batch does
+    not grow (a fit to it would hold back batches that fit)."""
     ranks = [r for r in result.get("per_rank") or [] if r.get("peak_mem_mb")]
     if not ranks:
         return None
     r = max(ranks, key=lambda r: r["peak_mem_mb"])
+    if workers and r.get("mem_source") != "cuda-allocator":
+        return None
     keys = {"peak_mb": "peak_mem_mb", "start_mb": "start_mem_mb", "state_mb": "model_state_mb", "limit_mb": "device_mem_mb"}
     out = {k: r.get(v) for k, v in keys.items()}
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in out.values()) or out["limit_mb"] <= 0:

@@ -34,7 +34,7 @@ from ..progress import StudyProgress
 from .report import best_words, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation, figures,
                     not_launched, open_contest, reference_only, refused, stale_streak, utilization_score)
-from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, SearchSpace, apply, knob_words
+from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
 from .edges import apply_extensions, summary_of
 from .memory import memory_record
 from .proposals import Proposals
@@ -512,10 +512,11 @@ class Tuner:
                             "attention_mask); use tune.objective=throughput", result)
         rec.mlflow_run_id = result.get("mlflow_run_id")
         self._log_estimate(rec.mlflow_run_id, rec.metrics)
+        workers = values[WORKERS_KEY] if values.get(WORKERS_KEY) is not None else self.cfg.data.num_workers
         for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
                      "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch"),
                      "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes"),
-                     "memory": memory_record(result)}.items():
+                     "memory": memory_record(result, workers)}.items():
             trial.set_user_attr(k, v)
         if result.get("diagnosis"):
             trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
