@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ class Launch:
     env: Dict[str, str] = field(default_factory=dict)  # added to the parent's environment
     world_size: int = 1
     local_ranks: int = 1
+    # what the kernel sends the launcher when the orchestrator process dies (supervise._die_with_parent)
+    death_signal: int = signal.SIGTERM
 
 
 def _threads_per_rank(local_ranks: int, cpu_count: Optional[int]) -> str:
@@ -67,7 +70,12 @@ def _torchrun(cfg: Config, target: List[str], environ: Mapping[str, str], cpu_co
         f"--log-dir={os.devnull}",
         "--module", RANK_MODULE, *target,
     ]
-    return Launch(cmd, _base_env(p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node)
+    # SIGTERM leaves torchrun to end its ranks, and about one agent in five never exited: its ranks
+    # gone (zombies), its main thread waiting on a lock forever. Its ranks are on this node and end
+    # by themselves when the orchestrator is gone (rank.watch_owner), so a plain agent is killed;
+    # srun gets SIGTERM, which it forwards to the step's tasks on every node.
+    death = signal.SIGTERM if p.launcher is Launcher.slurm else signal.SIGKILL
+    return Launch(cmd, _base_env(p.nproc_per_node, environ, cpu_count), p.world_size, p.nproc_per_node, death)
 
 
 def horovodrun_path() -> str:

@@ -166,11 +166,12 @@ def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> Optional[Callable[[], None]]:
-    """A preexec_fn that has the kernel SIGTERM the launcher when this process dies (Linux
-    prctl(PR_SET_PDEATHSIG)); torchrun and horovodrun then end their ranks, and the ranks watch
-    this process themselves (rank.watch_owner). The signal follows the thread that forks: only
-    the main thread's launches get it. None where it does not apply."""
+def _die_with_parent(sig: int = signal.SIGTERM) -> Optional[Callable[[], None]]:
+    """A preexec_fn that has the kernel send `sig` to the launcher when this process dies (Linux
+    prctl(PR_SET_PDEATHSIG)): SIGTERM lets horovodrun and srun end their ranks, SIGKILL ends a
+    torchrun agent (Launch.death_signal); the ranks watch this process themselves
+    (rank.watch_owner). The signal follows the thread that forks: only the main thread's launches
+    get it. None where it does not apply."""
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
     import ctypes
@@ -182,7 +183,7 @@ def _die_with_parent() -> Optional[Callable[[], None]]:
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        prctl(_PR_SET_PDEATHSIG, int(sig))
         if os.getppid() != parent:  # the parent died before the signal was set
             os._exit(1)
 
@@ -197,7 +198,7 @@ class Launched:
         env = {**os.environ, **launch.env, OWNER_ENV: owner_tag()}
         self.proc = subprocess.Popen(
             launch.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, text=True, bufsize=1, errors="replace", preexec_fn=_die_with_parent(),
+            start_new_session=True, text=True, bufsize=1, errors="replace", preexec_fn=_die_with_parent(launch.death_signal),
         )
         self.world_size = launch.world_size
         self.echo = echo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +32,16 @@ def test_torchrun_one_node(make_cfg):
     assert ln.cmd[-3:] == ["--module", RANK_MODULE, str(RUN)]
     assert ln.env["OMP_NUM_THREADS"] == "4"  # 8 cores over 2 local ranks
     assert ln.world_size == 2
+
+
+def test_only_a_plain_torchrun_agent_is_killed_with_its_orchestrator(make_cfg):
+    """SIGTERM to a torchrun agent whose orchestrator died left about one agent in five hanging
+    forever (tests/test_faults); its ranks are local and watch the orchestrator themselves, so the
+    agent gets SIGKILL. horovodrun and srun get SIGTERM: they end ranks on other hosts."""
+    assert launch(make_cfg, "backend=ddp", "parallelism.nproc_per_node=2").death_signal == signal.SIGKILL
+    assert launch(make_cfg, "backend=single").death_signal == signal.SIGTERM
+    assert launch(make_cfg, "backend=horovod", "parallelism.nproc_per_node=2",
+                  horovodrun="/x/horovodrun").death_signal == signal.SIGTERM
 
 
 def test_torchrun_standalone_and_user_threads(make_cfg):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,9 @@ def test_allocation_resolves_and_refuses_in_one_line(make_cfg, tmp_path):
     p = cfg.parallelism
     assert (p.launcher.value, p.nnodes, p.nproc_per_node, cfg.world_size) == ("slurm", 2, 1, 2)
     assert len(said) == 1 and "SLURM job 7 spans 2 nodes" in said[0]  # auto says it picked slurm
-    cmd = build_launch(cfg, tmp_path, environ=ALLOC).cmd
+    ln = build_launch(cfg, tmp_path, environ=ALLOC)
+    cmd = ln.cmd
+    assert ln.death_signal == signal.SIGTERM  # srun forwards it to the step's tasks on every node
     srun_end = cmd.index("--unbuffered")
     assert cmd[0].endswith("srun") and {"--nodes=2", "--ntasks-per-node=1", "--nodelist=n1,n2", "--overlap"} <= set(cmd[:srun_end])
     assert "--rdzv-backend=c10d" in cmd and any(a.startswith("--rdzv-endpoint=n1:") for a in cmd)
