@@ -256,24 +256,46 @@ def process_tag() -> str:
 
 
 def process_start(pid: Optional[int] = None) -> float:
-    """When the process started (seconds since the epoch): with its pid, who it is (pids are reused)."""
+    """When the process started (seconds since the epoch), for comparing with file times. Not who
+    it is: psutil derives it from the boot time, which moves with the clock (start_stamp)."""
     import psutil
 
     return psutil.Process(pid).create_time()
 
 
+def _ticks_since_boot(pid: Optional[int] = None) -> Optional[int]:
+    """The process's start in clock ticks since boot (Linux /proc/<pid>/stat, field 22); None
+    elsewhere or when it is gone."""
+    try:
+        text = Path(f"/proc/{pid if pid is not None else os.getpid()}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[19])  # after "pid (comm) ": state is field 3
+
+
+def start_stamp(pid: Optional[int] = None) -> str:
+    """Who the process is besides its pid (pids are reused): on Linux `b<ticks>`, its start in clock
+    ticks since boot, which never changes; elsewhere its start since the epoch. psutil's epoch
+    start is the boot time plus those ticks, and the boot time moves when the clock is slewed: on
+    this project's VM it read 12 s later after 17 minutes, so a live owner's tag stopped matching
+    within 1 s and its ranks ended themselves (a zoo grid run, 2026-12-03)."""
+    ticks = _ticks_since_boot(pid)
+    return f"b{ticks}" if ticks is not None else f"{process_start(pid):.2f}"
+
+
 def owner_tag() -> str:
     """This process as `host:pid:start`: a recycled pid is not mistaken for it (process_gone)."""
-    return f"{process_tag()}:{process_start():.2f}"
+    return f"{process_tag()}:{start_stamp()}"
 
 
-_TAG = re.compile(r"^(.*):(\d+)(?::(\d+(?:\.\d*)?))?$")
+_TAG = re.compile(r"^(.*):(\d+)(?::(b\d+|\d+(?:\.\d*)?))?$")
 
 
 def process_gone(tag: str) -> bool:
     """The `host:pid` (or `host:pid:start`) process is known to be gone: it ran on this host and no
-    longer exists, is a zombie, or its pid now names a process started at another time. (A process
-    on another host cannot be checked from here: False.)"""
+    longer exists, is a zombie, or its pid now names a process started at another time (a start
+    stamp in ticks since boot must match exactly; one since the epoch, written by earlier
+    versions, within 1 s). A process on another host cannot be checked from here: False."""
     import socket
 
     import psutil
@@ -281,11 +303,16 @@ def process_gone(tag: str) -> bool:
     m = _TAG.match(tag)
     if m is None or m.group(1) != socket.gethostname():
         return False
+    pid, start = int(m.group(2)), m.group(3)
     try:
-        proc = psutil.Process(int(m.group(2)))
+        proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return True
-        return m.group(3) is not None and abs(proc.create_time() - float(m.group(3))) > 1.0
+        if start is None:
+            return False
+        if start.startswith("b"):
+            return _ticks_since_boot(pid) != int(start[1:])  # None: it ended since
+        return abs(proc.create_time() - float(start)) > 1.0
     except psutil.NoSuchProcess:  # ZombieProcess included
         return True
     except psutil.Error:
@@ -408,7 +435,7 @@ def own_run_dir(run_dir: Path, node_rank: int = 0) -> RunOwner:
     if previous:
         print(f"[orchestrator] note: {run_dir} was left by a job whose process is gone (host {previous.get('host')}, "
               f"pid {previous.get('pid')}, since {previous.get('since', '?')}); taking it over")
-    rec = {"host": _host(), "pid": os.getpid(), "start": round(process_start(), 2),
+    rec = {"host": _host(), "pid": os.getpid(), "start": start_stamp(),
            "since": datetime.now().isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(rec).encode(), 0)

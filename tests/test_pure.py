@@ -243,3 +243,33 @@ def test_the_memory_cap_is_checked_at_most_every_memory_poll(tmp_path, monkeypat
     monkeypatch.setattr(supervise, "over_memory", lambda proc, cap_mb: "process 1 used 200 MB > trainer.memory_cap_mb=100")
     out = supervise.watch(Launched(30.0), tmp_path, done=lambda: False, memory_cap_mb=100, poll_s=0.01)
     assert out.over_memory.startswith("process 1 used 200 MB") and not out.ok
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="start in ticks since boot: /proc")
+def test_an_owner_is_known_by_its_start_since_boot_not_by_the_clock(monkeypatch):
+    """A live owner stays alive when the clock moves: psutil's epoch start is the boot time plus the
+    process's ticks, and on this project's VM the boot time read 12 s later after 17 minutes; the
+    ranks of a zoo grid run then took their live orchestrator for gone and ended themselves. A
+    recycled pid (another start) is still gone, and an epoch stamp of an earlier version still
+    matches within 1 s."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    from orchestrator.rundir import owner_tag, process_gone
+
+    tag = owner_tag()
+    host, pid, stamp = tag.split(":")
+    assert (host, int(pid)) == (socket.gethostname(), os.getpid()) and stamp.startswith("b")
+    started = psutil.Process().create_time()
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: started + 12.0)  # the boot time moved
+    assert not process_gone(tag)
+    assert process_gone(f"{host}:{pid}:b{int(stamp[1:]) + 1}")  # the same pid, another process
+    monkeypatch.undo()
+    assert not process_gone(f"{host}:{pid}:{started:.2f}") and process_gone(f"{host}:{pid}:{started - 5:.2f}")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_gone(f"{host}:{child.pid}:b1") and not process_gone(f"elsewhere:{child.pid}")
