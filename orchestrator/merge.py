@@ -38,6 +38,7 @@ def merge(ranks: List[RankResult]) -> JobResult:
     # where a rank's training time went: its loop's wall time and the warmup windows in it (the
     # slowest rank's; the ranks synchronise); the study's time breakdown reads them
     job.extra["time_s"] = {"train": max(float(r.get("wall_s") or 0.0) for r in ranks),
+                           "setup": max(float(r.get("setup_s") or 0.0) for r in ranks),
                            "warmup": max(sum(w.wall_s for w in r.windows_detail if w.warmup) for r in ranks)}
     measured = [r for r in ranks if r.measured_steps]
     if not measured:

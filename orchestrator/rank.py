@@ -90,7 +90,7 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         "steps": res.steps, "epochs": res.epochs, "steps_per_epoch": res.steps_per_epoch,
         "item_bytes": res.item_bytes,
         "first_loss": res.first_loss, "final_loss": res.final_loss,
-        "wall_s": res.wall_s, **res.meter,
+        "wall_s": res.wall_s, "setup_s": res.setup_s, **res.meter,
     })
     typed.windows_detail = res.windows
     result = typed.to_dict()

@@ -82,9 +82,9 @@ def test_tuned_workers_beat_the_default(workers_study):
             assert 0.1 <= a["measured_s"] < 0.6 + 1.0  # min_measure_s .. max_measure_s plus one window
     # where the study's time went: its parts add up to its wall time
     share = summary["measured_share"]
-    assert set(share["spent"]) == {"measuring", "warmup", "rest_of_loops", "launch", "tuner"}
+    assert set(share["spent"]) == {"measuring", "warmup", "rest_of_loops", "setup", "launch", "tuner"}
     assert share["spent"]["measuring"] == pytest.approx(share["measured_s"], abs=0.01)
-    assert share["spent"]["warmup"] > 0 and share["spent"]["launch"] > 0
+    assert share["spent"]["warmup"] > 0 and share["spent"]["launch"] > 0 and share["spent"]["setup"] > 0
     assert sum(share["spent"].values()) == pytest.approx(share["wall_s"], rel=0.05)
     header = (run_dir / "trials.csv").read_text().splitlines()[0].split(",")
     assert {"throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s", "confirmed_throughput"} <= set(header)

@@ -135,6 +135,7 @@ class TrainResult:
     wall_s: float
     meter: Dict[str, Any]
     windows: List[Window]  # warmup windows first
+    setup_s: float = 0.0  # before the loop: data loader, model, optimizer, hooks (a resume's checkpoint)
 
 
 @dataclass(eq=False)
@@ -360,6 +361,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
           ckpt_dir: Optional[Path] = None, resume: Optional[Path] = None,
           dataset: Optional[Dataset] = None, mlflow_run_id: Optional[str] = None) -> TrainResult:
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
+    t_setup = time.perf_counter()
     run = setup(cfg, adapter, events or EventLog(None), model, dataset, resume,
                 profiling=bool(cfg.trainer.profile_steps and trace_path is not None))
     run.hooks = build_hooks(run, trace_path, ckpt_dir, mlflow_run_id)
@@ -401,7 +403,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
             hook.close(run)
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
-    return result(run, train_step, time.perf_counter() - t_start)
+    out = result(run, train_step, time.perf_counter() - t_start)
+    out.setup_s = t_start - t_setup
+    return out
 
 
 def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:

@@ -75,7 +75,7 @@ class Tuner:
 
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
-        self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0}  # seconds, over this process's launches
+        self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0, "setup": 0.0}  # seconds, over this process's launches
         cfg = resolve_allocation(cfg)  # inside a SLURM allocation: its nodes (orchestrator/slurm.py)
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
@@ -645,6 +645,7 @@ class Tuner:
             self.spent["launch"] += time.monotonic() - launched
             self.spent["train"] += float(loops.get("train") or 0.0)
             self.spent["warmup"] += float(loops.get("warmup") or 0.0)
+            self.spent["setup"] += float(loops.get("setup") or 0.0)
 
     def _combined(self, runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
         """Trial number (str) -> the combined figures of its confirmation runs so far."""
@@ -802,15 +803,17 @@ class Tuner:
         """This process's study time spent measuring: the measured seconds of its trials and
         confirmation runs over its wall time, and where the rest went (`spent`, seconds):
         measured, the warmups, the rest of the training loops (partial windows: the rest of the
-        warmup's epoch when windows are whole epochs, the steps that end a run), each launch outside its loop (ranks, model and data, the records), and
-        the tuner between launches (sampling, the job model, the database, MLflow, the report)."""
+        warmup's epoch when windows are whole epochs, the steps that end a run), each job's setup
+        in its ranks before its loop (data loader, model, optimizer), the rest of each launch
+        (starting or handing the job to the ranks, the records), and the tuner between launches
+        (sampling, the job model, the database, MLflow, the report)."""
         wall = time.monotonic() - self.started
         mine = [tr for tr in study.get_trials(deepcopy=False) if tr.number in self.mine]
         measured = sum(tr.user_attrs.get("measured_s") or 0.0 for tr in mine)
         measured += sum(m.get("measured_s") or 0.0 for m in confirmed(study).values()) if self.confirmed_here else 0.0
-        launch, train, warmup = (self.spent[k] for k in ("launch", "train", "warmup"))
+        launch, train, warmup, setup = (self.spent[k] for k in ("launch", "train", "warmup", "setup"))
         spent = {"measuring": measured, "warmup": warmup, "rest_of_loops": max(0.0, train - warmup - measured),
-                 "launch": max(0.0, launch - train), "tuner": max(0.0, wall - launch)}
+                 "setup": setup, "launch": max(0.0, launch - train - setup), "tuner": max(0.0, wall - launch)}
         return {"measured_s": measured, "wall_s": wall, "share": measured / wall if wall > 0 else 0.0,
                 "spent": {k: round(v, 2) for k, v in spent.items()}}
 
