@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypedDict, Union
@@ -256,8 +257,18 @@ def process_tag() -> str:
 
 
 def process_start(pid: Optional[int] = None) -> float:
-    """When the process started (seconds since the epoch), for comparing with file times. Not who
-    it is: psutil derives it from the boot time, which moves with the clock (start_stamp)."""
+    """When the process started (seconds since the epoch), for comparing with file times: on Linux
+    now minus its age (the time since boot less its start in ticks since boot), as the clock reads
+    now; psutil's figure is the boot time plus those ticks, and the boot time moves when the clock
+    is slewed (start_stamp). Not who it is: start_stamp says that."""
+    ticks = _ticks_since_boot(pid)
+    if ticks is not None:
+        try:
+            up = float(Path("/proc/uptime").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            up = None
+        if up is not None:
+            return time.time() - max(0.0, up - ticks / os.sysconf("SC_CLK_TCK"))
     import psutil
 
     return psutil.Process(pid).create_time()

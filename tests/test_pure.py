@@ -273,3 +273,20 @@ def test_an_owner_is_known_by_its_start_since_boot_not_by_the_clock(monkeypatch)
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert process_gone(f"{host}:{child.pid}:b1") and not process_gone(f"elsewhere:{child.pid}")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="age since boot: /proc")
+def test_a_process_start_for_file_times_reads_the_clock_of_now(monkeypatch):
+    """process_start (compared with a checkpoint request's file time) is now minus the process's
+    age, so a boot time that moved with the clock (psutil's start: boot time + ticks) does not move
+    it; for a process started moments ago both agree."""
+    import time
+
+    import psutil
+
+    from orchestrator.rundir import process_start
+
+    started = psutil.Process().create_time()
+    assert abs(process_start() - started) < 1.5 and process_start() <= time.time()  # btime: whole seconds
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: started + 12.0)
+    assert abs(process_start() - started) < 1.5
