@@ -261,10 +261,9 @@ class JobModel:
         held back (b64 w2, the grid's second best, `predicted_below`). Too low a wait only has its
         config measured, where the run corrects it; too high a one is never looked at again."""
         workers = self._loader("load_wait")
-        direct = [r.load_wait for r in self.runs if r.workers == 0 and r.load_wait is not None]
-        if direct and (workers is None or float(np.median(direct)) < workers):
-            return float(np.median(direct))
-        return workers
+        seen = [r.load_wait for r in self.runs if r.workers == 0 and r.load_wait is not None]
+        direct = float(np.median(seen)) if seen else None
+        return min((w for w in (workers, direct) if w is not None), default=None)
 
     @property
     def inproc_load(self) -> Optional[float]:
