@@ -4,6 +4,9 @@ world-size check, the pool key, and the resume rules."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,8 @@ from orchestrator.runtime.dist import check_world
 from orchestrator.schema import flatten
 from orchestrator.supervise import EventTail
 from orchestrator.tune.pool import pool_key
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_event_tail_waits_for_the_end_of_a_line(tmp_path):
@@ -206,6 +211,29 @@ def test_a_model_config_is_checked_once_per_process(make_cfg):
     for _ in range(2):
         with pytest.raises(ConfigError, match="not a torch.nn.Module"):
             check_model(bad)
+
+
+def test_checking_a_model_with_an_embedding_does_not_import_dynamo():
+    """check_model builds on the meta device; an embedding's normal_ init ran through torch._refs
+    there, whose first call imports torch._dynamo: 1.5-2.9 s of the tuner's time before its first
+    trial. The random fills of meta tensors are skipped; the model is still built, checked and
+    shaped (a fresh interpreter: this one may have imported dynamo already)."""
+    code = (
+        "import sys, torch\n"
+        "from tests.conftest import compose_dict\n"
+        "from orchestrator.schema import to_config\n"
+        "from orchestrator.runtime.loop import _SkipRandomFills, check_model\n"
+        "check_model(to_config(compose_dict(['model=seq_lm'])))\n"
+        "with torch.device('meta'), _SkipRandomFills():\n"
+        "    emb = torch.nn.Embedding(1000, 8)\n"
+        "    w = torch.nn.init.normal_(torch.empty(3, 4), std=0.5)\n"
+        "assert emb.weight.is_meta and tuple(emb.weight.shape) == (1000, 8) and tuple(w.shape) == (3, 4)\n"
+        "x = torch.nn.init.normal_(torch.zeros(1000))  # a real tensor is still filled\n"
+        "assert x.std() > 0.5\n"
+        "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "dynamo imported: False" in out.stdout
 
 
 def test_the_memory_cap_is_checked_at_most_every_memory_poll(tmp_path, monkeypatch):
