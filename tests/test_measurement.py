@@ -282,6 +282,31 @@ def test_an_epoch_restart_is_measured_in_the_next_window():
     assert all(w.wall_s >= 0.05 and w.phases_s["data"] >= 0.045 for w in m.windows[1:])
 
 
+def test_a_window_closed_before_windows_became_whole_epochs_is_partial():
+    """Meter alone, 16 steps an epoch. The first window after the warmup closes by its length (4
+    steps); then the step time makes windows longer (resize) and the epoch shorter than
+    EPOCH_WINDOWS of them: windows become whole epochs. That first window held the epoch's tail
+    (the workers' last batches ready, no restart): it is partial, as the rest of its epoch. A run
+    that ends before a whole epoch was measured reads all of its measured steps, the next epoch's
+    restart included, not the tail alone (the zoo's cpu_transform references: a 0.09 s tail
+    window read 2,715 samples/s of a run at 367/s)."""
+    m = StepMeter(torch.device("cpu"), window_steps=4, warmup_steps=1, epoch_steps=16)
+    m.start()
+    _steps(m, 5)  # the warmup's step, then a window of 4 steps (16 >= 4 windows of 4: not whole epochs)
+    assert m.whole_epochs() == 0 and [(w.first_step, w.steps, w.partial) for w in m.windows] == [(1, 4, False)]
+    m.resize(step_time_s=0.001, window_s=0.005)  # windows of 5 steps: the epoch is shorter than 4 of them
+    assert m.whole_epochs() == 1
+    _steps(m, 11)
+    m.epoch_end()
+    time.sleep(0.2)  # the next epoch's workers start
+    _steps(m, 6)  # and the run ends mid-epoch
+    m.flush()
+    assert [(w.first_step, w.steps, w.partial) for w in m.windows] == [(1, 4, True), (5, 11, True), (16, 6, True)]
+    measured = sum(w.wall_s for w in m.windows)
+    assert m.summary()["throughput"] == pytest.approx(4 * 21 / measured)  # every measured step, over their time
+    assert m.summary()["estimate"]["measured_s"] == pytest.approx(measured)
+
+
 def train_tiny(*overrides):
     """The tiny job with these overrides, trained in this process, no tracking: its result."""
     cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.warmup_steps=1", *overrides]))
