@@ -132,3 +132,33 @@ time.sleep(600)
         assert not ranks()
     finally:
         tuner.kill()
+
+
+def test_the_pool_is_asked_to_end_before_the_report_and_closed_after_it(make_cfg, tmp_path, monkeypatch):
+    """The ranks exit while the study writes its report (summary, plots, MLflow), not before it."""
+    import orchestrator.tune.study as study_mod
+    from orchestrator.tune.pool import RankPool
+
+    calls = []
+    for name in ("release", "close"):
+        original = getattr(RankPool, name)
+
+        def spy(self, _original=original, _name=name):
+            calls.append((_name, self.alive()))
+            return _original(self)
+        monkeypatch.setattr(RankPool, name, spy)
+    write_outputs = study_mod.write_outputs
+
+    def report(*args, **kwargs):
+        calls.append(("report", None))
+        return write_outputs(*args, **kwargs)
+    monkeypatch.setattr(study_mod, "write_outputs", report)
+    cfg = make_cfg(*SHORT, "tune.n_trials=1", "tune.space.batch_size.type=categorical",
+                   "tune.space.batch_size.choices=[16]", "tune.space.num_workers.high=0",
+                   "tune.space.accumulation_steps.high=1", f"tune.storage=sqlite:///{tmp_path}/optuna.db")
+    summary = run_study(cfg, tmp_path, echo=False)
+    assert summary["n_trials"] == 1
+    names = [n for n, _ in calls]
+    assert names.index("release") < names.index("report") < len(names) - 1 - names[::-1].index("close")
+    assert calls[names.index("release")][1]  # the ranks that ran the trial were still there to be asked
+    assert not job_processes(tmp_path)

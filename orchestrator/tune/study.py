@@ -289,7 +289,7 @@ class Tuner:
             if self.progress is not None:
                 self.progress.stop()
             if self.pool is not None:
-                self.pool.close()
+                self.pool.release()  # its ranks end while the report is written
             try:
                 summary = self._finish(study, parent, status)
             except RecordError as exc:  # a full disk: the study's MLflow run ends FAILED, the error is one line
@@ -302,6 +302,9 @@ class Tuner:
                     raise
                 print(f"[tune] could not write the study's outputs: {store_error(exc, self.storage, 'tune.storage')}")
                 self.tracker.end(status)
+            finally:
+                if self.pool is not None:
+                    self.pool.close()
         return summary
 
     def _say_study(self) -> None:
