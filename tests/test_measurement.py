@@ -307,6 +307,40 @@ def test_a_window_closed_before_windows_became_whole_epochs_is_partial():
     assert m.summary()["estimate"]["measured_s"] == pytest.approx(measured)
 
 
+def test_a_measurement_can_end_where_its_span_holds_whole_epochs():
+    """Meter alone, 20 steps an epoch, a queue of 2 micro-batches: the warmup ends at step 3 and the
+    measured span begins there. After 4 measured steps, 16 more make an epoch; `stop_at` ends a
+    window at that step though windows are longer. Without loader workers there is no pre-made tail
+    to pay for and the span may end anywhere."""
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, queue=2, epoch_steps=20)
+    m.start()
+    _steps(m, 7)
+    assert m.steps == 7 and m.steps_to_whole_epochs() == 16
+    m.resize(step_time_s=0.001, window_s=0.005)  # windows of 5 steps (an epoch is 4 of them: not whole epochs)
+    m.stop_at(m.steps + m.steps_to_whole_epochs())
+    _steps(m, 16)
+    assert [(w.first_step, w.steps) for w in m.windows] == [(3, 2), (5, 2), (7, 5), (12, 5), (17, 5), (22, 1)]
+    assert m.steps_to_whole_epochs() == 0
+    _steps(m, 3)
+    assert m.steps_to_whole_epochs() == 17
+    inproc = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, queue=0, epoch_steps=20)
+    inproc.start()
+    _steps(inproc, 7)
+    assert inproc.steps_to_whole_epochs() == 0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_trial_with_loader_workers_measures_whole_epochs(workers):
+    """A measurement that stops on its own (trainer.rel_precision, loose here: met after the
+    fewest windows, 8 steps) goes on, with loader workers, to a whole epoch of 20 steps: the epoch's
+    tail, made ahead by the workers and run with the cores free, is measured with the restart that
+    pays for it. Without workers it stops as soon as the rule is met."""
+    res = train_tiny("data.args.size=320", "data.batch_size=16", f"data.num_workers={workers}", "trainer.epochs=50",
+                     "trainer.window_steps=2", "trainer.rel_precision=0.5", "trainer.max_measure_s=30")
+    assert res.meter["stopped_by"] == "precision" and res.steps_per_epoch == 20
+    assert res.meter["measured_steps"] == 20 if workers else res.meter["measured_steps"] < 20
+
+
 def train_tiny(*overrides):
     """The tiny job with these overrides, trained in this process, no tracking: its result."""
     cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.warmup_steps=1", *overrides]))

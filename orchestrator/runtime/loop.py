@@ -266,7 +266,22 @@ class Run:
         for hook in overriding(self.hooks, "on_figures"):
             hook.on_figures(self, win, job)
         meter.resize(job.step_time_s, t.window_s)
-        return self.rule is not None and self.rule.add(job.throughput, job.wall_s) is not None
+        if self.rule is None or self.rule.add(job.throughput, job.wall_s) is None:
+            return False
+        return self.span_done(job.step_time_s)
+
+    def span_done(self, step_time_s: float) -> bool:
+        """The stop rule is met: True when the measured span holds whole epochs, or when the
+        rest of the epoch would last longer than SPAN_EPOCHS_OF_CAP x the measurement's cap (without
+        a cap, x what was measured); else the measurement goes on to the epoch's point where it
+        began (StepMeter.steps_to_whole_epochs: an epoch's pre-made tail is paid for by its restart)."""
+        assert self.rule is not None
+        meter, cap = self.meter, self.cfg.trainer.max_measure_s or self.rule.measured_s
+        left = meter.steps_to_whole_epochs()
+        if left == 0 or left * step_time_s > SPAN_EPOCHS_OF_CAP * cap:
+            return True
+        meter.stop_at(meter.steps + left)
+        return False
 
     def change_loader(self, new: LoaderSettings) -> None:
         """The loader autotune's switch, at this batch of the epoch; the new workers fill their
@@ -333,6 +348,7 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
 
 # steps between the ranks' checks whether trainer.checkpoint_signal arrived (one all-reduce of a float)
 SIGNAL_CHECK_EVERY = 10
+SPAN_EPOCHS_OF_CAP = 2.0  # a measurement goes on to whole epochs when that takes at most this x its cap
 
 
 def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],

@@ -35,6 +35,13 @@ persistent_workers) and the steps wait while they refill the queue, so every epo
 long run's figure includes it (`epoch_end()`). Short epochs (fewer than EPOCH_WINDOWS windows) are
 measured in windows of whole epochs, each with its restart; longer ones in windows that fall where
 they fall, one in several holding a restart.
+With loader workers the epoch's two ends differ from its middle: its last queue-full of batches
+was made ahead, and the training process runs them with the cores to itself (windows there read
+4-7x the steady rate), then the restart waits for the new workers' first batches. A measurement
+that stops on its own (`StopRule`) therefore spans a whole number of epochs when they are short
+enough (`steps_to_whole_epochs`, `stop_at`). Read over 20 long runs of the zoo's cpu_transform with
+1-4 workers (2 cores, 16-128 steps an epoch), the first 2 s after the warmup, where a trial used to
+stop, gave 0.64-1.18 of the same run's whole rate; the first whole epoch gave 0.87-1.14.
 Windows last `window_steps` steps, more when `resize()` asks for a duration,
 and always a whole number of the loader's rounds (`round_steps`): its workers deliver batches in
 turn, each a batch per cycle, and often in bursts (workers fed together finish together); a window
@@ -286,6 +293,8 @@ class StepMeter:
         self._epochs = 0  # epochs ended since the window began
         self._aligned = False  # the window began with an epoch (windows of whole epochs)
         self._epoch_first = 0  # the step the current epoch began after
+        self._measure_first = 0  # the step the last warmup ended at: the measured span begins there
+        self._stop_at = 0  # a window ends at this step (the measured span's end: `stop_at`)
         self.warmups: List[Dict[str, Any]] = []  # one per warmup: where it ended and why
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
@@ -353,9 +362,28 @@ class StepMeter:
             if self._step >= self.warmup_steps and self._micro > self.queue:
                 return self._end_warmup()
             return None
-        if not self.whole_epochs() and self._step - self._window_first >= self._window_len:
+        if not self.whole_epochs() and (self._step - self._window_first >= self._window_len
+                                        or self._step == self._stop_at):
             return self._close_window(warmup=False)
         return None
+
+    def steps_to_whole_epochs(self) -> int:
+        """Steps until the measured span (from the last warmup's end) holds a whole number of
+        epochs, each phase of an epoch once per epoch: its pre-made tail and its restart alike. 0
+        when it does, and where the epoch's ends do not differ from its middle or are measured
+        anyway: epochs not known, no loader workers (no queue made ahead), windows of whole epochs."""
+        if not self.epoch_steps or not self.queue or self.whole_epochs() or self._warming:
+            return 0
+        return -(self._step - self._measure_first) % self.epoch_steps
+
+    @property
+    def steps(self) -> int:
+        """Steps ended so far (warmup included)."""
+        return self._step
+
+    def stop_at(self, step: int) -> None:
+        """End a window at `step` (the measured span's end), whatever its length."""
+        self._stop_at = step
 
     def whole_epochs(self) -> int:
         """Epochs a window lasts when windows are whole epochs (an epoch is shorter than
@@ -406,7 +434,7 @@ class StepMeter:
         binding = "queue" if self.warmups or self._step > max(self.warmup_steps, 1) else "warmup_steps"
         self.warmups.append({"why": self._warm_why, "from_step": start, "until_step": self._step,
                              "steps": self._step - start, "micro_batches": self._micro, "ended_by": binding})
-        self._warming = False
+        self._warming, self._measure_first = False, self._step
         return win
 
     def rewarm(self, why: str) -> Optional[Window]:
