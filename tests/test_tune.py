@@ -337,6 +337,27 @@ def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     assert len({r.data.tags["sweep_id"] for r in runs}) == 1
 
 
+def test_a_trial_completed_by_another_tuner_while_the_pick_is_ranked_is_not_a_key_error(monkeypatch):
+    """Tuners of a shared study: another process completes a trial between ranked()'s reads of the
+    study (its figures, then the trials that may be the pick). The ranking is of the trials it read."""
+    import orchestrator.tune.rules as rules
+    from orchestrator.schema import TuneConfig
+
+    study = optuna.create_study(direction="maximize")
+    for util, thr in ((0.5, 100.0), (0.6, 110.0), (0.9, 300.0)):
+        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+            "values": {"w": int(thr)}, "utilization": util, "throughput": thr, "throughput_lo": 0.9 * thr,
+            "throughput_hi": 1.1 * thr, "utilization_lo": util - 0.02, "utilization_hi": util + 0.02}))
+    completed, reads = rules.completed, []
+
+    def racing(s):  # the first read misses the trial another process is completing
+        reads.append(1)
+        return completed(s)[:2] if len(reads) == 1 else completed(s)
+    monkeypatch.setattr(rules, "completed", racing)
+    assert [tr.number for tr in rules.ranked(study, TuneConfig())] == [1, 0]
+    assert len(reads) >= 2
+
+
 def test_the_pick_comes_from_the_confirmed_figures():
     from orchestrator.schema import TuneConfig
     from orchestrator.tune.rules import best_trials, confirm_candidates, ranked, separation

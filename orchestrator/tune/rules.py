@@ -103,11 +103,13 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
         return []
     conf = confirmed(study)
     fig = {tr.number: figures(tr, conf) for tr in done}
-    eligible = pickable(study, t)  # the floor is measured from a possible pick
+    # the floor is measured from a possible pick; of the trials read above: another tuner process of
+    # a shared study may complete one meanwhile (4 tuners started together: one ended with KeyError)
+    eligible = [tr for tr in pickable(study, t) if tr.number in fig]
     ref = reference_only(study, t) if conf else None
     pool = [tr for tr in eligible if str(tr.number) in conf and tr.number != ref] or eligible
     order = _ranked(done, pool, fig, t)
-    if ref is not None and str(ref) in conf and improves(fig[ref], fig[order[0].number], t):
+    if ref is not None and ref in fig and str(ref) in conf and improves(fig[ref], fig[order[0].number], t):
         base = next((tr for tr in eligible if tr.number == ref), None)  # the user's config beat the pick beyond the noise
         order = _ranked(done, [*pool, base], fig, t) if base is not None else order
     return order
