@@ -327,6 +327,16 @@ def test_a_measurement_can_end_where_its_span_holds_whole_epochs():
     inproc.start()
     _steps(inproc, 7)
     assert inproc.steps_to_whole_epochs() == 0
+    # a window's short step time makes windows whole epochs mid-epoch: on to that epoch's end (its
+    # windows then partial), and from there the windows, whole epochs, end where an epoch does
+    flip = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, queue=2, epoch_steps=20)
+    flip.start()
+    _steps(flip, 7)
+    flip.resize(step_time_s=0.001, window_s=0.008)  # windows of 8 steps: an epoch is shorter than 4
+    assert flip.whole_epochs() == 1 and flip.steps_to_whole_epochs() == 13
+    _steps(flip, 13)
+    flip.epoch_end()
+    assert flip.steps_to_whole_epochs() == 0 and all(w.partial for w in flip.windows)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
