@@ -130,6 +130,42 @@ class _MarksAfterSleep(torch.utils.data.Dataset):
         return torch.zeros(2)
 
 
+def _hold(lock, held):
+    lock.acquire()
+    held.set()
+    import time
+
+    time.sleep(60)
+
+
+def test_ending_workers_does_not_wait_on_a_lock_a_terminated_worker_held(tmp_path):
+    """A worker reads the iterator's done event under a lock shared between processes; terminated
+    inside it, it leaves the lock held. Here a forked process holds it when it is killed: ending the
+    workers still returns (torch's teardown sets that event, and waited for the lock forever)."""
+    import multiprocessing as mp
+    import threading
+
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from orchestrator.runtime.data import end_workers
+
+    loader = DataLoader(_MarksAfterSleep(tmp_path), batch_size=4, num_workers=2, sampler=SequentialSampler(range(64)))
+    it = iter(loader)
+    assert next(it).shape == (4, 2)
+    ctx = mp.get_context("fork")
+    held = ctx.Event()
+    holder = ctx.Process(target=_hold, args=(it._workers_done_event._cond, held))
+    holder.start()
+    assert held.wait(10)
+    holder.kill()
+    holder.join()
+    ended = threading.Thread(target=end_workers, args=(it,), daemon=True)
+    ended.start()
+    ended.join(20)
+    assert not ended.is_alive()  # the old teardown was still waiting here
+    assert not any(w.is_alive() for w in it._workers)
+
+
 def test_a_loader_stopped_mid_epoch_does_not_wait_for_its_workers_batches(tmp_path):
     """A stopped run (the stop rule, max_steps) ends its workers at once: torch's own teardown would
     let each finish the batch it is loading, which nobody reads."""

@@ -10,6 +10,7 @@ import itertools
 import math
 import multiprocessing
 import random
+import threading
 import time
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -224,6 +225,10 @@ def end_workers(it: Any) -> None:
             w.terminate()
     for w in workers:
         w.join(timeout=_utils.MP_STATUS_CHECK_INTERVAL)
+    # a worker reads that event under a lock shared between processes; one terminated inside it left
+    # it held, and the teardown's own set() then waited forever (a tuning trial's rank hung there in
+    # the test suite): the teardown sets an event of this process's own, nobody is left to read it
+    it._workers_done_event = threading.Event()
     shutdown()
 
 
