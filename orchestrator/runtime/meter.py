@@ -388,7 +388,8 @@ class StepMeter:
         return self._step
 
     def stop_at(self, step: int) -> None:
-        """End a window at `step` (the measured span's end), whatever its length."""
+        """End a window at `step` (the measured span's end), whatever its length; with windows of
+        whole epochs the epoch's end ends it instead (`epoch_end`)."""
         self._stop_at = step
 
     def whole_epochs(self) -> int:
