@@ -3,6 +3,7 @@ shares tile the step, and warmup is excluded."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -446,6 +447,25 @@ def test_a_memory_cap_is_the_memory_the_diagnosis_sizes_batches_by():
     free = StepMeter(torch.device("cpu")).summary()
     assert capped["device_mem_mb"] == cap
     assert free["device_mem_mb"] == pytest.approx(psutil.virtual_memory().total / 2**20)
+
+
+def test_round_drift_is_the_part_of_a_rounds_runs_that_they_share():
+    """Interleaved rounds: every config's run of a round ran on the machine as it was then. Three
+    configs, the last two rounds 30% slower for all: the drift is that factor (centred over the
+    rounds), the runs divided by it are steady and keep the configs' ratios; a round with one run
+    has nothing to share (factor 1)."""
+    from orchestrator.measure.stats import round_drift
+
+    pace = {0: 1.0, 1: 1.0, 2: 0.7, 3: 0.7}
+    runs = {c: {r: true * f for r, f in pace.items()} for c, true in (("a", 1000.0), ("b", 950.0), ("c", 900.0))}
+    drift = round_drift(runs)
+    assert drift[0] / drift[2] == pytest.approx(1 / 0.7) and drift[0] == pytest.approx(drift[1])
+    assert math.prod(drift.values()) == pytest.approx(1.0)  # centred: the level stays
+    steady = {c: {round(v / drift[r], 6) for r, v in per.items()} for c, per in runs.items()}
+    assert all(len(v) == 1 for v in steady.values())
+    assert steady["a"].pop() / steady["b"].pop() == pytest.approx(1000 / 950)
+    assert round_drift({"a": {0: 1000.0, 1: 700.0}, "b": {0: 950.0}})[1] == 1.0
+    assert round_drift({}) == {}
 
 
 def test_runs_of_one_config_combine_as_runs_not_as_windows():

@@ -89,6 +89,36 @@ def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
             "interval": [mean - half, mean + half] if mean > 0 else None, "windows": windows, "measured_s": measured_s}
 
 
+def round_drift(runs: Dict[Any, Dict[int, float]], sweeps: int = 100) -> Dict[int, float]:
+    """The factor by which the machine ran each round of interleaved runs faster or slower than
+    its rounds' average: `runs` maps each config to its figure (throughput) per round, and a round's
+    runs, made one after another, share the host's state of the moment (its other load, its clock,
+    the caches). Fitted as log(figure) = config + round (alternating means, rounds centred), from
+    rounds with at least two configs; a round with fewer gets 1. Dividing each run by its round's
+    factor compares configs within rounds, as a blocked design does. Over the zoo's resettled
+    references (4 interleaved rounds of 2-13 configs, 2026-12-04) the rounds' common part was about
+    half of the runs' spread on already_best (log sd 0.218 across runs, 0.12 within rounds, allowing
+    for the fit) and comm_ddp (0.060, 0.031), and little on cpu_transform (0.116, 0.11), whose noise
+    is the runs' own."""
+    logs = {c: {r: math.log(v) for r, v in per.items() if v and v > 0} for c, per in runs.items()}
+    logs = {c: per for c, per in logs.items() if per}
+    rounds = sorted({r for per in logs.values() for r in per})
+    shared = [r for r in rounds if sum(r in per for per in logs.values()) >= 2]
+    drift = dict.fromkeys(rounds, 0.0)
+    if not shared:
+        return {r: 1.0 for r in rounds}
+    for _ in range(sweeps):  # until it settles (rounds with other configs in them take a few sweeps)
+        level = {c: statistics.fmean(v - drift[r] for r, v in per.items()) for c, per in logs.items()}
+        fit = {r: statistics.fmean(per[r] - level[c] for c, per in logs.items() if r in per) for r in shared}
+        centre = statistics.fmean(fit.values())
+        new = {r: fit[r] - centre if r in fit else 0.0 for r in rounds}
+        settled = max(abs(new[r] - drift[r]) for r in rounds) < 1e-9
+        drift = new
+        if settled:
+            break
+    return {r: math.exp(d) for r, d in drift.items()}
+
+
 def with_run_noise(figs: Dict[str, Any], run_noise: float, runs: int = 1,
                    names: tuple = ("throughput", "utilization", "tokens_per_s")) -> Dict[str, Any]:
     """`figs` (a trial's or its confirmation runs' figures: `name`, `name_lo`, `name_hi`) with each

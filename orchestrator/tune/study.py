@@ -46,6 +46,7 @@ CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the p
 CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
 # more rounds, of the candidates still within the noise of the leader (rules.open_contest) only
 CONFIRM_MAX_ROUNDS = 4
+CONFIRM_ROUND = "confirm_round"  # the round a confirmation run's result (in Tuner._confirm's `runs`) was measured in
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac",
            "tokens_per_s", "padding_frac")
 # what shapes a batch (its keys: an attention_mask or not); the loader knobs do not
@@ -620,11 +621,11 @@ class Tuner:
         cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
         try:
-            runs[tr.number].append(self._launch(
+            runs[tr.number].append({**self._launch(
                 cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}",
                 extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
-                run_name=f"confirm trial {tr.number}"))
+                run_name=f"confirm trial {tr.number}"), CONFIRM_ROUND: r})
         except JobFailed as exc:
             failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
             runs.pop(tr.number, None)  # its earlier runs do not make it a contender again
@@ -651,26 +652,32 @@ class Tuner:
             self.spent["setup"] += float(loops.get("setup") or 0.0)
 
     def _combined(self, runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-        """Trial number (str) -> the combined figures of its confirmation runs so far."""
-        from ..measure.stats import combine
+        """Trial number (str) -> the combined figures of its confirmation runs so far; the rates
+        (samples/s, real tokens/s) of each run divided by its round's drift (measure.stats.round_drift:
+        the candidates of a round ran one after another, on the machine as it was then), so that
+        the candidates are compared within rounds."""
+        from ..measure.stats import combine, round_drift
 
         out: Dict[str, Dict[str, Any]] = {}
-        for number, results in runs.items():
-            if not results:
+        jobs = {n: [(res[CONFIRM_ROUND], JobResult.from_dict(res)) for res in results] for n, results in runs.items()}
+        drift = round_drift({n: {r: job.estimate.mean for r, job in rs if job.estimate and job.estimate.mean}
+                             for n, rs in jobs.items()})
+        for number, done in jobs.items():
+            if not done:
                 continue
-            m: Dict[str, Any] = {"runs": len(results)}
-            jobs = [JobResult.from_dict(res) for res in results]
+            m: Dict[str, Any] = {"runs": len(done)}
             for name, key in JobResult.ESTIMATES:
-                ests = [getattr(job, key) for job in jobs]
-                if name == "tokens_per_s" and not all(ests):
+                ests = [(r, getattr(job, key)) for r, job in done]
+                if name == "tokens_per_s" and not all(e for _, e in ests):
                     continue  # real tokens/s: batches with an attention_mask only
-                est = combine([e.as_dict() for e in ests if e])
+                rate = name != "utilization"  # a share of the time, not a rate: the machine's pace cancels
+                est = combine([_scaled(e.as_dict(), 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
                 m[name] = est["mean"]
                 m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
                 if name == "throughput":
                     m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
             if m["throughput"] is not None and m["utilization"] is not None:
-                out[str(number)] = with_run_noise(m, self.t.run_noise, runs=len(results))
+                out[str(number)] = with_run_noise(m, self.t.run_noise, runs=len(done))
         return out
 
     def _confirmation_due(self, study: Any) -> bool:
@@ -856,6 +863,14 @@ def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
             self.covered = self.is_exhausted(study)
 
     return Grid(search_space, seed=seed)
+
+
+def _scaled(est: Dict[str, Any], factor: float) -> Dict[str, Any]:
+    """An estimate (`Estimate.as_dict`) with its mean and interval times `factor`."""
+    if factor == 1.0 or est.get("mean") is None:
+        return est
+    iv = est.get("interval")
+    return {**est, "mean": est["mean"] * factor, "interval": [iv[0] * factor, iv[1] * factor] if iv else None}
 
 
 def _first_line(exc: BaseException) -> str:
