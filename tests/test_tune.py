@@ -969,7 +969,7 @@ def test_intervals_carry_the_noise_of_whole_runs():
 
 def test_confirmation_runs_are_compared_within_their_rounds(make_cfg, tmp_path):
     """The candidates of a confirmation round run one after another on the machine as it was then:
-    the zoo's already_best read its three configs 20-30% slower together in one round of four. Here
+    the zoo's already_best read its three configs 17-31% under their means together in one round of four. Here
     the last two rounds ran 30% slower, and only the leader and the third candidate were measured in
     them (rounds past the planned ones measure only those still in contest): on its runs' median
     the leader (1,000/s) would read 850/s, under the runner-up's 950/s, measured only in the fast
