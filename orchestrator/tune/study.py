@@ -670,7 +670,7 @@ class Tuner:
                 ests = [(r, getattr(job, key)) for r, job in done]
                 if name == "tokens_per_s" and not all(e for _, e in ests):
                     continue  # real tokens/s: batches with an attention_mask only
-                rate = name != "utilization"  # a share of the time, not a rate: the machine's pace cancels
+                rate = name != "utilization"  # a share of the time, not a rate: left as measured
                 est = combine([_scaled(e.as_dict(), 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
                 m[name] = est["mean"]
                 m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
