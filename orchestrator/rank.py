@@ -241,11 +241,29 @@ def _warm_imports() -> None:
     from .runtime import loop  # noqa: F401
 
 
-def _release_freed_memory() -> None:
+def survivable(exc: BaseException, world_size: int) -> bool:
+    """A failed job after which a kept-alive rank takes the next one: it ran out of memory
+    (CUDA's allocator, the host's, or trainer.memory_cap_mb's check of the rank and its loader
+    workers together) and no peer waits for it in a collective it left (a world of one rank). The
+    job's tensors and loader workers go with its frames (train() ends the workers; the pool then
+    collects and trims); fresh ranks would cost the next trial a launch and the imports (about 7 s
+    on 2 cores). A process that passes the cap alone is ended by the supervisor (over_memory)."""
+    if world_size != 1:
+        return False
+    torch = sys.modules.get("torch")
+    cuda_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return isinstance(exc, MemoryError) or (cuda_oom is not None and isinstance(exc, cuda_oom))
+
+
+def _release_freed_memory(cuda_cache: bool = False) -> None:
     """Hand the heap's freed pages back to the OS (glibc's malloc_trim) between a pool's jobs: on
     CPU a job's peak memory is its process's resident size, and without this the next job starts
     at the last one's high-water (the zoo's memory_cap: batch 128 read 648 MB after batch 256, 463 MB
-    on fresh ranks), and its peak, the memory-bound verdict and the memory cap read that."""
+    on fresh ranks), and its peak, the memory-bound verdict and the memory cap read that.
+    `cuda_cache`: after a job that ran out of memory, CUDA's cached blocks (its fragments) too."""
+    torch = sys.modules.get("torch")
+    if cuda_cache and torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -259,7 +277,8 @@ def _release_freed_memory() -> None:
 def pool_main(pool_dir: str) -> int:
     """Kept-alive ranks (tuning): the backend is set up once, then one job after another, each
     rebuilding its data loader, model and optimizer from its own config. A failed job ends the
-    process; the parent starts fresh ranks."""
+    process (the parent starts fresh ranks), unless it only ran out of memory on a rank alone
+    (`survivable`): then the rank writes its traceback and `rankN.survived`, and takes the next job."""
     _hush_said_warnings()
     pool = Path(pool_dir)
     rank = _early_rank()
@@ -287,9 +306,17 @@ def pool_main(pool_dir: str) -> int:
                 adapter.setup()
                 rank = adapter.rank
             adapter.cfg = cfg  # same backend and world size; the knobs are the job's own
-            run_one(root, adapter, cfg, datasets)
+            failed = False
+            try:
+                run_one(root, adapter, cfg, datasets)
+            except Exception as exc:  # noqa: BLE001
+                if not survivable(exc, adapter.world_size):
+                    raise
+                _fail(root, rank, exc)
+                write_atomic(rank_paths(root, rank)["survived"], "")  # the parent sends the next job here
+                failed = True
             gc.collect()  # the last job's loader workers and tensors go now, not later
-            _release_freed_memory()
+            _release_freed_memory(cuda_cache=failed)
             seq += 1
     except BaseException as exc:  # noqa: BLE001
         return _fail(root, rank, exc)

@@ -151,7 +151,7 @@ def attempt_dir(run_dir: Path, n: int) -> Path:
 def rank_paths(run_dir: Path, rank: int) -> Dict[str, Path]:
     d = ranks_dir(run_dir)
     return {"events": d / f"rank{rank}.jsonl", "result": d / f"rank{rank}.json", "error": d / f"rank{rank}.err",
-            "trace": d / f"trace_rank{rank}.json"}
+            "trace": d / f"trace_rank{rank}.json", "survived": d / f"rank{rank}.survived"}
 
 
 def rank_of(path: Path) -> int:

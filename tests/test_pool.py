@@ -95,6 +95,48 @@ def test_kept_alive_rank_reports_each_jobs_own_peak_memory(make_cfg, tmp_path):
     assert not job_processes(tmp_path)
 
 
+def test_a_lone_rank_out_of_memory_takes_the_next_job(make_cfg, tmp_path):
+    """A job that runs out of memory on a pool of one rank (CUDA's allocator; trainer.memory_cap_mb
+    counted in the rank) fails with that error, and the same process runs the next job: no new
+    launch. Another failure still ends the rank."""
+    from orchestrator.app import JobFailed, run_job
+    from orchestrator.tune.pool import RankPool
+
+    def job(*failing: str):
+        model = ["model._target_=tasks.faults.FailingLinear", *failing] if failing else []
+        return make_cfg("tracking.enabled=false", "trainer.max_steps=6", "trainer.save_model=false", *model)
+
+    pool = RankPool(tmp_path / "pools")
+    try:
+        run_job(job(), tmp_path / "first", echo=False, ranks=pool)
+        with pytest.raises(JobFailed) as failed:
+            run_job(job("+model.args.oom=true", "+model.args.fail_at=2"), tmp_path / "oom", echo=False, ranks=pool)
+        assert pool.alive()
+        run_job(job(), tmp_path / "next", echo=False, ranks=pool)
+        assert pool.starts == 1
+        with pytest.raises(JobFailed):
+            run_job(job("+model.args.fail_at=2"), tmp_path / "crash", echo=False, ranks=pool)
+        assert not pool.alive()
+    finally:
+        pool.close()
+    assert "CUDA out of memory" in failed.value.result["error"]
+    assert (tmp_path / "oom" / "ranks" / "rank0.survived").exists()
+    pids = [json.loads((tmp_path / d / "ranks" / "rank0.json").read_text())["pid"] for d in ("first", "next")]
+    assert pids[0] == pids[1]
+    assert not job_processes(tmp_path)
+
+
+def test_only_running_out_of_memory_alone_is_survived():
+    import torch
+
+    from orchestrator.rank import survivable
+
+    assert survivable(MemoryError("out of memory: ... > trainer.memory_cap_mb=850"), 1)
+    assert survivable(torch.OutOfMemoryError("CUDA out of memory"), 1)
+    assert not survivable(MemoryError("out of memory"), 2)  # a peer waits in a collective it left
+    assert not survivable(RuntimeError("injected failure"), 1)
+
+
 def test_kept_alive_ranks_end_when_their_tuner_is_killed(tmp_path):
     """SIGKILL leaves no chance to write the stop file: the ranks see their owner gone and exit."""
     import os

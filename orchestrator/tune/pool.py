@@ -4,8 +4,10 @@ Launching torchrun or horovodrun costs seconds per trial; a pool starts the rank
 (backend, world size, ...) and hands them one trial after another through job files
 (`<pool dir>/jobs/<seq>.json`, renamed into place). The ranks rebuild the data loader, model and
 optimizer for each trial's knobs (orchestrator.rank.pool_main). A failed, timed-out or pruned
-trial ends the pool's processes; the next trial starts fresh ranks. `close()` (study end, failure
-or interrupt) ends them all.
+trial ends the pool's processes and the next trial starts fresh ranks, except a trial that ran out
+of memory on a pool of one rank: that rank says it survived (`rankN.survived`, see
+orchestrator.rank.survivable) and takes the next trial. `close()` (study end, failure or
+interrupt) ends them all.
 """
 
 from __future__ import annotations
@@ -63,9 +65,13 @@ class RankPool:
         self.seq += 1
         world = self.launched.world_size
         ranks = ranks_dir(run_dir)
-        outcome = watch(self.launched, run_dir, done=lambda: len(list(ranks.glob("rank*.json"))) >= world,
-                        poll_s=0.02, **watch_kwargs)
-        if not outcome.ok:
+
+        def survived() -> bool:
+            return len(list(ranks.glob("rank*.survived"))) >= world
+
+        outcome = watch(self.launched, run_dir, poll_s=0.02, **watch_kwargs,
+                        done=lambda: len(list(ranks.glob("rank*.json"))) >= world or survived())
+        if not outcome.ok and not (self.alive() and survived()):
             self.close()  # fresh ranks for the next trial
         return outcome
 
