@@ -233,12 +233,19 @@ def next_job(pool_dir: Path, seq: int) -> Optional[dict]:
 
 
 def _warm_imports() -> None:
-    """What the first job would import, imported while the pool waits for it (the tuner starts
-    its ranks before its first trial is ready): the training loop, and torch._dynamo, which the
-    first optimizer imports (about 2 s on 2 cores)."""
+    """What the first job would import, imported before it starts (a pool's ranks do it while
+    they wait for it: the tuner starts them before its first trial is ready): the training loop;
+    torch._dynamo, which the first optimizer imports (about 2 s on 2 cores); and scipy.special,
+    which the first estimate imports (measure.stats.t95). That one came inside the measured span,
+    at the first measured window's stop check: 0.4 s of "other" in a 4 s trial, so every first
+    trial on fresh ranks (the user's config, a tuner's trial 0) read 5-20% busier and faster
+    on its runs after than it had (the zoo's compute, comm_ddp and memory_cap, 2026-12-04)."""
     import torch._dynamo  # noqa: F401
 
+    from .measure.stats import t95
     from .runtime import loop  # noqa: F401
+
+    t95(1)
 
 
 def survivable(exc: BaseException, world_size: int) -> bool:

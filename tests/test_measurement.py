@@ -483,3 +483,34 @@ def test_runs_of_one_config_combine_as_runs_not_as_windows():
     three = combine([*steady, disturbed])
     assert three["mean"] == 1617.0 and three["windows"] == 22 and three["measured_s"] == pytest.approx(4.1)
     assert combine([steady[0]])["mean"] == 1617.0
+
+
+def test_nothing_is_imported_inside_a_ranks_measured_span():
+    """A rank imports before its job what the job's measurement will need: a module first imported
+    inside the measured span (scipy.special at the first stop check: 0.4 s) counts as the step's
+    "other" time and makes the first job on fresh ranks (a study's trial 0, the user's config) read
+    idler and slower than it runs. A fresh interpreter, as a rank's."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    script = """
+import sys
+from orchestrator.rank import _warm_imports
+from orchestrator.runtime import meter
+from tests.test_measurement import train_tiny
+_warm_imports()
+at = {}
+end = meter.StepMeter._end_warmup
+def ended(self):
+    at.setdefault("warm", set(sys.modules))
+    return end(self)
+meter.StepMeter._end_warmup = ended
+res = train_tiny("trainer.window_steps=2", "trainer.rel_precision=0.5", "trainer.max_measure_s=30", "trainer.epochs=50")
+assert res.meter["stopped_by"] == "precision", res.meter["stopped_by"]
+print(sorted(m for m in set(sys.modules) - at["warm"] if not m.startswith("_")))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
