@@ -237,9 +237,9 @@ def _warm_imports() -> None:
     they wait for it: the tuner starts them before its first trial is ready): the training loop;
     torch._dynamo, which the first optimizer imports (about 2 s on 2 cores); and scipy.special,
     which the first estimate imports (measure.stats.t95). That one came inside the measured span,
-    at the first measured window's stop check: 0.4 s of "other" in a 4 s trial, so every first
-    trial on fresh ranks (the user's config, a tuner's trial 0) read 5-20% busier and faster
-    on its runs after than it had (the zoo's compute, comm_ddp and memory_cap, 2026-12-04)."""
+    at the first measured window's stop check: 0.4 s of "other" in a 4 s trial, so the first
+    trial on fresh ranks (the user's config, a tuner's trial 0) read up to 24% idler than on its
+    later runs (the zoo's compute, comm_ddp and memory_cap, 2026-12-04)."""
     import torch._dynamo  # noqa: F401
 
     from .measure.stats import t95
