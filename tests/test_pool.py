@@ -176,19 +176,27 @@ time.sleep(600)
         tuner.kill()
 
 
-def test_the_pool_is_asked_to_end_before_the_report_and_closed_after_it(make_cfg, tmp_path, monkeypatch):
-    """The ranks exit while the study writes its report (summary, plots, MLflow), not before it."""
+def test_the_report_is_prepared_while_the_ranks_start_and_written_while_they_end(make_cfg, tmp_path, monkeypatch):
+    """The report's imports (matplotlib, scikit-learn) come after the ranks were started and before
+    the first trial is handed to them; the ranks exit while the study writes its report (summary,
+    plots, MLflow), not before it."""
     import orchestrator.tune.study as study_mod
     from orchestrator.tune.pool import RankPool
 
     calls = []
-    for name in ("release", "close"):
+    for name in ("release", "close", "prestart", "run"):
         original = getattr(RankPool, name)
 
-        def spy(self, _original=original, _name=name):
+        def spy(self, *args, _original=original, _name=name, **kwargs):
             calls.append((_name, self.alive()))
-            return _original(self)
+            return _original(self, *args, **kwargs)
         monkeypatch.setattr(RankPool, name, spy)
+    import_plotting = study_mod.import_plotting
+
+    def plotting(n_trials):
+        calls.append(("plotting", None))
+        return import_plotting(n_trials)
+    monkeypatch.setattr(study_mod, "import_plotting", plotting)
     write_outputs = study_mod.write_outputs
 
     def report(*args, **kwargs):
@@ -201,6 +209,7 @@ def test_the_pool_is_asked_to_end_before_the_report_and_closed_after_it(make_cfg
     summary = run_study(cfg, tmp_path, echo=False)
     assert summary["n_trials"] == 1
     names = [n for n, _ in calls]
+    assert names.index("prestart") < names.index("plotting") < names.index("run")
     assert names.index("release") < names.index("report") < len(names) - 1 - names[::-1].index("close")
     assert calls[names.index("release")][1]  # the ranks that ran the trial were still there to be asked
     assert not job_processes(tmp_path)

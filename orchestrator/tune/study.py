@@ -31,7 +31,7 @@ from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, sto
 from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
-from .report import best_words, write_outputs
+from .report import best_words, import_plotting, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation, figures,
                     not_launched, open_contest, reference_only, refused, stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
@@ -246,6 +246,7 @@ class Tuner:
         try:
             if self.pool is not None and done < self.t.n_trials:
                 self.pool.prestart(self.cfg)  # its ranks import torch while the first trial is prepared
+                import_plotting(self.t.n_trials)  # meanwhile: the report's imports, off its wall time
             duplicates_in_a_row = 0
             while True:
                 with study_lock(self.storage, self.name):
