@@ -188,16 +188,19 @@ def import_plotting(n_trials: int) -> None:
     IMPORTANCE_MIN_TRIALS trials): the study calls this while its ranks start, when the first trial
     waits for them anyway. Imported at the report they took 2.7 s of the study's wall time (4.0 s
     of plots; the zoo's comm_ddp, 12 trials, 2 cores)."""
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
-    import optuna.visualization.matplotlib  # noqa: F401
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+        import optuna.visualization.matplotlib  # noqa: F401
 
-    if n_trials >= IMPORTANCE_MIN_TRIALS:
-        import optuna.importance
+        if n_trials >= IMPORTANCE_MIN_TRIALS:
+            import optuna.importance
 
-        optuna.importance.FanovaImportanceEvaluator  # noqa: B018  (a lazy attribute: loads scikit-learn)
+            optuna.importance.FanovaImportanceEvaluator  # noqa: B018  (a lazy attribute: loads scikit-learn)
+    except Exception:  # noqa: BLE001 -- a plot it cannot make is said by _plots, at the report
+        pass
 
 
 def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig, say: Callable[[str], None] = print) -> List[str]:
