@@ -12,6 +12,7 @@ interrupt) ends them all.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,12 +67,15 @@ class RankPool:
         world = self.launched.world_size
         ranks = ranks_dir(run_dir)
 
-        def survived() -> bool:
-            return len(list(ranks.glob("rank*.survived"))) >= world
+        def all_wrote(*suffixes: str) -> bool:
+            """Every rank wrote a `rankN<suffix>` file for one of `suffixes` (a result, or that it
+            survived its failure): one listing of the folder, as `done` runs every 20 ms."""
+            names = [n for n in os.listdir(ranks) if n.startswith("rank")] if ranks.is_dir() else []
+            return any(sum(n.endswith(s) for n in names) >= world for s in suffixes)
 
         outcome = watch(self.launched, run_dir, poll_s=0.02, **watch_kwargs,
-                        done=lambda: len(list(ranks.glob("rank*.json"))) >= world or survived())
-        if not outcome.ok and not (self.alive() and survived()):
+                        done=lambda: all_wrote(".json", ".survived"))
+        if not outcome.ok and not (self.alive() and all_wrote(".survived")):
             self.close()  # fresh ranks for the next trial
         return outcome
 
