@@ -468,6 +468,19 @@ def test_round_drift_is_the_part_of_a_rounds_runs_that_they_share():
     assert round_drift({}) == {}
 
 
+def test_a_run_far_under_its_configs_other_runs_is_the_disturbed_one():
+    """The host's other load only slows a run: a run under half the median of its config's other
+    runs is the disturbed one (of two, the slower), and the rest are kept, down to 0.61 of it (the
+    zoo's references' lowest)."""
+    from orchestrator.measure.stats import disturbed
+
+    runs = {"b16": {0: 283.0, 1: 1451.0, 2: 1440.0, 3: 1402.0}, "b64": {0: 1425.0, 1: 1474.0, 2: 1460.0},
+            "pair": {0: 456.0, 1: 1396.0}, "slow round": {0: 0.62 * 1000.0, 1: 1000.0}, "once": {0: 10.0}}
+    assert disturbed(runs) == {("b16", 0), ("pair", 0)}
+    assert disturbed({"two of three": {0: 300.0, 1: 283.0, 2: 1451.0}}) == {("two of three", 0), ("two of three", 1)}
+    assert disturbed({}) == set()
+
+
 def test_runs_of_one_config_combine_as_runs_not_as_windows():
     """The confirmation's runs of a config: each run counts once, a disturbed one (slow, so it measured
     longest) neither outweighs the others nor narrows the interval, and from 3 runs it is outvoted."""

@@ -10,7 +10,7 @@ import functools
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +117,26 @@ def round_drift(runs: Dict[Any, Dict[int, float]], sweeps: int = 100) -> Dict[in
         if settled:
             break
     return {r: math.exp(d) for r, d in drift.items()}
+
+
+def disturbed(runs: Dict[Any, Dict[int, float]], below: float = 0.5) -> Set[Tuple[Any, int]]:
+    """The (config, round) runs in `runs` (each config's figure per round, as in round_drift) that
+    read under `below` x the median of the same config's other runs: runs that something else on the
+    host slowed, to be left out of the config's figures and of the rounds' drift. The host's other
+    load only ever slows a run, so of two runs far apart the slower is the suspect. On the zoo's
+    storage_5 (2026-12-04) something else took CPU for about 12 s: the three confirmation runs
+    measured then read 283-456 samples/s (their loop threads spinning in waits for the descheduled
+    intra-op thread, utilization 0.40-0.45) against 1,396-1,481/s in the other rounds (0.04-0.11),
+    and the pick went to a config the disturbance had spared. Over the zoo's resettled references
+    (260 runs of 63 configs, 2-5 runs each, the round-wide slowdowns in them included) no run read
+    under 0.61 of the median of its config's other runs."""
+    out: Set[Tuple[Any, int]] = set()
+    for config, per in runs.items():
+        for r, value in per.items():
+            others = [v for q, v in per.items() if q != r and v and v > 0]
+            if others and value is not None and value < below * statistics.median(others):
+                out.add((config, r))
+    return out
 
 
 def with_run_noise(figs: Dict[str, Any], run_noise: float, runs: int = 1,

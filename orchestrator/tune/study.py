@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
@@ -604,6 +604,7 @@ class Tuner:
                 done += 1
                 self._confirm_run(study, tr, r, parent, done, total, runs, failed)
         out = self._combined(runs)  # a failed candidate's runs were dropped with it
+        self._say_disturbed(study, _round_jobs(runs))
         for number, m in out.items():
             tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
             self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
@@ -660,7 +661,9 @@ class Tuner:
         from ..measure.stats import combine, round_drift
 
         out: Dict[str, Dict[str, Any]] = {}
-        jobs = {n: [(res[CONFIRM_ROUND], JobResult.from_dict(res)) for res in results] for n, results in runs.items()}
+        jobs = _round_jobs(runs)
+        left_out = self._disturbed(jobs)
+        jobs = {n: [(r, job) for r, job in rs if (n, r) not in left_out] for n, rs in jobs.items()}
         drift = round_drift({n: {r: job.estimate.mean for r, job in rs if job.estimate and job.estimate.mean}
                              for n, rs in jobs.items()})
         for number, done in jobs.items():
@@ -677,9 +680,35 @@ class Tuner:
                 m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
                 if name == "throughput":
                     m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
+            if left := sum(n == number for n, _ in left_out):
+                m["left_out"] = left
             if m["throughput"] is not None and m["utilization"] is not None:
                 out[str(number)] = with_run_noise(m, self.t.run_noise, runs=len(done))
         return out
+
+    def _say_disturbed(self, study: Any, jobs: Dict[int, List[Tuple[int, Any]]]) -> None:
+        """Say (and keep in the study: `confirm_left_out`) the confirmation runs left out of the
+        figures as disturbed."""
+        import statistics
+
+        said: Dict[str, str] = {}
+        for n, r in sorted(self._disturbed(jobs)):
+            rates = {q: job.estimate.mean for q, job in jobs[n] if job.estimate}
+            others = statistics.median(v for q, v in rates.items() if q != r)
+            said[f"{n}-{r}"] = why = (f"read {rates[r]:.1f}/s, under half the median of its other runs "
+                                      f"({others:.1f}/s): slowed by the host's other load, left out")
+            self._say(f"[tune] confirmation run of trial {n} in round {r + 1} {why}")
+        if said:
+            study.set_user_attr("confirm_left_out", said)
+
+    @staticmethod
+    def _disturbed(jobs: Dict[int, List[Tuple[int, Any]]]) -> Set[Tuple[int, int]]:
+        """The (trial number, round) confirmation runs that the host's other load slowed
+        (measure.stats.disturbed: under half the median of the same config's other runs)."""
+        from ..measure.stats import disturbed
+
+        return disturbed({n: {r: job.estimate.mean for r, job in rs if job.estimate and job.estimate.mean}
+                          for n, rs in jobs.items()})
 
     def _confirmation_due(self, study: Any) -> bool:
         """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
@@ -864,6 +893,11 @@ def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
             self.covered = self.is_exhausted(study)
 
     return Grid(search_space, seed=seed)
+
+
+def _round_jobs(runs: Dict[int, List[Dict[str, Any]]]) -> Dict[int, List[Tuple[int, JobResult]]]:
+    """Tuner._confirm's runs (trial number -> its confirmation runs' results) as (round, JobResult)."""
+    return {n: [(res[CONFIRM_ROUND], JobResult.from_dict(res)) for res in results] for n, results in runs.items()}
 
 
 def _scaled(est: Dict[str, Any], factor: float) -> Dict[str, Any]:
