@@ -340,6 +340,44 @@ def test_a_measurement_can_end_where_its_span_holds_whole_epochs():
     assert flip.steps_to_whole_epochs() == 0 and all(w.partial for w in flip.windows)
 
 
+def test_windows_that_became_whole_epochs_stay_so_until_the_next_warmup():
+    """Meter alone, 16 steps an epoch, a queue of 2. A short step time makes windows whole epochs;
+    the next epoch's window holds its restart, and its slow steps shorten the windows again (to 2
+    steps: the epoch is 8 of them). Windows stay whole epochs, so the measured span holds whole
+    epochs at every window's end and a stop there ends the measurement. Flipping back, they
+    closed inside the epoch and the stop was put off from epoch to epoch: the zoo's storage_cpu
+    runs of b64 w8 a2 measured 23-41 s against a 2 s cap. A new warmup starts afresh."""
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, queue=2, epoch_steps=16)
+    m.start()
+    _steps(m, 3)  # the warmup ends at step 3, mid-epoch
+    m.resize(step_time_s=0.001, window_s=0.008)  # windows of 8 steps: an epoch is shorter than 4 of them
+    _steps(m, 13)
+    m.epoch_end()  # the rest of the warmup's epoch: a partial window
+    _steps(m, 16)
+    m.epoch_end()  # a whole epoch
+    m.resize(step_time_s=0.01, window_s=0.02)  # its restart's slow steps: windows of 2 steps
+    assert m.whole_epochs() == 1 and m.steps_to_whole_epochs() == 0
+    _steps(m, 16)
+    m.epoch_end()
+    assert [(w.first_step, w.steps, w.partial) for w in m.windows] == [(3, 13, True), (16, 16, False), (32, 16, False)]
+    m.rewarm("loader")
+    assert m.whole_epochs() == 0
+
+
+def test_a_measurement_that_cannot_reach_whole_epochs_stops_within_twice_its_cap(monkeypatch):
+    """Whatever keeps a measured span from holding whole epochs, the measurement ends once it has
+    gone on SPAN_EPOCHS_OF_CAP x its cap past the stop rule: here the span never holds them."""
+    from orchestrator.runtime.loop import SPAN_EPOCHS_OF_CAP
+
+    monkeypatch.setattr(StepMeter, "steps_to_whole_epochs", lambda self: 1)
+    res = train_tiny("data.args.size=320", "data.batch_size=16", "data.num_workers=1", "trainer.epochs=200",
+                     "trainer.window_steps=2", "trainer.rel_precision=0.001", "trainer.max_measure_s=0.2")
+    assert res.meter["stopped_by"] == "max_measure_s"
+    longest = max(w.wall_s for w in full_windows(res))
+    assert res.meter["estimate"]["measured_s"] <= (1 + SPAN_EPOCHS_OF_CAP) * 0.2 + 2 * longest
+    assert res.steps < 200 * 20
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_trial_with_loader_workers_measures_whole_epochs(workers):
     """A measurement that stops on its own (trainer.rel_precision, loose here: met after the

@@ -177,6 +177,7 @@ class Run:
     balancer: Optional[Balancer] = None
     loader_tuner: Optional[LoaderTuner] = None
     rule: Optional[StopRule] = None  # tuning trials: measure until precise enough
+    rule_met_s: Optional[float] = None  # the rule's measured seconds when it was first met (span_done)
     collective: bool = False  # the window figures are all-reduced (the same on every rank)
     total: int = 0
     per_epoch: int = 0
@@ -274,11 +275,15 @@ class Run:
         """The stop rule is met: True when the measured span holds whole epochs, or when the
         rest of the epoch would last longer than SPAN_EPOCHS_OF_CAP x the measurement's cap (without
         a cap, x what was measured); else the measurement goes on to the epoch's point where it
-        began (StepMeter.steps_to_whole_epochs: an epoch's pre-made tail is paid for by its restart)."""
+        began (StepMeter.steps_to_whole_epochs: an epoch's pre-made tail is paid for by its restart),
+        for at most that long again in all, whatever the windows do meanwhile."""
         assert self.rule is not None
         meter, cap = self.meter, self.cfg.trainer.max_measure_s or self.rule.measured_s
+        if self.rule_met_s is None:
+            self.rule_met_s = self.rule.measured_s
         left = meter.steps_to_whole_epochs()
-        if left == 0 or left * step_time_s > SPAN_EPOCHS_OF_CAP * cap:
+        if (left == 0 or left * step_time_s > SPAN_EPOCHS_OF_CAP * cap
+                or self.rule.measured_s - self.rule_met_s > SPAN_EPOCHS_OF_CAP * cap):
             return True
         meter.stop_at(meter.steps + left)
         return False
