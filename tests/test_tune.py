@@ -967,16 +967,15 @@ def test_intervals_carry_the_noise_of_whole_runs():
     assert bare["throughput_lo"] == pytest.approx(100 - 1.96 * 10) and bare["utilization_hi"] == pytest.approx(0.5 + 1.96 * 0.05)
 
 
-def test_confirmation_runs_are_compared_within_their_rounds(make_cfg, tmp_path):
+def test_confirmation_runs_are_compared_within_their_rounds():
     """The candidates of a confirmation round run one after another on the machine as it was then:
     the zoo's already_best read its three configs 17-31% under their means together in one round of four. Here
     the last two rounds ran 30% slower, and only the leader and the third candidate were measured in
     them (rounds past the planned ones measure only those still in contest): on its runs' median
     the leader (1,000/s) would read 850/s, under the runner-up's 950/s, measured only in the fast
     rounds. Within rounds the leader stays ahead by its 5%."""
-    from orchestrator.tune.study import CONFIRM_ROUND, Tuner
+    from orchestrator.tune.confirm import CONFIRM_ROUND, combined
 
-    tuner = Tuner(make_cfg("mode=tune", f"tune.storage=sqlite:///{tmp_path}/o.db"), tmp_path, echo=False)
     pace = {0: 1.0, 1: 1.0, 2: 0.7, 3: 0.7}
 
     def result(thr, r):
@@ -987,7 +986,7 @@ def test_confirmation_runs_are_compared_within_their_rounds(make_cfg, tmp_path):
 
     runs = {0: [result(1000.0 * pace[r], r) for r in range(4)], 1: [result(950.0, r) for r in range(2)],
             2: [result(900.0 * pace[r], r) for r in range(4)]}
-    out = tuner._combined(runs)
+    out = combined(runs, run_noise=0.1)
     assert out["0"]["throughput"] / out["1"]["throughput"] == pytest.approx(1000 / 950)
     assert out["2"]["throughput"] / out["1"]["throughput"] == pytest.approx(900 / 950)
     assert out["0"]["runs"] == 4 and out["0"]["utilization"] == pytest.approx(0.5)  # a share: not rescaled

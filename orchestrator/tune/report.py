@@ -89,7 +89,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         summary["confirmed"] = conf
     if failed_confirmation(study):
         summary["confirm_failed"] = failed_confirmation(study)
-    if study.user_attrs.get("confirm_left_out"):  # runs the host's other load slowed (Tuner._say_disturbed)
+    if study.user_attrs.get("confirm_left_out"):  # runs the host's other load slowed (confirm.left_out)
         summary["confirm_left_out"] = study.user_attrs["confirm_left_out"]
     summary["separation"] = separation(study, t)
     summary["versus_baseline"] = versus_baseline(study, t)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from ..app import JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
@@ -35,6 +35,7 @@ from .report import best_words, import_plotting, write_outputs
 from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation, figures,
                     not_launched, open_contest, reference_only, refused, stale_streak, utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
+from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
 from .memory import memory_record
 from .proposals import Proposals
@@ -46,7 +47,6 @@ CONFIRM_ROUNDS = 2  # interleaved re-measurements of each candidate before the p
 CONFIRM_LONGER = 2.0  # their windows and minimum measured time, relative to a trial's (same cap)
 # more rounds, of the candidates still within the noise of the leader (rules.open_contest) only
 CONFIRM_MAX_ROUNDS = 4
-CONFIRM_ROUND = "confirm_round"  # the round a confirmation run's result (in Tuner._confirm's `runs`) was measured in
 METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem_mb", "step_time_s", "mfu", "busy_frac",
            "tokens_per_s", "padding_frac")
 # what shapes a batch (its keys: an attention_mask or not); the loader knobs do not
@@ -591,7 +591,7 @@ class Tuner:
         for r in range(CONFIRM_MAX_ROUNDS):
             if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
                 ref = reference_only(study, self.t)  # measured beside them, not in the contest
-                still = set(open_contest(self._combined({n: rs for n, rs in runs.items() if n != ref}), self.t))
+                still = set(open_contest(combined({n: rs for n, rs in runs.items() if n != ref}, self.t.run_noise), self.t))
                 active = [tr for tr in top if tr.number in still]
             active = [tr for tr in active if str(tr.number) not in failed]
             if not active:
@@ -603,8 +603,13 @@ class Tuner:
             for tr in active[r % len(active):] + active[:r % len(active)]:
                 done += 1
                 self._confirm_run(study, tr, r, parent, done, total, runs, failed)
-        out = self._combined(runs)  # a failed candidate's runs were dropped with it
-        self._say_disturbed(study, _round_jobs(runs))
+        out = combined(runs, self.t.run_noise)  # a failed candidate's runs were dropped with it
+        said = left_out(runs)
+        for run, why in said.items():
+            n, r = run.split("-")
+            self._say(f"[tune] confirmation run of trial {n} in round {int(r) + 1} {why}")
+        if said:
+            study.set_user_attr("confirm_left_out", said)
         for number, m in out.items():
             tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
             self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
@@ -652,63 +657,6 @@ class Tuner:
             self.spent["train"] += float(loops.get("train") or 0.0)
             self.spent["warmup"] += float(loops.get("warmup") or 0.0)
             self.spent["setup"] += float(loops.get("setup") or 0.0)
-
-    def _combined(self, runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-        """Trial number (str) -> the combined figures of its confirmation runs so far; the rates
-        (samples/s, real tokens/s) of each run divided by its round's drift (measure.stats.round_drift:
-        the candidates of a round ran one after another, on the machine as it was then), so that
-        the candidates are compared within rounds."""
-        from ..measure.stats import combine, round_drift
-
-        out: Dict[str, Dict[str, Any]] = {}
-        jobs = _round_jobs(runs)
-        left_out = self._disturbed(jobs)
-        jobs = {n: [(r, job) for r, job in rs if (n, r) not in left_out] for n, rs in jobs.items()}
-        drift = round_drift({n: {r: job.estimate.mean for r, job in rs if job.estimate and job.estimate.mean}
-                             for n, rs in jobs.items()})
-        for number, done in jobs.items():
-            if not done:
-                continue
-            m: Dict[str, Any] = {"runs": len(done)}
-            for name, key in JobResult.ESTIMATES:
-                ests = [(r, getattr(job, key)) for r, job in done]
-                if name == "tokens_per_s" and not all(e for _, e in ests):
-                    continue  # real tokens/s: batches with an attention_mask only
-                rate = name != "utilization"  # a share of the time, not a rate: left as measured
-                est = combine([_scaled(e.as_dict(), 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
-                m[name] = est["mean"]
-                m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
-                if name == "throughput":
-                    m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
-            if left := sum(n == number for n, _ in left_out):
-                m["left_out"] = left
-            if m["throughput"] is not None and m["utilization"] is not None:
-                out[str(number)] = with_run_noise(m, self.t.run_noise, runs=len(done))
-        return out
-
-    def _say_disturbed(self, study: Any, jobs: Dict[int, List[Tuple[int, Any]]]) -> None:
-        """Say (and keep in the study: `confirm_left_out`) the confirmation runs left out of the
-        figures as disturbed."""
-        import statistics
-
-        said: Dict[str, str] = {}
-        for n, r in sorted(self._disturbed(jobs)):
-            rates = {q: job.estimate.mean for q, job in jobs[n] if job.estimate}
-            others = statistics.median(v for q, v in rates.items() if q != r)
-            said[f"{n}-{r}"] = why = (f"read {rates[r]:.1f}/s, under half the median of its other runs "
-                                      f"({others:.1f}/s): slowed by the host's other load, left out")
-            self._say(f"[tune] confirmation run of trial {n} in round {r + 1} {why}")
-        if said:
-            study.set_user_attr("confirm_left_out", said)
-
-    @staticmethod
-    def _disturbed(jobs: Dict[int, List[Tuple[int, Any]]]) -> Set[Tuple[int, int]]:
-        """The (trial number, round) confirmation runs that the host's other load slowed
-        (measure.stats.disturbed: under half the median of the same config's other runs)."""
-        from ..measure.stats import disturbed
-
-        return disturbed({n: {r: job.estimate.mean for r, job in rs if job.estimate and job.estimate.mean}
-                          for n, rs in jobs.items()})
 
     def _confirmation_due(self, study: Any) -> bool:
         """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
@@ -893,19 +841,6 @@ def _Grid(search_space: Dict[str, List[Any]], seed: int) -> Any:
             self.covered = self.is_exhausted(study)
 
     return Grid(search_space, seed=seed)
-
-
-def _round_jobs(runs: Dict[int, List[Dict[str, Any]]]) -> Dict[int, List[Tuple[int, JobResult]]]:
-    """Tuner._confirm's runs (trial number -> its confirmation runs' results) as (round, JobResult)."""
-    return {n: [(res[CONFIRM_ROUND], JobResult.from_dict(res)) for res in results] for n, results in runs.items()}
-
-
-def _scaled(est: Dict[str, Any], factor: float) -> Dict[str, Any]:
-    """An estimate (`Estimate.as_dict`) with its mean and interval times `factor`."""
-    if factor == 1.0 or est.get("mean") is None:
-        return est
-    iv = est.get("interval")
-    return {**est, "mean": est["mean"] * factor, "interval": [iv[0] * factor, iv[1] * factor] if iv else None}
 
 
 def _first_line(exc: BaseException) -> str:
