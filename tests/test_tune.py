@@ -992,6 +992,18 @@ def test_confirmation_runs_are_compared_within_their_rounds():
     assert out["0"]["runs"] == 4 and out["0"]["utilization"] == pytest.approx(0.5)  # a share: not rescaled
 
 
+def batch_study(rows, workers, util_half):
+    """A study of completed trials, one per (batch size, utilization, samples/s) in `rows`, with
+    `workers` loader workers each, throughput within +-10% and utilization within +-`util_half`."""
+    study = optuna.create_study(direction="maximize")
+    for b, util, thr in rows:
+        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
+            "values": {"data.batch_size": b, "data.num_workers": workers}, "utilization": util, "throughput": thr,
+            "throughput_lo": 0.9 * thr, "throughput_hi": 1.1 * thr, "utilization_lo": util - util_half,
+            "utilization_hi": util + util_half}))
+    return study
+
+
 def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monkeypatch):
     """The zoo's storage_5 (2026-12-04): something else took CPU for the first 12 s of the
     confirmation, and the three runs measured then read 283-456/s, busy 0.40-0.45 (the loop thread
@@ -1004,12 +1016,7 @@ def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monk
     from orchestrator.tune.rules import best_trials, confirmed
     from orchestrator.tune.study import Tuner
 
-    study = optuna.create_study(direction="maximize")
-    for b, util, thr in ((64, 0.04, 1430.0), (16, 0.11, 1420.0)):
-        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
-            "values": {"data.batch_size": b, "data.num_workers": 8}, "utilization": util, "throughput": thr,
-            "throughput_lo": 0.9 * thr, "throughput_hi": 1.1 * thr, "utilization_lo": util - 0.01,
-            "utilization_hi": util + 0.01}))
+    study = batch_study(((64, 0.04, 1430.0), (16, 0.11, 1420.0)), workers=8, util_half=0.01)
     tuner = Tuner(make_cfg("mode=tune", "tune.confirm_top=2", f"tune.storage=sqlite:///{tmp_path}/o.db"),
                   tmp_path, echo=False)
     said, launches = [], []
@@ -1047,12 +1054,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
     from orchestrator.tune.rules import best_trials, confirmed, failed_confirmation
     from orchestrator.tune.study import Tuner
 
-    study = optuna.create_study(direction="maximize")
-    for b, util, thr in ((64, 0.90, 1000.0), (256, 0.95, 1040.0), (128, 0.80, 900.0)):
-        study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
-            "values": {"data.batch_size": b, "data.num_workers": 2}, "utilization": util, "throughput": thr,
-            "throughput_lo": 0.9 * thr, "throughput_hi": 1.1 * thr, "utilization_lo": util - 0.05,
-            "utilization_hi": util + 0.05}))
+    study = batch_study(((64, 0.90, 1000.0), (256, 0.95, 1040.0), (128, 0.80, 900.0)), workers=2, util_half=0.05)
     tuner = Tuner(make_cfg("mode=tune", "tune.confirm_top=3", f"tune.storage=sqlite:///{tmp_path}/o.db"),
                   tmp_path, echo=False)
     assert best_trials(study, tuner.t)[0].number == 1  # on its trial's figures, b256 leads
