@@ -292,7 +292,7 @@ class StepMeter:
         self._warm_why = "start"
         self._epochs = 0  # epochs ended since the window began
         self._aligned = False  # the window began with an epoch (windows of whole epochs)
-        self._whole = False  # windows became whole epochs in this measured span: they stay so (whole_epochs)
+        self._whole = False  # windows were whole epochs at a resize in this measured span: they stay so (whole_epochs)
         self._epoch_first = 0  # the step the current epoch began after
         self._measure_first = 0  # the step the last warmup ended at: the measured span begins there
         self._stop_at = 0  # a window ends at this step (the measured span's end: `stop_at`)
@@ -408,7 +408,6 @@ class StepMeter:
             return 0
         if self.epoch_steps >= EPOCH_WINDOWS * self._window_len and not self._whole:
             return 0
-        self._whole = self._whole or not self._warming
         return max(1, round(self._window_len / self.epoch_steps))
 
     def epoch_end(self) -> Optional[Window]:
@@ -470,6 +469,7 @@ class StepMeter:
         this step time; until the first resize, and with window_s=0, windows are window_steps steps (whole
         rounds of the loader's workers in both cases, so `at_most` may be passed by less than a round)."""
         if window_s > 0 and step_time_s > 0:
+            self._whole = self._whole or (not self._warming and self.whole_epochs() > 0)  # they stay so
             steps = max(1, math.ceil(window_s / step_time_s))
             self._window_want = min(steps, at_most) if at_most else steps
             self._window_len = self.whole_rounds(self._window_want)

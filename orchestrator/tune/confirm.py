@@ -70,14 +70,14 @@ def measured_run_noise(rates: Dict[int, Dict[int, float]], drift: Dict[int, floa
     return math.sqrt((prior_dof * prior * prior + ss) / (prior_dof + dof))
 
 
-def left_out(runs: Runs) -> Dict[str, str]:
-    """"<trial>-<round>" -> why that confirmation run is left out of the figures (`combined`)."""
+def left_out(runs: Runs) -> Dict[Tuple[int, int], str]:
+    """(trial number, round) -> why that confirmation run is left out of the figures (`combined`)."""
     jobs = _round_jobs(runs)
     rates = _rates(jobs)
-    said: Dict[str, str] = {}
+    said: Dict[Tuple[int, int], str] = {}
     for n, r in sorted(_disturbed(jobs)):
         others = statistics.median(v for q, v in rates[n].items() if q != r)
-        said[f"{n}-{r}"] = (f"read {rates[n][r]:.1f}/s, under half the median of its other runs ({others:.1f}/s): "
+        said[n, r] = (f"read {rates[n][r]:.1f}/s, under half the median of its other runs ({others:.1f}/s): "
                             "slowed by the host's other load, left out")
     return said
 

@@ -605,11 +605,10 @@ class Tuner:
                 self._confirm_run(study, tr, r, parent, done, total, runs, failed)
         out = combined(runs, self.t.run_noise)  # a failed candidate's runs were dropped with it
         said = left_out(runs)
-        for run, why in said.items():
-            n, r = run.split("-")
-            self._say(f"[tune] confirmation run of trial {n} in round {int(r) + 1} {why}")
+        for (n, r), why in said.items():
+            self._say(f"[tune] confirmation run of trial {n} in round {r + 1} {why}")
         if said:
-            study.set_user_attr("confirm_left_out", said)
+            study.set_user_attr("confirm_left_out", {f"{n}-{r}": why for (n, r), why in said.items()})
         for number, m in out.items():
             tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
             self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
