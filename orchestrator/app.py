@@ -27,7 +27,7 @@ from .runtime.loop import check_model
 from .schema import Config, ConfigError, Launcher, flatten, load_config, to_yaml
 from .stores import store_error
 from .supervise import FreshRanks, Outcome, Ranks
-from .tracking import Tracker
+from .tracking import Tracker, eval_points
 
 
 class JobFailed(RuntimeError):
@@ -101,6 +101,10 @@ class LiveLog:
                 points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
                 if rank == 0 and self.progress is not None:
                     self.progress.update(step, loss=float(ev["loss"]))  # type: ignore[typeddict-item]
+            elif kind == "eval":  # rank 0's evaluation over the validation set: val/loss, val/<metric>
+                points += eval_points(ev, step)  # type: ignore[arg-type]
+                if self.progress is not None:
+                    self.progress.update(val_loss=float(ev["val_loss"]))  # type: ignore[typeddict-item]
             elif kind == "balance":
                 points += [(f"rank{r}/share", share, step) for r, share in enumerate(ev["shares"])]  # type: ignore[typeddict-item]
             elif kind == "window":

@@ -61,8 +61,25 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
                         "phase_sum_over_step_time": {r["rank"]: phase_sum[r["rank"]] / r["step_time_s"] for r in per_rank}},
         "profile": next((r["profile"] for r in rank_results if r.get("profile") and r["rank"] == 0), None),
         "loader_autotune": tuned,
+        "validation": validation(result),
     }
     return report
+
+
+def validation(result: Dict[str, Any]) -> Any:
+    """The evaluations' part of the run (runtime/evaluate.py): their time, its share of the loop's
+    wall time (kept out of the measured windows), the last validation loss; None without them."""
+    if not result.get("evals"):
+        return None
+    return {"evals": len(result["evals"]), "eval_s": result.get("eval_s"), "eval_frac": result.get("eval_frac"),
+            "val_loss": result.get("val_loss"), "val_metrics": result.get("val_metrics")}
+
+
+def validation_line(v: Dict[str, Any]) -> str:
+    metrics = "".join(f", {k} {x:.4g}" for k, x in (v.get("val_metrics") or {}).items())
+    share = f" ({100 * v['eval_frac']:.1f}% of the loop's wall time)" if v.get("eval_frac") is not None else ""
+    return (f"{v['evals']} evaluation{'s' if v['evals'] != 1 else ''} took {v['eval_s']:.2f} s{share}, kept out of "
+            f"the measured windows and the figures below; last validation loss {v['val_loss']:.4g}{metrics}")
 
 
 def to_markdown(report: Dict[str, Any]) -> str:
@@ -75,6 +92,8 @@ def to_markdown(report: Dict[str, Any]) -> str:
         lines += [f"**Imbalance**: {report['straggler']}.", ""]
     if report.get("balance"):
         lines += [f"**Balance** (parallelism.balance=speed): {balance_line(report['balance'])}.", ""]
+    if report.get("validation"):
+        lines += [f"**Validation**: {validation_line(report['validation'])}.", ""]
     job = report["job"]
     if job.get("tokens_per_s") is not None:
         lines += [f"**Padding**: {100 * job['padding_frac']:.1f}% of the token positions computed were padding "

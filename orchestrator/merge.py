@@ -33,8 +33,10 @@ def merge(ranks: List[RankResult]) -> JobResult:
                     per_rank=[{k: r.get(k) for k in PER_RANK_FIELDS} for r in ranks],
                     extra={k: first.get(k) for k in ("item_bytes", "final_loss", "first_loss")})
     # the same on every rank (same steps, same loader); loader_autotune: rank 0's
-    job.extra.update({k: first.get(k) for k in ("warmup", "stopped_by", "epochs", "balance", "loader_autotune")
-                      if first.get(k) is not None})
+    job.extra.update({k: first.get(k) for k in ("warmup", "stopped_by", "epochs", "balance", "loader_autotune",
+                                                 "target_on", "target_step") if first.get(k) is not None})
+    for key in JobResult.VALIDATION:  # the same on every rank (runtime/evaluate.py all-reduces them)
+        setattr(job, key, first.get(key))
     # where a rank's training time went: its loop's wall time and the warmup windows in it (the
     # slowest rank's; the ranks synchronise); the study's time breakdown reads them
     job.extra["time_s"] = {"train": max(float(r.get("wall_s") or 0.0) for r in ranks),
@@ -169,6 +171,7 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
                                         f"{pct(result.get('optimizer_frac'))}"),
         ("peak memory", f"{result['peak_mem_mb']:.0f} MB" if result.get("peak_mem_mb") else "-"),
         ("bottleneck", str(result.get("bottleneck", "-"))),
+        *validation_rows(result),
     ]
     bal = result.get("balance")
     imb = result.get("imbalance") or {}
@@ -185,6 +188,27 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
     return rows
 
 
+def validation_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
+    """The console's lines on validation (runtime/evaluate.py) and trainer.target_loss."""
+    rows = []
+    if result.get("val_loss") is not None:
+        evals = result.get("evals") or [{}]
+        metrics = "".join(f", {k} {v:.4g}" for k, v in (result.get("val_metrics") or {}).items())
+        share = result.get("eval_frac")
+        rows.append(("val loss", f"{result['val_loss']:.4g}{metrics} at step {evals[-1].get('step', '-')} "
+                                 f"({len(evals)} evaluation{'s' if len(evals) != 1 else ''}"
+                                 + (f", {100 * share:.1f}% of the loop's wall time)" if share is not None else ")")))
+    if result.get("target_loss") is not None:
+        on = "val loss" if result.get("target_on") == "val_loss" else "training loss"
+        if result.get("target_reached"):
+            rows.append(("target loss", f"{result['target_loss']:g} ({on}) reached at step {result.get('target_step')}"
+                                        f" after {result['time_to_target_s']:.2f} s, "
+                                        f"{result['samples_to_target']:.0f} samples"))
+        else:
+            rows.append(("target loss", f"{result['target_loss']:g} ({on}) not reached"))
+    return rows
+
+
 def measurement_warning(result: Dict[str, Any]) -> str:
     """One line when a finished run measured nothing or too little to go by, else ''."""
     steps, measured = result.get("steps"), result.get("measured_steps") or 0
@@ -198,8 +222,11 @@ def measurement_warning(result: Dict[str, Any]) -> str:
         ran += f" ({n} epoch{'s' if n != 1 else ''} of {per_epoch} steps)"
         if steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
             raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
+    act = f"raise {raise_}"
+    if result.get("stopped_by") == "target_loss":  # neither limit ended it
+        ran, act = f"the run reached trainer.target_loss after {steps} steps", "a lower trainer.target_loss trains longer"
     if not measured:
         return (f"nothing was measured: {ran}, inside its warmup ({warm.get('min_steps', '?')} steps and the "
-                f"loader's queue); raise {raise_} or lower trainer.warmup_steps")
+                f"loader's queue); {act} or lower trainer.warmup_steps")
     return (f"only {windows} measured window{'s' if windows != 1 else ''} ({measured} step{'s' if measured != 1 else ''} after a "
-            f"{warm.get('steps', '?')}-step warmup), the figures are rough: {ran}; raise {raise_}")
+            f"{warm.get('steps', '?')}-step warmup), the figures are rough: {ran}; {act}")

@@ -64,6 +64,7 @@ class JobProgress:
         self.total: Optional[int] = None
         self.step = self.first = 0
         self.loss: Optional[float] = None
+        self.val_loss: Optional[float] = None  # the last evaluation's (runtime/evaluate.py)
         self.throughput: Optional[float] = None
         self.t0 = time.monotonic()
         self.bar: Any = None
@@ -95,8 +96,9 @@ class JobProgress:
             self.bar.update(self.task, completed=self.step)
 
     def update(self, step: Optional[int] = None, loss: Optional[float] = None,
-               throughput: Optional[float] = None) -> None:
+               throughput: Optional[float] = None, val_loss: Optional[float] = None) -> None:
         with self.lock:
+            self.val_loss = self.val_loss if val_loss is None else float(val_loss)
             first = self.step == self.first and step is not None and step > self.first
             self.step = self.step if step is None else max(self.step, int(step))
             self.loss = self.loss if loss is None else float(loss)
@@ -114,6 +116,7 @@ class JobProgress:
 
     def _figures(self) -> str:
         parts = [f"loss {self.loss:.4g}" if self.loss is not None else "",
+                 f"val loss {self.val_loss:.4g}" if self.val_loss is not None else "",
                  f"{self.throughput:.1f} samples/s" if self.throughput is not None else ""]
         return "  ".join(p for p in parts if p)
 

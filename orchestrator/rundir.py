@@ -115,7 +115,16 @@ class BalanceEvent(TypedDict):
     shares: List[float]
 
 
-Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, LoaderEvent, BalanceEvent]
+class EvalEvent(TypedDict):
+    type: str  # "eval": an evaluation over the validation set (runtime/evaluate.py); rank 0 only
+    step: int
+    samples: float  # global samples trained on before it
+    wall_s: float  # seconds since the loop began, evaluations included
+    val_loss: float
+    metrics: Dict[str, float]  # trainer.val_metric's mean, by its name
+
+
+Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, LoaderEvent, BalanceEvent, EvalEvent]
 # the per-window figures the parent turns into MLflow metrics
 WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
 

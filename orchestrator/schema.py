@@ -215,6 +215,15 @@ class DataConfig:
     # {_target_, args}: the loaders' collate_fn, called as fn(items, **args); null: torch's default
     collate_fn: Optional[Dict[str, Any]] = None
     batch_key: Optional[str] = None  # a dict batch's key whose leading dimension is the batch size; null: the first tensor's
+    # validation (runtime/evaluate.py): a dataset {_target_, args} built like _target_, or a held-out
+    # fraction of the training set (the same items whatever trainer.seed); null and 0: none
+    val: Any = None  # Any: a mapping given on the command line replaces null (a typed one would merge into it)
+    val_fraction: float = 0.0
+
+    @property
+    def validates(self) -> bool:
+        """A validation set is configured (data.val or data.val_fraction)."""
+        return self.val is not None or self.val_fraction > 0
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, f"data.batch_size: must be an integer >= 1, got {self.batch_size}")
@@ -242,6 +251,13 @@ class DataConfig:
             check_target("data.collate_fn", target, args, positional=("items",))
         _require(self.batch_key is None or self.batch_key != "",
                  "data.batch_key: must be a key of the batch (e.g. input_ids) or null (the first tensor's leading dimension)")
+        _require(0 <= self.val_fraction < 1,
+                 f"data.val_fraction: must be in [0, 1) (a share of the training set held out; 0 = none), got {self.val_fraction}")
+        if self.val is not None:
+            _require(self.val_fraction == 0, "data.val / data.val_fraction: give one or the other (a validation dataset, "
+                                             "or a share of the training set held out)")
+            target, args = target_spec("data.val", self.val)
+            check_target("data.val", target, args)
 
 
 @dataclass
@@ -356,6 +372,11 @@ class TrainerConfig:
     resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
     loader_autotune: bool = False  # tune data.num_workers / prefetch_factor online (runtime/autotune.py)
     loader_autotune_every: int = 100  # steps between the autotuner's looks at the last windows
+    eval_every: int = 0  # with data.val or data.val_fraction: evaluate every this many steps; 0: at the end only
+    # {_target_, args}: a metric fn(output, batch, **args) -> a tensor or float averaged over the batch's items
+    val_metric: Any = None
+    # stop once reached: the validation loss when there is validation, else the training loss over a log interval
+    target_loss: Optional[float] = None
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -380,6 +401,19 @@ class TrainerConfig:
         _measure_rule("trainer", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
         _require(self.loader_autotune_every >= 1,
                  f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
+        _require(self.eval_every >= 0, f"trainer.eval_every: must be an integer >= 0 (steps; 0 = at the end only), "
+                                       f"got {self.eval_every}")
+        if self.val_metric is not None:
+            target, args = target_spec("trainer.val_metric", self.val_metric)
+            check_target("trainer.val_metric", target, args, positional=("output", "batch"))
+
+
+def _check_validation(data: DataConfig, trainer: TrainerConfig) -> None:
+    """trainer.eval_every and trainer.val_metric need a validation set (trainer.target_loss does
+    not: without one it is on the training loss)."""
+    need = "needs a validation set: set data.val={_target_: ..., args: {...}} or data.val_fraction (e.g. 0.1)"
+    _require(trainer.eval_every == 0 or data.validates, f"trainer.eval_every: {need}")
+    _require(trainer.val_metric is None or data.validates, f"trainer.val_metric: {need}")
 
 
 def _refuse_non_finite(node: Any, where: str) -> None:
@@ -595,6 +629,7 @@ class Config:
             "micro-batch by shares; the autotune rebuilds an index-sampled loader); allowed: "
             "trainer.loader_autotune=false, or parallelism.balance=even",
         )
+        _check_validation(self.data, self.trainer)
         world, shard = self.world_size, self.parallelism.shard_size
         if self.backend.name is BackendName.fsdp and shard:
             divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)

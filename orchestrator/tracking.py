@@ -25,7 +25,8 @@ UI_URL = "http://127.0.0.1:5000"  # `make ui`
 # A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
                    "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
-                   "nvml_util", "sm_active", "flops_per_sample", "tokens_per_s", "padding_frac")
+                   "nvml_util", "sm_active", "flops_per_sample", "tokens_per_s", "padding_frac", "eval_s", "eval_frac",
+                   "time_to_target_s", "samples_to_target")
 
 # The runs table of MLflow 3.17's UI shows only Source, Models and Dataset by default, and opens
 # in its GenAI mode unless the URL says `workflowType=machine_learning` (the UI's default workflow
@@ -46,6 +47,11 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 # MLflow prints "View run ... / View experiment at: <server>/#/experiments/<id>" for each run ended
 # through a server: that page opens in the UI's GenAI mode. Tracker.where() says the training view.
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+def eval_points(event: Dict[str, Any], step: int) -> List[tuple[str, float, int]]:
+    """An evaluation's MLflow metrics at its step: `val/loss` and `val/<metric>` (trainer.val_metric)."""
+    return [("val/loss", event["val_loss"], step), *((f"val/{k}", v, step) for k, v in event["metrics"].items())]
 
 
 def runs_url(base: str, experiment_id: str) -> str:

@@ -65,3 +65,11 @@ def cut_collate(items: list, pad_id: int = 0, keep: int = 64) -> dict:
     from tasks.sequences import pad_collate
 
     return pad_collate([{"input_ids": it["input_ids"][:keep]} for it in items], pad_id)
+
+
+def slow_accuracy(output: torch.Tensor, batch: tuple, sleep_s: float = 0.02) -> torch.Tensor:
+    """A validation metric that takes `sleep_s` a batch: an evaluation long enough to see where its time goes."""
+    import time
+
+    time.sleep(sleep_s)
+    return (output.argmax(dim=-1) == batch[1]).float().mean()

@@ -294,7 +294,24 @@ class JobResult(_Record):
     tokens_estimate: Optional[Estimate] = None  # batches with an attention_mask only
     imbalance: Optional[Dict[str, Any]] = _measured()
     per_rank: Optional[List[Dict[str, Any]]] = None  # PER_RANK_FIELDS of each rank
+    # validation (runtime/evaluate.py): the last evaluation's loss and metrics, every evaluation
+    # ({step, epoch, samples, wall_s, eval_s, val_loss, val/<metric>}), their time and share of the loop's
+    val_loss: Optional[float] = None
+    val_metrics: Optional[Dict[str, float]] = None
+    evals: Optional[List[Dict[str, Any]]] = None
+    eval_s: Optional[float] = None
+    eval_frac: Optional[float] = None
+    # trainer.target_loss: reached or not; when reached, the loop's wall time (evaluations included)
+    # and the global samples to the evaluation (or log interval) that reached it
+    target_loss: Optional[float] = None
+    target_reached: Optional[bool] = None
+    time_to_target_s: Optional[float] = None
+    samples_to_target: Optional[float] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+
+    # the keys every rank reports alike (all-reduced figures; rank 0's timing) that merge copies
+    VALIDATION: ClassVar[Tuple[str, ...]] = ("val_loss", "val_metrics", "evals", "eval_s", "eval_frac", "target_loss",
+                                             "target_reached", "time_to_target_s", "samples_to_target")
 
     _nested: ClassVar[Dict[str, Any]] = {"estimate": _ESTIMATE, "utilization_estimate": _ESTIMATE,
                                          "tokens_estimate": _ESTIMATE}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -183,24 +183,30 @@ class Feed:
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The micro-batch's loss (any batch but the fast path's (input, target))."""
+        return self.forward(model, batch)[0]
+
+    def forward(self, model: nn.Module, batch: Any) -> Tuple[torch.Tensor, Any]:
+        """(the loss, the model's output) of one forward: evaluation reads a metric off the output."""
         if isinstance(batch, Mapping):
             if self.criterion is not None:
                 inputs: Dict[str, Any] = {k: v for k, v in batch.items() if k != TARGET_KEY}
-                return self.criterion(self._logits(model(**inputs)), batch[TARGET_KEY])
+                output = model(**inputs)
+                return self.criterion(self._logits(output), batch[TARGET_KEY]), output
             output = model(**batch)
         elif self.criterion is not None:
             x, y = batch
-            return self.criterion(self._logits(model(x)), y)
+            output = model(x)
+            return self.criterion(self._logits(output), y), output
         elif isinstance(batch, (tuple, list)):
             output = model(*batch) if self.custom is None else model(batch[0])
         else:
             output = model(batch)
         if self.custom is None:
-            return loss_of(output)
+            return loss_of(output), output
         loss = self.custom(output, batch)
         if not isinstance(loss, torch.Tensor):
             raise ConfigError(f"model.loss._target_: returned a {type(loss).__name__}, not a loss tensor")
-        return loss
+        return loss, output
 
     def _logits(self, output: Any) -> torch.Tensor:
         if not isinstance(output, torch.Tensor):

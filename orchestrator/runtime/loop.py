@@ -34,6 +34,7 @@ from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, en
                    loader_config, reset_latency, steps_per_epoch, switch_loader)
 from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
+from .evaluate import eval_hook, validation_sets
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
                     SignalCheckpointHook, loader_tuner, overriding)
 from .meter import StepMeter, model_state_mb
@@ -194,6 +195,12 @@ class Run:
     checkpointed: int = -1  # the step of the last checkpoint this rank wrote (none: -1)
     first_loss: float = math.nan
     last_loss: float = math.nan
+    samples: int = 0  # this rank's samples trained by this process
+    t_start: float = 0.0  # perf_counter when the loop began (its wall time, result's wall_s, counts from here)
+    val_set: Optional[Dataset] = None  # data.val or data.val_fraction's items (runtime/evaluate.py)
+    sum_train_loss: bool = False  # trainer.target_loss on the training loss: the Stepper sums every step's loss
+    loss_sum: Any = 0.0  # ... into this (a tensor once summed), over loss_steps steps
+    loss_steps: int = 0
     hooks: List[Hook] = field(default_factory=list)
 
     @property
@@ -307,7 +314,7 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     seed_everything(t.seed, t.deterministic)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not t.deterministic
-    dataset = dataset if dataset is not None else build_dataset(cfg)
+    dataset, val_set = validation_sets(cfg, dataset if dataset is not None else build_dataset(cfg))
     ck = checkpoint.load(resume) if resume is not None else None
     cfg = loader_config(cfg, ck)  # a resumed autotuned run continues with its checkpoint's loader settings
     loader = build_loader(cfg, dataset, adapter)
@@ -336,7 +343,7 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
                       memory_cap_mb=t.memory_cap_mb, warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,
-              generator, step=ck["meta"]["step"] if ck is not None else 0)
+              generator, step=ck["meta"]["step"] if ck is not None else 0, val_set=val_set)
     if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
         saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
         run.balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance, step=run.step,
@@ -359,7 +366,7 @@ SPAN_EPOCHS_OF_CAP = 2.0  # a measurement goes on to whole epochs when that take
 def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
                 mlflow_run_id: Optional[str]) -> List[Hook]:
     """The features this run has, in the order the loop calls them at a step's end: checkpoint,
-    latency jump, loader autotune (a checkpoint records the loader the step ran with)."""
+    latency jump, loader autotune (a checkpoint records the loader the step ran with), evaluation."""
     cfg, t, adapter = run.cfg, run.cfg.trainer, run.adapter
     hooks: List[Hook] = []
     if t.profile_steps and trace_path is not None:
@@ -378,6 +385,9 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
         hooks.append(LatencyJumpHook(cfg.data.latency_jump_at, cfg.data.latency_after_ms))
     if run.loader_tuner is not None:
         hooks.append(LoaderAutotuneHook(run.loader_tuner, t.loader_autotune_every))
+    evaluating = eval_hook(run)  # last: a step another hook stopped the run at is evaluated by its finish
+    if evaluating is not None:
+        hooks.append(evaluating)
     return hooks
 
 
@@ -407,7 +417,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     before, after = overriding(run.hooks, "before_step"), overriding(run.hooks, "after_step")
     start(run)
     train_step, meter = Stepper(run), run.meter
-    t_start = time.perf_counter()
+    t_start = run.t_start = time.perf_counter()
     run.model.train()
     meter.start()
     try:
@@ -418,6 +428,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                     hook.before_step(run)
                 samples, micro, loss = train_step(run)
                 window = meter.end_step(samples, micro)
+                run.samples += samples
                 if loss is not None:
                     run.log(loss)
                 if window is not None:

@@ -63,11 +63,12 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..measure.phases import BUSY, COMM, COMPUTE, PHASES
+from ..measure.phases import BUSY, COMM, COMPUTE, OTHER, PHASES
 from ..measure.results import Window
 from ..measure.stats import estimate, estimate_of
 
 EPOCH_WINDOWS = 4  # an epoch shorter than this many windows is measured in windows of whole epochs
+PAUSED = -1  # a mark's phase: the time before it is no phase's (a window's first mark; the end of a pause)
 
 
 class NvmlSampler:
@@ -134,15 +135,17 @@ class NvmlSampler:
             except Exception:
                 pass
 
-    def mean(self, t0: float, t1: float, samples: Optional[List[tuple[float, float]]] = None) -> Optional[float]:
-        """Mean over [t0, t1] as a fraction, of utilization.gpu (or `samples`, the SM activity);
+    def mean(self, t0: float, t1: float, samples: Optional[List[tuple[float, float]]] = None,
+             skip: List[tuple] = ()) -> Optional[float]:
+        """Mean over [t0, t1] less the intervals `skip` (the meter's pauses) as a fraction, of
+        utilization.gpu (or `samples`, the SM activity);
         windows come in order, so older samples are dropped (the list stays one window long, and a
         kept-alive rank's next job starts with its own sampler)."""
         samples = self.samples if samples is None else samples
         keep = next((i for i, (t, _) in enumerate(samples) if t >= t0), len(samples))
         if keep > 1:
             del samples[:keep - 1]  # one before t0 stays: the nearest sample of a short window
-        vals = [u for t, u in samples if t0 <= t <= t1]
+        vals = [u for t, u in samples if t0 <= t <= t1 and not any(a <= t <= b for a, b in skip)]
         if not vals:  # window shorter than the sampling period: nearest sample
             near = [u for t, u in samples if t <= t1]
             return near[-1] / 100.0 if near else None
@@ -266,7 +269,7 @@ class StepMeter:
             except Exception as exc:  # no NVML (e.g. no driver library): say so, fall back
                 print(f"[meter] NVML unavailable ({exc}); utilization falls back to the busy fraction")
                 self.source = "cuda-busy"
-        self._marks: List[tuple[int, Any]] = []  # (phase index, token)
+        self._marks: List[tuple[int, Any]] = []  # (phase index or PAUSED, token)
         self._cpu: List[float] = []  # CPU only: the process's CPU time at each mark (phases' CPU time)
         # the loop's own thread's CPU time at each mark: on CPU its busy phases' share is the
         # utilization, and with no loader workers its data phase is the loader's own CPU (the
@@ -297,6 +300,9 @@ class StepMeter:
         self._measure_first = 0  # the step the last warmup ended at: the measured span begins there
         self._stop_at = 0  # a window ends at this step (the measured span's end: `stop_at`)
         self.warmups: List[Dict[str, Any]] = []  # one per warmup: where it ended and why
+        self._paused: Optional[tuple] = None  # (marks, perf_counter, CPU snapshot) at pause()
+        self._pauses: List[tuple] = []  # the window's paused intervals (perf_counter): no phase holds them
+        self._paused_cpu = {"process": 0.0, "workers": 0.0}  # CPU spent paused since the span began
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # this job's peak, not the process's
             self.memory: Optional[MemorySampler] = None
@@ -316,7 +322,7 @@ class StepMeter:
     def start(self) -> None:
         """Call once before the first step."""
         self._wall0 = time.perf_counter()
-        self._marks.append((-1, self._token()))
+        self._marks.append((PAUSED, self._token()))
         if not self.cuda:
             self._cpu.append(time.process_time())
         if self._thread_on:
@@ -340,6 +346,34 @@ class StepMeter:
             self._cpu.append(time.process_time())
         if self._thread_on:
             self._thread_cpu.append(time.thread_time())
+
+    def pause(self) -> None:
+        """From here to `resume()` (an evaluation at a step's end) the time is nobody's: no phase
+        or window holds it, nor the CPU time the input cost reads; marks made meanwhile (FSDP's
+        collectives in the evaluation's forward) are dropped. Only between steps."""
+        cpu0 = cpu_snapshot()
+        self.mark(OTHER)
+        self._paused = (len(self._marks), time.perf_counter(), cpu0)
+
+    def resume(self) -> float:
+        """The step after the pause begins now; returns the seconds paused."""
+        assert self._paused is not None, "resume() without pause()"
+        n, t0, cpu0 = self._paused
+        self._paused = None
+        cpu1 = cpu_snapshot()
+        for k in self._paused_cpu:
+            self._paused_cpu[k] += cpu1[k] - cpu0[k]
+        if self.cuda:
+            self._events.extend(tok for _, tok in self._marks[n:])
+        del self._marks[n:], self._cpu[n:], self._thread_cpu[n:]
+        self._marks.append((PAUSED, self._token()))  # the time before this mark is no phase's
+        if not self.cuda:
+            self._cpu.append(time.process_time())
+        if self._thread_on:
+            self._thread_cpu.append(time.thread_time())
+        t1 = time.perf_counter()
+        self._pauses.append((t0, t1))
+        return t1 - t0
 
     def comm_hook_fired(self) -> None:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
@@ -445,6 +479,7 @@ class StepMeter:
         if self._span0 is None:  # the loader's cost is read over the steady span from here
             self._span0 = cpu_snapshot()
             self._span_samples = 0
+            self._paused_cpu = dict.fromkeys(self._paused_cpu, 0.0)
         start = win.first_step if self.warmups else 0
         # what held the warmup this long: the loader's queue when it outlasted warmup_steps
         binding = "queue" if self.warmups or self._step > max(self.warmup_steps, 1) else "warmup_steps"
@@ -503,30 +538,35 @@ class StepMeter:
         if self.cuda:
             marks[-1][1].synchronize()
             for (_, a), (p, b) in zip(marks[:-1], marks[1:]):
-                phases[PHASES[p]] += a.elapsed_time(b) / 1000.0
+                if p != PAUSED:
+                    phases[PHASES[p]] += a.elapsed_time(b) / 1000.0
             self._events.extend(tok for _, tok in marks[:-1] if tok is not marks[-1][1])
         else:
             for (_, a), (p, b) in zip(marks[:-1], marks[1:]):
-                phases[PHASES[p]] += b - a
+                if p != PAUSED:
+                    phases[PHASES[p]] += b - a
             for (p, _), a, b in zip(marks[1:], self._cpu[:-1], self._cpu[1:]):
-                cpu[PHASES[p]] += b - a
+                if p != PAUSED:
+                    cpu[PHASES[p]] += b - a
             self._cpu = self._cpu[-1:]
         loop = dict.fromkeys(PHASES, 0.0)  # the loop thread's CPU time per phase
         if self._thread_on:
             for (p, _), a, b in zip(marks[1:], self._thread_cpu[:-1], self._thread_cpu[1:]):
-                loop[PHASES[p]] += b - a
+                if p != PAUSED:
+                    loop[PHASES[p]] += b - a
             self._thread_cpu = self._thread_cpu[-1:]
             if self._inproc:
                 cpu["data"] = loop["data"]
-        wall = wall1 - self._wall0
+        pauses, self._pauses = self._pauses, []
+        wall = wall1 - self._wall0 - sum(b - a for a, b in pauses)
         busy = sum(phases[p] for p in BUSY)
         total = sum(phases.values())
         util: Optional[float] = None
         sm: Optional[float] = None
         if self.sampler is not None:
-            util = self.sampler.mean(self._wall0, wall1)
+            util = self.sampler.mean(self._wall0, wall1, skip=pauses)
             if self.sampler.gpm:
-                sm = self.sampler.mean(self._wall0, wall1, self.sampler.sm_samples)
+                sm = self.sampler.mean(self._wall0, wall1, self.sampler.sm_samples, skip=pauses)
         if util is None and not self.cuda:  # the cores' share the training work got
             util = min(1.0, sum(loop[p] for p in BUSY) / wall) if wall > 0 else 0.0
         if util is None:
@@ -542,7 +582,7 @@ class StepMeter:
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
         last = marks[-1]
-        self._marks = [(-1, last[1])]
+        self._marks = [(PAUSED, last[1])]
         self._window_first = self._step
         self._epochs, self._aligned = 0, False
         self._samples = 0
@@ -596,9 +636,9 @@ class StepMeter:
         out: Dict[str, Any] = {"cores": cores_per_rank(), "threads": self.threads, "workers_cpu_s": None,
                                "data_wall_s": sum(w.phases_s["data"] for w in used) / samples if samples else None}
         if self._span0 is not None and self._span_samples:
-            now = cpu_snapshot()
-            out["workers_cpu_s"] = max(0.0, now["workers"] - self._span0["workers"]) / self._span_samples
-            out["process_cpu_s"] = max(0.0, now["process"] - self._span0["process"]) / self._span_samples
+            now, paused = cpu_snapshot(), self._paused_cpu
+            out["workers_cpu_s"] = max(0.0, now["workers"] - self._span0["workers"] - paused["workers"]) / self._span_samples
+            out["process_cpu_s"] = max(0.0, now["process"] - self._span0["process"] - paused["process"]) / self._span_samples
         cpu_wins = [w for w in used if w.phases_cpu_s is not None]
         n = sum(w.samples for w in cpu_wins)
         if n:

@@ -31,6 +31,7 @@ class Stepper:
         self.move = run.device.type != "cpu"
         self.autocast = ((lambda: torch.autocast(run.device.type, dtype=run.amp_dtype)) if run.amp
                          else contextlib.nullcontext)
+        self.sum_losses = run.sum_train_loss  # trainer.target_loss on the training loss (runtime/evaluate.py)
         self.plain = not run.amp and self.accum == 1  # no context to enter: the micro-step is the seed's own code
         # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
         self.counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
@@ -48,6 +49,7 @@ class Stepper:
             self.counter.__enter__()  # type: ignore[union-attr]
         micro = min(self.accum, run.n_batches - b)  # the epoch's last step takes the remainder
         logged = (step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
+        summed = logged or self.sum_losses
         samples = 0
         step_loss = 0.0
         feed = self.feed
@@ -80,7 +82,7 @@ class Stepper:
                         loss = loss / micro
                     weighted = loss if balancer is None else weigh(balancer, loss, n, b + m)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
-            if logged:
+            if summed:
                 step_loss += loss.detach()
             samples += n
             mark(COMPUTE)
@@ -88,6 +90,8 @@ class Stepper:
         if counting:
             self.counter.__exit__(None, None, None)  # type: ignore[union-attr]
             self.flops, self.counter = self.counter.per_sample(samples), None  # type: ignore[union-attr]
+        if self.sum_losses:
+            run.loss_sum, run.loss_steps = run.loss_sum + step_loss, run.loss_steps + 1
         self.update(run)
         run.step = step + 1
         return samples, micro, (step_loss if logged else None)
