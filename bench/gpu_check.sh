@@ -6,7 +6,7 @@
 #
 # It runs single, dp, ddp and fsdp (1 rank, NCCL; fsdp with AMP's mixed-precision policy and a
 # sharded checkpoint) jobs of a transformer LM, AMP bf16 and fp16, the
-# profiler with the CUDA memory summary, and a 4-trial study, then prints one table: what ran,
+# profiler with the CUDA memory summary, validation (fsdp, AMP), and a 4-trial study, then prints one table: what ran,
 # its status, mfu, nvml_util, sm_active, peak memory and throughput. Outputs go to OUT.
 #   bash bench/gpu_check.sh [WHEELS=.whl] [OUT=/tmp/gpu_check]
 set -uo pipefail
@@ -46,6 +46,9 @@ run fsdp_amp backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl
 run amp_bf16 trainer.amp=true trainer.amp_dtype=bf16
 run amp_fp16 trainer.amp=true trainer.amp_dtype=fp16
 run profiler trainer.amp=true trainer.profile_steps=5
+# validation under fsdp with AMP: 5% held out, an evaluation every 40 steps and at the end, kept out of the windows
+run validation backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl trainer.amp=true \
+  data.val_fraction=0.05 trainer.eval_every=40
 run study mode=tune tune.n_trials=4 tune.warmup_steps=5 tune.measure_steps=20 tune.window_steps=5 \
   "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 tune.space.batch_size.high=64 \
   tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
@@ -57,7 +60,7 @@ from pathlib import Path
 out = Path(sys.argv[1])
 rows = [("run", "status", "mfu", "nvml_util", "sm_active", "peak MB", "samples/s", "verdict")]
 pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
-for name in ("single", "dp", "ddp_nccl", "fsdp_amp", "amp_bf16", "amp_fp16", "profiler"):
+for name in ("single", "dp", "ddp_nccl", "fsdp_amp", "amp_bf16", "amp_fp16", "profiler", "validation"):
     path = out / name / "result.json"
     r = json.loads(path.read_text()) if path.exists() else {"status": "NO RESULT"}
     rows.append((name, r.get("status"), pct(r.get("mfu")), pct(r.get("nvml_util")), pct(r.get("sm_active")),
@@ -79,6 +82,11 @@ if prof.exists():
     ops = (rep.get("profile") or {}).get("top_ops") or []
     has_mem = any(r.get("memory_summary") for r in rep.get("per_rank", []))
     print(f"profiler: {len(ops)} top ops, first {ops[0]['name'] if ops else '-'}; memory summary: {has_mem}")
+val = out / "validation" / "result.json"
+if val.exists():
+    v = json.loads(val.read_text())
+    print(f"validation: {len(v.get('evals') or [])} evaluations at steps {[e['step'] for e in v.get('evals') or []]}, "
+          f"val_loss {v.get('val_loss')}, eval_frac {pct(v.get('eval_frac'))} of the loop (kept out of the windows)")
 widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
 for i, r in enumerate(rows):
     print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))

@@ -219,3 +219,12 @@ def test_a_run_stopped_at_its_target_is_not_told_to_raise_its_steps():
     assert "raise trainer.max_steps" in measurement_warning(result)
     said = measurement_warning({**result, "stopped_by": "target_loss"})
     assert "reached trainer.target_loss after 50 steps" in said and "raise" not in said
+
+
+def test_with_loader_workers_the_meter_warms_up_again_after_an_evaluation(make_cfg, tmp_path):
+    """The training loader's workers refill their queue during an evaluation: the steps after it
+    read batches made ahead, so the meter warms up again (as after the profiler)."""
+    result = run_job(make_cfg("data.args.size=1200", "data.val_fraction=0.1", "trainer.eval_every=8",
+                              "trainer.max_steps=16", "data.num_workers=1"), tmp_path, echo=False)
+    assert [e["step"] for e in result["evals"]] == [8, 16] and math.isfinite(result["val_loss"])
+    assert [w["why"] for w in result["warmup"]["rewarmed"]] == ["eval"]
