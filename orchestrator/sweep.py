@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from .progress import console
 from .rundir import RecordError, Status, read_json, result_path, write_json
 
-COLUMNS = ("world_size", "utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck")
+COLUMNS = ("world_size", "utilization", "throughput", "data_wait_frac", "comm_frac", "bottleneck", "val_loss",
+           "time_to_target_s")
 
 
 def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
@@ -40,14 +41,18 @@ class SweepSummary(Callback):
         except RecordError as exc:  # the table below is still printed
             print(f"error: {exc}", file=sys.stderr)
         table = Table(title=f"sweep {sweep_dir}")
+        # validation's columns where a job evaluated (runtime/evaluate.py) or trained to a target loss
+        extra = [(k, label) for k, label in (("val_loss", "val loss"), ("time_to_target_s", "to target s"))
+                 if any(r.get(k) is not None for r in rows)]
         for col in ("job", "overrides", "status", "world size", "utilization", "throughput", "data wait", "comm",
-                    "bottleneck"):
+                    "bottleneck", *(label for _, label in extra)):
             table.add_column(col)
         fmt = lambda v, pct=False: "-" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:.1f}")  # noqa: E731
         for r in rows:
             table.add_row(r["job"], r["overrides"], str(r["status"]), str(r["world_size"] or "-"),
                           fmt(r["utilization"], True), fmt(r["throughput"]),
-                          fmt(r["data_wait_frac"], True), fmt(r["comm_frac"], True), str(r["bottleneck"] or "-"))
+                          fmt(r["data_wait_frac"], True), fmt(r["comm_frac"], True), str(r["bottleneck"] or "-"),
+                          *("-" if r.get(k) is None else f"{r[k]:.4g}" for k, _ in extra))
         console().print(table)
         failed = [r for r in rows if r["status"] != Status.FINISHED]
         if failed:

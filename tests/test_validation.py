@@ -228,3 +228,21 @@ def test_with_loader_workers_the_meter_warms_up_again_after_an_evaluation(make_c
                               "trainer.max_steps=16", "data.num_workers=1"), tmp_path, echo=False)
     assert [e["step"] for e in result["evals"]] == [8, 16] and math.isfinite(result["val_loss"])
     assert [w["why"] for w in result["warmup"]["rewarmed"]] == ["eval"]
+
+
+def test_a_sweeps_table_shows_validation_where_a_job_evaluated(tmp_path, capsys):
+    import json
+
+    from omegaconf import OmegaConf
+
+    from orchestrator.sweep import SweepSummary
+
+    for job, extra in (("0", {"val_loss": 0.25, "time_to_target_s": 3.5}), ("1", {})):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- trainer.lr=0.{job}1\n")
+        (tmp_path / job / "result.json").write_text(json.dumps({"status": "FINISHED", "world_size": 1, **extra}))
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    out = capsys.readouterr().out
+    assert "val loss" in out and "to target s" in out and "0.25" in out and "3.5" in out
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert rows[0]["val_loss"] == 0.25 and rows[1]["val_loss"] is None
