@@ -25,7 +25,6 @@ from orchestrator.schema import ConfigError
 from tasks.metrics import accuracy
 from tasks.sequences import pad_collate
 
-from .conftest import ROOT
 
 try:
     import horovod.torch  # noqa: F401
@@ -52,7 +51,7 @@ def direct_classification(cfg, weights: dict) -> tuple:
     return F.cross_entropy(out, y).item(), accuracy(out, (x, y)).item()
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", pytest.param("horovod", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("backend", ["dp", "ddp", "fsdp", pytest.param("horovod", marks=pytest.mark.skipif(
     not HOROVOD, reason="horovod is not installed"))])
 def test_val_loss_over_ranks_is_one_process_over_the_set(make_cfg, tmp_path, backend):
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", *CLASSIFY)
@@ -62,8 +61,9 @@ def test_val_loss_over_ranks_is_one_process_over_the_set(make_cfg, tmp_path, bac
     loss, acc = direct_classification(cfg, torch.load(tmp_path / "model.pt"))
     assert result["val_loss"] == pytest.approx(loss, rel=1e-5)
     assert result["val_metrics"]["accuracy"] == pytest.approx(acc, abs=1e-6)
-    assert result["evals"][0]["samples"] == 3 * 16 * 2  # global samples before the evaluation
-    assert result["steps_per_epoch"] == (927 // 2) // 16  # the training set is the rest of the items
+    world = result["world_size"]  # dp: one process
+    assert result["evals"][0]["samples"] == 3 * 16 * world  # global samples before the evaluation
+    assert result["steps_per_epoch"] == (927 // world) // 16  # the training set is the rest of the items
 
 
 def test_dict_batches_with_a_collate_and_a_val_dataset(make_cfg, tmp_path):
@@ -246,3 +246,13 @@ def test_a_sweeps_table_shows_validation_where_a_job_evaluated(tmp_path, capsys)
     assert "val loss" in out and "to target s" in out and "0.25" in out and "3.5" in out
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert rows[0]["val_loss"] == 0.25 and rows[1]["val_loss"] is None
+
+
+def test_a_fraction_that_holds_out_nothing_is_one_line(make_cfg, tmp_path):
+    """The dataset's size is known where it is built: the rank names it, in one line."""
+    from orchestrator.app import JobFailed
+
+    with pytest.raises(JobFailed) as err:
+        run_job(make_cfg("data.val_fraction=0.0001", "data.args.size=512"), tmp_path, echo=False)
+    assert str(err.value) == ("rank 0 failed: data.val_fraction: 0.0001 of the dataset's 512 items holds out 0; "
+                              "allowed: a fraction that holds out at least 1 item and keeps at least 1")

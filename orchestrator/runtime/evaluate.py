@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
