@@ -256,3 +256,17 @@ def test_a_fraction_that_holds_out_nothing_is_one_line(make_cfg, tmp_path):
         run_job(make_cfg("data.val_fraction=0.0001", "data.args.size=512"), tmp_path, echo=False)
     assert str(err.value) == ("rank 0 failed: data.val_fraction: 0.0001 of the dataset's 512 items holds out 0; "
                               "allowed: a fraction that holds out at least 1 item and keeps at least 1")
+
+
+@pytest.mark.parametrize("backend", ["single", "fsdp"])
+def test_evaluations_leave_training_as_it_was(make_cfg, tmp_path, backend):
+    """A run trains to the same weights with or without evaluations: they draw nothing from the
+    RNG training reads (dropout here), and under FSDP leave its sharded state as they found it."""
+    common = [f"backend={backend}", "parallelism.nproc_per_node=2", "experiment=transformer_lm", "model.args.d_model=32",
+              "model.args.n_heads=2", "model.args.n_layers=1", "model.args.seq_len=16", "+model.args.dropout=0.2",
+              "data.args.seq_len=16", "data.args.size=256", "trainer.max_steps=6"]
+    plain = run_job(make_cfg(*common), tmp_path / "plain", echo=False)
+    evaluated = run_job(make_cfg(*common, "trainer.eval_every=2", "data.val={_target_:tasks.datasets.SyntheticTokens,"
+                                 "args:{size:40,seq_len:16,seed:3}}"), tmp_path / "evaluated", echo=False)
+    assert [e["step"] for e in evaluated["evals"]] == [2, 4, 6]
+    assert evaluated["per_rank"][0]["param_digest"] == plain["per_rank"][0]["param_digest"]

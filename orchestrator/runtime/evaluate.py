@@ -104,8 +104,10 @@ class Evaluator:
         d = self.cfg.data
         n = d.num_workers if workers else 0
         kwargs: Dict[str, Any] = {"prefetch_factor": d.prefetch_factor} if n and d.prefetch_factor else {}
+        # a generator of its own: the loader's base seed is not drawn from the global RNG, which
+        # training's dropout and the like read (a run trains the same with or without evaluations)
         return DataLoader(self.val_set, batch_size=d.batch_size, sampler=indices, drop_last=False,
-                          num_workers=n, collate_fn=collate_fn(d),
+                          num_workers=n, collate_fn=collate_fn(d), generator=torch.Generator().manual_seed(0),
                           pin_memory=d.pin_memory and self.adapter.device.type == "cuda", **kwargs)
 
     def batches(self) -> Iterator[Tuple[Any, float]]:
