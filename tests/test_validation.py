@@ -51,7 +51,7 @@ def direct_classification(cfg, weights: dict) -> tuple:
     return F.cross_entropy(out, y).item(), accuracy(out, (x, y)).item()
 
 
-@pytest.mark.parametrize("backend", ["dp", "ddp", "fsdp", pytest.param("horovod", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("backend", [pytest.param("dp", marks=pytest.mark.slow), "ddp", "fsdp", pytest.param("horovod", marks=pytest.mark.skipif(
     not HOROVOD, reason="horovod is not installed"))])
 def test_val_loss_over_ranks_is_one_process_over_the_set(make_cfg, tmp_path, backend):
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", *CLASSIFY)
@@ -258,7 +258,7 @@ def test_a_fraction_that_holds_out_nothing_is_one_line(make_cfg, tmp_path):
                               "allowed: a fraction that holds out at least 1 item and keeps at least 1")
 
 
-@pytest.mark.parametrize("backend", ["single", "fsdp"])
+@pytest.mark.parametrize("backend", ["single", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: 29 s
 def test_evaluations_leave_training_as_it_was(make_cfg, tmp_path, backend):
     """A run trains to the same weights with or without evaluations: they draw nothing from the
     RNG training reads (dropout here), and under FSDP leave its sharded state as they found it."""
