@@ -16,6 +16,7 @@ from ..progress import console
 from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
+from .answer import record_pick
 from .edges import advice
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
@@ -120,6 +121,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         overrides = " ".join(shlex.quote(f"{k}={'null' if v is None else v}") for k, v in values.items())
         summary["rerun"] = rerun
         summary["rerun_overrides"] = overrides
+    summary["pick"] = record_pick(study, best, t)  # Optuna's readers see the same answer
     summary["trial_overhead"] = _overhead(trials)
     artifacts += _plots(study, best, out_dir, t, say=print if echo else lambda line: None)
     write_json(out_dir / "summary.json", summary, indent=2)

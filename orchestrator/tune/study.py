@@ -38,6 +38,7 @@ from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
 from .memory import memory_record
+from .answer import knob_attrs, name_objectives
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
@@ -107,6 +108,7 @@ class Tuner:
         try:
             with store_lock(self.storage), study_lock(self.storage, self.name):
                 study = self._create_or_load(pruner)
+                name_objectives(study, self.t)
                 self._check_space(study)
                 worker = int(study.user_attrs.get("workers", 0))
                 study.set_user_attr("workers", worker + 1)
@@ -403,6 +405,8 @@ class Tuner:
             values = self.space.sample(trial)
             rec = TrialRecord(trial.number, Status.RUNNING, values)
             trial.set_user_attr("values", values)
+            for key, value in knob_attrs(values).items():  # user units beside Optuna's internal parameters
+                trial.set_user_attr(key, value)
             if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
                 trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
             rec.proposed_by = trial.user_attrs["proposed_by"]
