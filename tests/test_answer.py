@@ -64,3 +64,19 @@ def test_the_pick_is_recorded_where_optunas_best_is_another_trial(make_cfg):
 def test_the_utilization_score_is_in_utilizations_unit():
     assert utilization_score(0.3, 100, 100, 0.95) == pytest.approx(0.3)
     assert utilization_score(0.9, 80, 100, 0.95) == pytest.approx(-0.2)  # 20% of the samples/s lost
+
+
+def test_what_a_trial_proposes_is_said_after_the_trials_own_line(make_cfg, tmp_path, capsys):
+    import time
+
+    from orchestrator.tune.study import TrialRecord, Tuner
+
+    tuner = Tuner(make_cfg("mode=tune", f"tune.storage=sqlite:///{tmp_path}/o.db"), tmp_path, echo=True)
+    tuner.held = []  # a trial is running
+    tuner._say("[tune] after trial 1: the job model predicts 100/s at batch_size=64")
+    assert capsys.readouterr().out == ""
+    tuner._record(TrialRecord(1, "COMPLETE", {"data.batch_size": 32}), time.monotonic())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[tune] trial   1 COMPLETE") and lines[1].startswith("[tune] after trial 1:")
+    tuner._say("[tune] between trials")
+    assert capsys.readouterr().out == "[tune] between trials\n"

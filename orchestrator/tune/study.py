@@ -75,6 +75,8 @@ class Tuner:
     def __init__(self, cfg: Config, run_dir: Path, echo: bool = True, overrides: Optional[List[str]] = None) -> None:
         import optuna
 
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its INFO lines ("A new study created") are not ours
+        self.held: Optional[List[str]] = None  # lines said during a trial, printed after its own line (_record)
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
         self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0, "setup": 0.0}  # seconds, over this process's launches
@@ -398,6 +400,7 @@ class Tuner:
         TrialState = self.optuna.trial.TrialState
         t0 = time.monotonic()
         self.mine.add(trial.number)
+        self.held = []  # what the trial's end proposes is said after the trial's own line
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
         # the check for a twin and the claim (this RUNNING trial's params) happen under the study
         # lock: two tuner processes never launch one config at the same time
@@ -433,7 +436,7 @@ class Tuner:
         pruned: Dict[str, Any] = {"flag": False}
         no_tokens: Optional[str] = None
         monitor = self._monitor(study, trial, pruned)
-        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values)))
+        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values), trial.number))
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
                 "run_kind": "trial"} if parent else {}
         try:
@@ -601,9 +604,10 @@ class Tuner:
             if not active:
                 break
             if r >= CONFIRM_ROUNDS:
-                total = done + len(active) * (CONFIRM_MAX_ROUNDS - r)
+                grown, total = total, done + len(active) * (CONFIRM_MAX_ROUNDS - r)
                 self._say(f"[tune] round {r + 1}: trials {', '.join(str(tr.number) for tr in active)} "
-                          "still within each other's noise")
+                          f"still within each other's noise, measured again"
+                          + (f": confirmation runs up to {total}, from {grown}" if total != grown else ""))
             for tr in active[r % len(active):] + active[:r % len(active)]:
                 done += 1
                 self._confirm_run(study, tr, r, parent, done, total, runs, failed)
@@ -676,6 +680,7 @@ class Tuner:
                 study.tell(trial, state=TrialState.FAIL)
         except Exception as exc:  # the interrupt matters more than this record
             print(f"[tune] could not record trial {trial.number} as interrupted: {exc}")
+        self._say_held()
         self._say(f"[tune] trial {trial.number} interrupted; rerun with tune.study_name={self.name} to resume")
 
     def _twin(self, study: Any, trial: Any, values: Dict[str, Any]) -> Any:
@@ -718,8 +723,18 @@ class Tuner:
 
     # -- output ---------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
-        if self.echo:
+        if not self.echo:
+            return
+        if self.held is not None:
+            self.held.append(text)
+        else:
             print(text, flush=True)
+
+    def _say_held(self) -> None:
+        """The lines held while a trial ran (its proposals), after the trial's own line."""
+        held, self.held = self.held or [], None
+        for line in held:
+            self._say(line)
 
     def _show(self, what: Callable[[StudyProgress], None]) -> None:
         """Tell the live progress (when the study echoes)."""
@@ -751,8 +766,11 @@ class Tuner:
         tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}{tokens}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
+        held, self.held = self.held, None
         self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {rec.proposed_by:9s} {knobs:45s} {figures}  "
                   f"({rec.duration_s:.1f}s)")
+        self.held = held
+        self._say_held()
 
     def _notes(self, study: Any, best: List[Any]) -> Dict[str, Any]:
         """What the user must know to act on the pick: the edges it sits on, how its global batch
