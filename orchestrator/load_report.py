@@ -11,7 +11,7 @@ from .diagnose import diagnose, straggler_note
 from .runtime.autotune import LoaderSettings
 from .measure.phases import PHASES
 from .rundir import report_paths, write_atomic, write_json
-from .schema import Config
+from .schema import Config, Mode
 
 # The breakdown is that of the measured time (the full windows' phases summed), which tile its wall
 # time; the only gap is the few microseconds between closing one window and starting the next.
@@ -42,12 +42,16 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
     tuned = result.get("loader_autotune")
     if tuned:  # the advice is about the settings the run ended with
         cfg = dataclasses.replace(cfg, data=LoaderSettings(**tuned["final"]).data(cfg.data))
-    diag = diagnose(result, cfg, device_mem)
+    diag = diagnose(result, cfg, device_mem).as_dict()
+    if cfg.tags.get("tuned_study") and cfg.tags.get("tuned_storage") and cfg.mode is not Mode.tune:
+        from .tune.advise import load_and_agree  # the rerun of a study's pick: advice that agrees with it
+
+        diag = load_and_agree(diag, cfg.tags["tuned_study"], cfg.tags["tuned_storage"])
     phase_sum = {r["rank"]: sum(r["phase_s"].values()) for r in per_rank}
     report: Dict[str, Any] = {
         "status": result.get("status"),
         "backend": cfg.backend.name.value, "world_size": result.get("world_size"),
-        "diagnosis": diag.as_dict(),
+        "diagnosis": diag,
         "straggler": straggler_note(result),
         "imbalance": result.get("imbalance"),
         "balance": balance or None,

@@ -32,6 +32,14 @@ def test_the_optuna_study_tells_the_pick_in_user_units(make_cfg, tmp_path):
         assert "Optuna's best_trial" in study.user_attrs["pick_note"]
     done = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE]
     assert done
+    # the pick's own advice is checked against the study, and its rerun names the study
+    report = (tmp_path / "trials" / f"{pick['number']:04d}" / "load_report.md").read_text()
+    assert "## Against the study" in report and f"pick of study '{summary['study_name']}'" in report
+    assert f"tuned_study: {summary['study_name']}" in (tmp_path / "tuned" / "best.yaml").read_text()
+    for move in summary["pick_advice"]["moves"]:  # no advice leads to a config a trial measured
+        target = {**pick["values"], **move["set"]}
+        assert not any(tr.user_attrs["values"]["data.batch_size"] == target["data.batch_size"]
+                       and tr.number != pick["number"] for tr in done if set(move["set"]) == {"data.batch_size"})
     for tr in done:
         # the knobs in user units beside the sampler's exponent
         assert tr.user_attrs["data.batch_size"] == 2 ** tr.params["batch_size_log2"]
@@ -80,3 +88,38 @@ def test_what_a_trial_proposes_is_said_after_the_trials_own_line(make_cfg, tmp_p
     assert lines[0].startswith("[tune] trial   1 COMPLETE") and lines[1].startswith("[tune] after trial 1:")
     tuner._say("[tune] between trials")
     assert capsys.readouterr().out == "[tune] between trials\n"
+
+
+def test_the_picks_advice_agrees_with_the_study(tmp_path):
+    """The pick's diagnosis advised num_workers=8 (measured by trial 2, not picked) and batch 2048
+    (past the study's 16-512): the first is dropped with the trial that measured it, the second kept
+    saying it goes past the study; a move on a knob the study did not tune is kept as it was."""
+    from orchestrator.tune.advise import AGAINST, check_moves, load_and_agree
+
+    pick = (1, {"data.batch_size": 64, "data.num_workers": 4}, {"throughput": 420.9, "utilization": 0.11})
+    trials = [(0, {"data.batch_size": 16, "data.num_workers": 0}, {"throughput": 48.5, "utilization": 0.30}), pick,
+              (2, {"data.batch_size": 64, "data.num_workers": 8}, {"throughput": 431.0, "utilization": 0.05}),
+              (3, {"data.batch_size": 512, "data.num_workers": 8}, {"throughput": 400.0, "utilization": 0.04})]
+    moves = [{"set": {"data.num_workers": 8}, "why": "the step waits on input"},
+             {"set": {"data.batch_size": 2048}, "why": "twice the batch fits"},
+             {"set": {"trainer.amp": True}, "why": "tensor cores"}]
+    kept, dropped = check_moves(moves, pick, trials, "s", "the busiest config within 0.95 of the fastest")
+    assert [m["set"] for m in kept] == [{"data.batch_size": 2048}, {"trainer.amp": True}]
+    assert "past what study 's' measured (data.batch_size 16-512)" in kept[0]["why"]
+    assert kept[1]["why"] == "tensor cores"
+    assert len(dropped) == 1 and dropped[0].startswith("not data.num_workers=8: study 's' measured it as trial 2")
+    assert "picked trial 1" in dropped[0] and "within 0.95 of the fastest" in dropped[0]
+
+    # the rerun of best.yaml reads the study by its tags
+    storage = f"sqlite:///{tmp_path}/o.db"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    for number, values, figs in trials:
+        study.add_trial(optuna.trial.create_trial(value=figs["utilization"], user_attrs={"values": values, **figs}))
+    study.set_user_attr("pick", {"trial": 1, "rule": "the busiest config within 0.95 of the fastest"})
+    diagnosis = {"verdict": "input-bound", "reason": "r", "advice": ["data.num_workers=8: the step waits on input",
+                                                                     "a note"], "moves": moves[:1]}
+    checked = load_and_agree(diagnosis, "s", storage)
+    assert checked["moves"] == [] and checked["advice"][0] == "a note"
+    assert checked["advice"][1].startswith("not data.num_workers=8: study 's' measured it as trial 2")
+    assert load_and_agree(diagnosis, "gone", storage) == diagnosis  # a study it cannot read: as measured
+    assert AGAINST.startswith("## ")

@@ -16,6 +16,7 @@ from ..progress import console
 from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
+from .advise import pick_advice
 from .answer import record_pick
 from .edges import advice
 from .space import knob_words
@@ -115,13 +116,15 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
             f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
             f"# Rerun: {rerun}\n"
             + "".join(f"# Note: {line}\n" for line in _header_notes(notes))
-            + yaml.safe_dump(_nested(values), sort_keys=True)
+            + yaml.safe_dump(_nested({**values, **_tuned_tags(name, storage)}), sort_keys=True)
         )
         artifacts.append(str(best_yaml))
         overrides = " ".join(shlex.quote(f"{k}={'null' if v is None else v}") for k, v in values.items())
         summary["rerun"] = rerun
         summary["rerun_overrides"] = overrides
     summary["pick"] = record_pick(study, best, t)  # Optuna's readers see the same answer
+    if best:
+        summary["pick_advice"] = pick_advice(study, summary["pick"], out_dir / "trials" / f"{best[0].number:04d}", name)
     summary["trial_overhead"] = _overhead(trials)
     artifacts += _plots(study, best, out_dir, t, say=print if echo else lambda line: None)
     write_json(out_dir / "summary.json", summary, indent=2)
@@ -130,6 +133,14 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     if echo:
         _print_table(study, best, t, name, summary)
     return summary
+
+
+def _tuned_tags(name: str, storage: str) -> Dict[str, str]:
+    """Tags of the rerun of best.yaml naming the study (its advice is checked against it,
+    tune/advise.py); the storage only where its URL holds no password."""
+    if redact(storage) != storage:
+        return {"tags.tuned_study": name}
+    return {"tags.tuned_study": name, "tags.tuned_storage": storage}
 
 
 def _trials(numbers: List[Any]) -> str:
