@@ -144,3 +144,20 @@ def test_a_piped_study_says_each_start_once_and_rarely_beats_between(capsys):
     study.stop()
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["[tune] confirmation run 10/10 running 0:00: trial 3: batch_size=8 | ETA ?"]
+
+
+def test_a_runs_progress_shows_the_samples_per_second_its_summary_reports():
+    """The live rate is the measured windows' samples over their seconds so far (the summary's
+    figure at the end), not the last window's: a window of queued batches read 3000/s where the
+    run delivered 1200/s."""
+    import types
+
+    from orchestrator.app import LiveLog
+
+    progress = JobProgress(live=False, every_s=3600)
+    live = LiveLog(types.SimpleNamespace(log_metrics=lambda points: None, uri="-"), 1, progress=progress)
+    window = {"type": "window", "utilization": 0.5, "data_wait_frac": 0.1, "comm_frac": 0.0, "step_time_s": 0.01,
+              "tokens_per_s": None}
+    live([(0, {**window, "step": 10, "throughput": 1000.0, "wall_s": 4.0})])
+    live([(0, {**window, "step": 20, "throughput": 3000.0, "wall_s": 1.0})])
+    assert progress.throughput == pytest.approx((1000.0 * 4 + 3000.0 * 1) / 5)  # 1400/s, not 3000/s
