@@ -36,8 +36,11 @@ VIEW_KEY = "training"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 # (The UI orders metrics, then tags, each alphabetically; a study's run logs its pick's figures
 # under the same names, so its row reads like its trials'.)
-VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization`", "metrics.`mfu`", "tags.`verdict`",
-                "tags.`trial_state`", "tags.`world_size`")
+# MLflow shows a metric as logged, a fraction as 0.110927...: shares are also logged in percent, named so
+PERCENT_METRICS = ("utilization", "mfu")
+VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization_pct`", "metrics.`mfu_pct`",
+                "metrics.`confirmed_throughput`", "metrics.`confirmed_utilization_pct`", "tags.`pick`",
+                "tags.`verdict`", "tags.`trial_state`", "tags.`world_size`")
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI's training kind (not its GenAI one)
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
@@ -46,6 +49,11 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 # MLflow prints "View run ... / View experiment at: <server>/#/experiments/<id>" for each run ended
 # through a server: that page opens in the UI's GenAI mode. Tracker.where() says the training view.
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+def with_percent(points: List[tuple]) -> List[tuple]:
+    """(name, value, step) points, and for each share of PERCENT_METRICS the same in percent (`<name>_pct`)."""
+    return list(points) + [(f"{k}_pct", round(100 * v, 2), step) for k, v, step in points if k in PERCENT_METRICS]
 
 
 def runs_url(base: str, experiment_id: str) -> str:
@@ -271,9 +279,9 @@ class Tracker:
         word `end_as` where the status is none of MLflow's (CHECKPOINTED). Tracking trouble is
         printed, never raised: the job's outcome matters more."""
         try:
-            self.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
-                             for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float))
-                             and not math.isnan(result[k]))
+            self.log_metrics(with_percent([(f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k],
+                                            result.get("steps", 0)) for k in SUMMARY_METRICS
+                                           if isinstance(result.get(k), (int, float)) and not math.isnan(result[k])]))
             tags = {"status": str(status)}
             if result.get("utilization_source"):
                 tags["utilization_source"] = result["utilization_source"]

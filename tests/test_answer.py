@@ -32,6 +32,20 @@ def test_the_optuna_study_tells_the_pick_in_user_units(make_cfg, tmp_path):
         assert "Optuna's best_trial" in study.user_attrs["pick_note"]
     done = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE]
     assert done
+    # MLflow says the same: the pick's row tagged, its confirmed figure under one name on its row and
+    # the study's, the study's description naming it, shares in percent
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(summary["mlflow_run_id"])
+    assert parent.data.tags["mlflow.note.content"].startswith(f"**Pick: trial {pick['number']}**")
+    assert parent.data.tags["pick_trial"] == str(pick["number"])
+    row = client.get_run(next(tr.user_attrs["mlflow_run_id"] for tr in done if tr.number == pick["number"]))
+    assert row.data.tags["pick"] == "true" and row.data.tags["best"] == "true"
+    assert row.data.metrics["utilization_pct"] == pytest.approx(100 * row.data.metrics["utilization"], abs=0.01)
+    if pick["confirmed"]:
+        assert row.data.metrics["confirmed_throughput"] == pytest.approx(parent.data.metrics["throughput"])
+        assert row.data.metrics["confirmed_utilization_pct"] == pytest.approx(100 * pick["utilization"], abs=0.01)
     # the pick's own advice is checked against the study, and its rerun names the study
     report = (tmp_path / "trials" / f"{pick['number']:04d}" / "load_report.md").read_text()
     assert "## Against the study" in report and f"pick of study '{summary['study_name']}'" in report
@@ -123,3 +137,21 @@ def test_the_picks_advice_agrees_with_the_study(tmp_path):
     assert checked["advice"][1].startswith("not data.num_workers=8: study 's' measured it as trial 2")
     assert load_and_agree(diagnosis, "gone", storage) == diagnosis  # a study it cannot read: as measured
     assert AGAINST.startswith("## ")
+
+
+def test_the_console_says_what_the_floor_rule_did_at_the_pick(make_cfg):
+    """Trial 0 is busier (30.3%) but 20% slower than the fastest: the pick (11.1%, within the
+    floor) is said in one line with the busier trial the floor left out."""
+    from orchestrator.tune.report import floor_line
+
+    t = make_cfg("mode=tune").tune
+    study = optuna.create_study(direction="maximize")
+    for util, thr in ((0.303, 400.0), (0.111, 495.0), (0.05, 500.0)):
+        study.add_trial(optuna.trial.create_trial(value=util, user_attrs={
+            "values": {"data.batch_size": 32}, "utilization": util, "throughput": thr}))
+    best = best_trials(study, t)
+    assert best[0].number == 1
+    line = floor_line(study, best, t)
+    assert line.startswith("[tune] picked trial 1, the busiest config within 0.95 of the fastest samples/s: "
+                           "utilization 11.1% at 495.0/s (the fastest, trial 2, 500.0/s)")
+    assert "trial 0 (30.3% at 0.80x)" in line and "\n" not in line

@@ -83,8 +83,8 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
     wait_for(lambda: run_name in body() and parent_name in body(), browser=browser, what="runs table")
     headers = lambda: [h.text for h in browser.find_elements("css selector", "[role='columnheader']")]  # noqa: E731
-    wait_for(lambda: {"throughput", "utilization", "verdict"} <= set(headers()), browser=browser,
-             what="throughput, utilization and verdict columns")
+    wait_for(lambda: {"throughput", "utilization_pct", "verdict"} <= set(headers()), browser=browser,
+             what="throughput, utilization_pct and verdict columns")
     assert "Overview" not in headers() and "/overview" not in browser.current_url
     verdict = client.get_run(job["mlflow_run_id"]).data.tags["verdict"]
     wait_for(lambda: verdict in body(), browser=browser, what="the job's verdict in its row")

@@ -89,3 +89,54 @@ def _optuna_best(study: Any) -> Any:
         return study.best_trial.number
     except ValueError:
         return None
+
+
+def tell_mlflow(client: Any, study: Any, best: List[Any], t: TuneConfig, parent: Any) -> None:
+    """The same answer in MLflow: each confirmed trial's row gets its confirmed figures
+    (`confirmed_throughput` in samples/s, `confirmed_utilization_pct` in percent, and their
+    intervals), the pick's row the tags `pick=true` and `best=true`, and the study's row a
+    description (MLflow's note) that names the pick, its figures and the rule."""
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
+    if client is None:
+        return
+    now, conf = int(time.time() * 1000), confirmed(study)
+    runs = {tr.number: tr.user_attrs.get("mlflow_run_id") for tr in study.get_trials(deepcopy=False)}
+    for number, m in conf.items():
+        run_id = runs.get(int(number))
+        if run_id:
+            client.log_batch(run_id, metrics=[Metric(name, value, now, 0) for name, value in confirmed_metrics(m).items()])
+    if not best:
+        return
+    pick = best[0]
+    if runs.get(pick.number):
+        client.log_batch(runs[pick.number], tags=[RunTag("pick", "true"), RunTag("best", "true")])
+    if parent:
+        client.log_batch(parent, tags=[RunTag("mlflow.note.content", description(study, pick, t)),
+                                       RunTag("pick_trial", str(pick.number))])
+
+
+def confirmed_metrics(m: Dict[str, Any]) -> Dict[str, float]:
+    """A trial's confirmed figures as MLflow metrics, the unit in the name where MLflow shows a raw
+    fraction (utilization in percent)."""
+    out: Dict[str, float] = {}
+    for key in ("throughput", "throughput_lo", "throughput_hi", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi"):
+        if isinstance(m.get(key), (int, float)):
+            out[f"confirmed_{key}"] = float(m[key])
+    for key in ("utilization", "utilization_lo", "utilization_hi"):
+        if isinstance(m.get(key), (int, float)):
+            out[f"confirmed_{key}_pct"] = round(100 * float(m[key]), 2)
+    return out
+
+
+def description(study: Any, pick: Any, t: TuneConfig) -> str:
+    """The study row's description in MLflow (markdown): the pick, its figures, the rule."""
+    f = figures(pick, confirmed(study))
+    knobs = ", ".join(f"`{k}={v}`" for k, v in knob_attrs(pick.user_attrs.get("values", {})).items())
+    conf = "confirmed" if str(pick.number) in confirmed(study) else "its trial's"
+    util = f"utilization {100 * f['utilization']:.1f}%" if isinstance(f.get("utilization"), (int, float)) else ""
+    thr = f"{f['throughput']:.1f} samples/s" if isinstance(f.get("throughput"), (int, float)) else ""
+    return (f"**Pick: trial {pick.number}** ({knobs}): {', '.join(x for x in (util, thr) if x)} ({conf} figures). "
+            f"Rule: {rule_words(t)}. Its run is tagged `pick = true`; rerun it from the study's `tuned/best.yaml`.")

@@ -28,7 +28,7 @@ from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
 from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
-from ..tracking import Tracker
+from ..tracking import Tracker, with_percent
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, import_plotting, write_outputs
@@ -38,7 +38,7 @@ from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
 from .memory import memory_record
-from .answer import knob_attrs, name_objectives
+from .answer import knob_attrs, name_objectives, tell_mlflow
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
@@ -832,8 +832,7 @@ class Tuner:
         summary = write_outputs(study, best, t=self.t, out_dir=self.run_dir, name=self.name, storage=self.storage,
                                 overrides=self.overrides, echo=self.echo,
                                 notes={"stopped": self.stopped, **self._notes(study, best)})
-        if best:
-            self._tag(best[0].user_attrs.get("mlflow_run_id"), {"best": "true"})
+        tell_mlflow(self.tracker.client, study, best, self.t, parent)  # the pick and the confirmed figures
         for path in summary["artifacts"]:
             self.tracker.log_artifact(Path(path))
         if best:
@@ -841,8 +840,9 @@ class Tuner:
             self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi",
                                                                         "tokens_per_s_lo", "tokens_per_s_hi")
                                       if isinstance(fig.get(k), (int, float))]
-                                     + [(k, fig[k], 0) for k in ("throughput", "utilization", "mfu", "tokens_per_s")  # its row's columns
-                                        if isinstance(fig.get(k), (int, float))])
+                                     + with_percent([(k, fig[k], 0) for k in ("throughput", "utilization", "mfu",
+                                                                             "tokens_per_s")  # its row's columns
+                                                     if isinstance(fig.get(k), (int, float))]))
         self.tracker.end(status)
         self._say(f"[tune] {self.tracker.where()}")
         summary["status"] = status
