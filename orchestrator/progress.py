@@ -200,8 +200,11 @@ class StudyProgress:
             what = f"confirmation run {self.k}/{self.total}"
         else:  # Optuna's number, as the trial's own line and the study name it, and the count
             what = f"trial {self.k}/{self.total}" if self.number is None else f"trial {self.number} ({self.k}/{self.total})"
+        # while the candidates are re-measured, the leader is still judged on its trial's figures: the
+        # pick is made from the confirmed ones at the end (the study's last lines)
+        best = "leader before confirmation" if self.phase == "confirm" else "best so far"
         return (f"[tune] {what} running {clock(time.monotonic() - self.t_trial)}: {self.knobs}"
-                + (f" | best so far: {self.best}" if self.best else "") + f" | ETA {clock(self.eta_s())}")
+                + (f" | {best}: {self.best}" if self.best else "") + f" | ETA {clock(self.eta_s())}")
 
     def _show(self) -> None:
         if self.bar is not None:

@@ -27,6 +27,7 @@ def test_the_optuna_study_tells_the_pick_in_user_units(make_cfg, tmp_path):
     assert study.user_attrs["pick"]["config"] == pick["values"]
     assert study.user_attrs["pick"]["figures"]["throughput"] == pytest.approx(pick["throughput"])
     assert study.user_attrs["pick"]["confirmed"] == pick["confirmed"]
+    assert "=False" not in summary["rerun_overrides"] and "=True" not in summary["rerun_overrides"]  # Hydra's words
     assert f"trial {pick['number']}" in study.user_attrs["pick_note"]
     if study.best_trial.number != pick["number"]:
         assert "Optuna's best_trial" in study.user_attrs["pick_note"]

@@ -141,9 +141,14 @@ def test_a_piped_study_says_each_start_once_and_rarely_beats_between(capsys):
     study.start()
     study.confirm(10, 10, "trial 3: batch_size=8")
     study._tick()  # the ticker fires just after the start
+    study.ended("trial 3: utilization 50.0%")
+    study.confirm(11, 12, "trial 4: batch_size=16")
     study.stop()
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[tune] confirmation run 10/10 running 0:00: trial 3: batch_size=8 | ETA ?"]
+    assert lines[0] == "[tune] confirmation run 10/10 running 0:00: trial 3: batch_size=8 | ETA ?"
+    # the leader is not the pick yet: it is judged on its trial's figures until the confirmation ends
+    assert lines[1].startswith("[tune] confirmation run 11/12 running 0:00: trial 4: batch_size=16 | leader before "
+                               "confirmation: trial 3") and len(lines) == 2
 
 
 def test_a_runs_progress_shows_the_samples_per_second_its_summary_reports():
