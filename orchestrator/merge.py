@@ -194,10 +194,11 @@ def measurement_warning(result: Dict[str, Any]) -> str:
     warm = result.get("warmup") or {}
     ran, raise_ = f"the run ended after {steps} steps", "trainer.epochs"
     per_epoch, n = result.get("steps_per_epoch"), result.get("epochs", 1)
-    if per_epoch:
+    if per_epoch and steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
+        ran += f", its trainer.max_steps (an epoch is {per_epoch} steps)"
+        raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
+    elif per_epoch:
         ran += f" ({n} epoch{'s' if n != 1 else ''} of {per_epoch} steps)"
-        if steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
-            raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
     if not measured:
         return (f"nothing was measured: {ran}, inside its warmup ({warm.get('min_steps', '?')} steps and the "
                 f"loader's queue); raise {raise_} or lower trainer.warmup_steps")
