@@ -98,6 +98,16 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     os.makedirs(ROOT / "outputs", exist_ok=True)
     browser.save_screenshot(str(ROOT / "outputs" / "ui_runs.png"))
 
+    # docs/ui.md's filters work as written: the pick's row, by its tag
+    from selenium.webdriver.common.keys import Keys
+
+    search = browser.find_element("css selector", "input[placeholder*='metrics.rmse']")
+    search.send_keys("tags.pick = 'true'", Keys.ENTER)
+    pick = f"trial {summary['best']['number']}"
+    other = f"trial {1 - summary['best']['number']}"
+    wait_for(lambda: pick in body() and other not in body(), browser=browser, what="the pick's row alone")
+    browser.save_screenshot(str(ROOT / "outputs" / "ui_pick_filter.png"))
+
     # an image artifact of the job renders
     browser.get(f"{url}/#/experiments/{exp_id}/runs/{job['mlflow_run_id']}/artifacts/timeline.png")
     # the preview is an <img> (from a blob URL) holding the decoded PNG: 720 px wide at dpi 80
