@@ -156,3 +156,20 @@ def test_the_console_says_what_the_floor_rule_did_at_the_pick(make_cfg):
     assert line.startswith("[tune] picked trial 1, the busiest config within 0.95 of the fastest samples/s: "
                            "utilization 11.1% at 495.0/s (the fastest, trial 2, 500.0/s)")
     assert "trial 0 (30.3% at 0.80x)" in line and "\n" not in line
+
+
+def test_a_study_made_with_the_old_score_keeps_its_scale_when_resumed(make_cfg):
+    """A study told 1 + utilization before the score was in utilization's unit keeps adding 1 for
+    its new trials (the sampler compares like with like); a new study adds nothing."""
+    from orchestrator.tune.answer import OLD_UTILIZATION_NAME, name_objectives, score_offset
+
+    t = make_cfg("mode=tune").tune
+    old = optuna.create_study(direction="maximize")
+    old.add_trial(optuna.trial.create_trial(value=1.3, user_attrs={"utilization": 0.3, "throughput": 100.0}))
+    assert score_offset(old, t) == 1.0 and old.user_attrs["score_offset"] == 1.0
+    name_objectives(old, t)
+    assert old.metric_names == [OLD_UTILIZATION_NAME]
+    new = optuna.create_study(direction="maximize")
+    assert score_offset(new, t) == 0.0
+    new.add_trial(optuna.trial.create_trial(value=0.3, user_attrs={"utilization": 0.3, "throughput": 100.0}))
+    assert score_offset(new, t) == 0.0  # recorded when the study was opened

@@ -28,12 +28,29 @@ PICK_FIGURES = ("utilization", "utilization_lo", "utilization_hi", "throughput",
                 "mfu", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi", "runs")
 
 
+OLD_UTILIZATION_NAME = "1 + utilization within the throughput floor, samples/s over the best's below it"
+
+
+def score_offset(study: Any, t: TuneConfig) -> float:
+    """What the utilization objective adds to its score (rules.utilization_score) in this study:
+    0, except in a study made when the score was 1 + utilization (its fastest trial's value is 1
+    or more), resumed: its new trials keep that scale, so the sampler and the pruner compare like
+    with like. Recorded as the study attribute `score_offset` the first time."""
+    if t.objective is not Objective.utilization:
+        return 0.0
+    if "score_offset" not in study.user_attrs:
+        old = any(tr.state.name == "COMPLETE" and tr.values and tr.values[0] >= 1.0
+                  for tr in study.get_trials(deepcopy=False))
+        study.set_user_attr("score_offset", 1.0 if old else 0.0)
+    return float(study.user_attrs["score_offset"])
+
+
 def name_objectives(study: Any, t: TuneConfig) -> None:
     """The study's objective values named by what they hold (Optuna's `metric_names`, shown by its
     plots and optuna-dashboard instead of "Objective 0")."""
     import optuna
 
-    names = METRIC_NAMES[t.objective]
+    names = [OLD_UTILIZATION_NAME] if score_offset(study, t) else METRIC_NAMES[t.objective]
     if study.metric_names != names:
         with warnings.catch_warnings():  # set_metric_names is experimental in Optuna
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

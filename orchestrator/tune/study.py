@@ -38,7 +38,7 @@ from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
 from .memory import memory_record
-from .answer import knob_attrs, name_objectives, tell_mlflow
+from .answer import knob_attrs, name_objectives, score_offset, tell_mlflow
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
@@ -76,6 +76,7 @@ class Tuner:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # its INFO lines ("A new study created") are not ours
+        self.offset = 0.0  # added to the utilization score (answer.score_offset)
         self.held: Optional[List[str]] = None  # lines said during a trial, printed after its own line (_record)
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
@@ -111,6 +112,7 @@ class Tuner:
             with store_lock(self.storage), study_lock(self.storage, self.name):
                 study = self._create_or_load(pruner)
                 name_objectives(study, self.t)
+                self.offset = score_offset(study, self.t)  # 1 in a study made when the score was 1 + utilization
                 self._check_space(study)
                 worker = int(study.user_attrs.get("workers", 0))
                 study.set_user_attr("workers", worker + 1)
@@ -500,7 +502,8 @@ class Tuner:
                 return pruned["flag"]
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
             value = (job[name] if self.t.objective in (Objective.throughput, Objective.mfu, Objective.tokens) else
-                     utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
+                     utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor)
+                     + self.offset)
             trial.report(value, window)
             if trial.should_prune():
                 bar_ = self._median_at(study, trial.number, window)
@@ -711,7 +714,7 @@ class Tuner:
             return rec.metrics["mfu"]
         if self.t.objective is Objective.tokens:
             return rec.metrics["tokens_per_s"]
-        return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor)
+        return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor) + self.offset
 
     def _check_failure_rate(self, study: Any) -> None:
         TrialState = self.optuna.trial.TrialState
