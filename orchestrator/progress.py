@@ -203,7 +203,7 @@ class StudyProgress:
         # while the candidates are re-measured, the leader is still judged on its trial's figures: the
         # pick is made from the confirmed ones at the end (the study's last lines)
         best = "leader before confirmation" if self.phase == "confirm" else "best so far"
-        return (f"[tune] {what} running {clock(time.monotonic() - self.t_trial)}: {self.knobs}"
+        return (f"[tune] {what} {clock(time.monotonic() - self.t_trial)}: {self.knobs}"
                 + (f" | {best}: {self.best}" if self.best else "") + f" | ETA {clock(self.eta_s())}")
 
     def _show(self) -> None:
