@@ -41,6 +41,11 @@ PERCENT_METRICS = ("utilization", "mfu")
 VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization_pct`", "metrics.`mfu_pct`",
                 "metrics.`confirmed_throughput`", "metrics.`confirmed_utilization_pct`", "tags.`pick`",
                 "tags.`verdict`", "tags.`trial_state`", "tags.`world_size`")
+# Its charts view (compareRunsMode=CHART) opens on a section of bar charts, a bar per run: samples/s and
+# utilization (as MLflow's charts state holds them: section and cards by uuid); MLflow adds its
+# generated sections of the other metrics after it.
+VIEW_SECTION = "throughput and utilization per run"
+VIEW_CHARTS = ("throughput", "utilization_pct", "confirmed_throughput")  # a chart shows only where runs have it
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI's training kind (not its GenAI one)
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
@@ -49,6 +54,18 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 # MLflow prints "View run ... / View experiment at: <server>/#/experiments/<id>" for each run ended
 # through a server: that page opens in the UI's GenAI mode. Tracker.where() says the training view.
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+def view_state() -> Dict[str, Any]:
+    """The training view's UI state (VIEW_TAG): the runs table's columns, and the charts view's
+    first section (VIEW_CHARTS)."""
+    section = "section-training"
+    return {"selectedColumns": list(VIEW_COLUMNS), "isAccordionReordered": True,  # generated sections come after
+            "compareRunSections": [{"uuid": section, "name": VIEW_SECTION, "display": True, "isReordered": False,
+                                    "deleted": False, "isGenerated": False}],
+            "compareRunCharts": [{"uuid": f"chart-{key}", "type": "BAR", "runsCountToCompare": 100,
+                                  "metricSectionId": section, "deleted": False, "isGenerated": False, "metricKey": key}
+                                 for key in VIEW_CHARTS]}
 
 
 def with_percent(points: List[tuple]) -> List[tuple]:
@@ -119,7 +136,7 @@ class Tracker:
         """The experiment's kind (older experiments lack it) and its training view (VIEW_TAG)."""
         import json
 
-        view = json.dumps({"selectedColumns": list(VIEW_COLUMNS)})
+        view = json.dumps(view_state())
         if tags.get(KIND_TAG) != KIND:
             self.client.set_experiment_tag(self.experiment_id, KIND_TAG, KIND)
         if tags.get(VIEW_TAG) != view:

@@ -108,6 +108,15 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     wait_for(lambda: pick in body() and other not in body(), browser=browser, what="the pick's row alone")
     browser.save_screenshot(str(ROOT / "outputs" / "ui_pick_filter.png"))
 
+    # the charts view opens on samples/s and utilization per run
+    browser.get(tracker.runs_url(url) + "&compareRunsMode=CHART")
+    from orchestrator.tracking import VIEW_SECTION
+
+    wait_for(lambda: VIEW_SECTION in body() and "utilization_pct" in body()
+             and body().index(VIEW_SECTION) < body().index("Model metrics"),
+             browser=browser, what="the charts view's throughput and utilization section first")
+    browser.save_screenshot(str(ROOT / "outputs" / "ui_charts.png"))
+
     # an image artifact of the job renders
     browser.get(f"{url}/#/experiments/{exp_id}/runs/{job['mlflow_run_id']}/artifacts/timeline.png")
     # the preview is an <img> (from a blob URL) holding the decoded PNG: 720 px wide at dpi 80
