@@ -173,3 +173,22 @@ def test_a_study_made_with_the_old_score_keeps_its_scale_when_resumed(make_cfg):
     assert score_offset(new, t) == 0.0
     new.add_trial(optuna.trial.create_trial(value=0.3, user_attrs={"utilization": 0.3, "throughput": 100.0}))
     assert score_offset(new, t) == 0.0  # recorded when the study was opened
+
+
+def test_lines_held_by_a_trial_that_raised_are_said_and_the_study_speaks_again(make_cfg, tmp_path, capsys,
+                                                                              monkeypatch):
+    from orchestrator.tune.study import StudyFailed, Tuner
+
+    tuner = Tuner(make_cfg("mode=tune", "tune.n_trials=1", "tune.confirm_top=0",
+                           f"tune.storage=sqlite:///{tmp_path}/o.db"), tmp_path / "run", echo=True)
+
+    def failing(study, trial, parent):
+        tuner.held = []
+        tuner._say("[tune] after trial 0: a proposal")
+        raise StudyFailed("the study's database failed")
+
+    monkeypatch.setattr(tuner, "_run_trial", failing)
+    with pytest.raises(StudyFailed):
+        tuner.run()
+    out = capsys.readouterr().out
+    assert "[tune] after trial 0: a proposal" in out and "[tune] MLflow:" in out  # nothing swallowed after it

@@ -268,6 +268,8 @@ class Tuner:
                 except KeyboardInterrupt:
                     self._interrupted(study, trial)
                     raise
+                finally:  # a trial that raised before its own line: what it held is said still
+                    self._say_held()
                 duplicates_in_a_row = duplicates_in_a_row + 1 if not_launched(trial) else 0
                 if duplicates_in_a_row >= MAX_DUPLICATES:  # a small space is covered
                     self.stopped = {"by": "covered", "why": f"{MAX_DUPLICATES} proposals in a row were already "
