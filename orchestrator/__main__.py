@@ -22,7 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import format_error
+from .errors import config_library_error, format_error
 from .schema import Config, ConfigError, Mode, register_configs, to_config
 from .slurm import secondary_task
 from .stores import redact, redact_files
@@ -127,6 +127,12 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print("error: interrupted; every rank was stopped", file=sys.stderr)
         _resume_hint(run_dir, overrides)
         sys.exit(EXIT_SIGINT)
+    if cfg.tags.get("tuned_study") and cfg.tags.get("tuned_storage"):  # the rerun of a study's pick
+        from .tune.advise import rerun_advice
+
+        checked = rerun_advice(run_dir, cfg.tags["tuned_study"], cfg.tags["tuned_storage"])
+        if checked is not None:  # advice that agrees with the study that picked this config
+            result = {**result, "diagnosis": checked}
     print_summary(result, run_dir)
     return 0
 
@@ -282,6 +288,10 @@ def cli() -> None:
         sys.exit(EXIT_CONFIG)
     except Exception as exc:  # noqa: BLE001 - Hydra's own writes before the job: the run dir
         os_error = _os_error(exc)
+        composing = None if _started or os_error is not None else config_library_error(exc)
+        if composing is not None:  # OmegaConf or Hydra failed with a plain exception: one line
+            print(f"error: {redact(composing)}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG)
         if _started or os_error is None:
             raise
         print(f"error: {run_dir_error(os_error, multirun=bool({'-m', '--multirun'} & set(sys.argv)))}", file=sys.stderr)

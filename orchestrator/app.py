@@ -84,6 +84,7 @@ class LiveLog:
         self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
         self.seen: Dict[int, int] = {}  # rank -> windows seen
         self.loader: Dict[str, float] = {}  # the loader autotune's current settings, logged with each window
+        self.measured = [0.0, 0.0]  # samples and seconds of the job's measured windows so far
 
     def __call__(self, batch: List[tuple[int, Event]]) -> None:
         points: List[tuple[str, float, int]] = []
@@ -121,12 +122,23 @@ class LiveLog:
                     job = fig.metrics()
                     points += [(k, v, fig.step) for k, v in {**job, **self.loader}.items()]
                     if self.progress is not None:
-                        self.progress.update(throughput=job["throughput"])
+                        self.progress.update(throughput=self._measured_rate(fig))
                     if self.monitor is not None and self.monitor(n, job):
                         self.stop = True
         self.pending += points
         if self.pending and time.monotonic() - self.flushed >= self.FLUSH_S:
             self.flush()
+
+    def _measured_rate(self, fig: WindowFigures) -> float:
+        """The job's samples/s over its measured windows so far (each window's samples over their
+        seconds), the figure its summary reports at the end; the progress line shows it rather than
+        the last window's rate, which can read several times the whole run's (a window of batches
+        the workers had queued)."""
+        if fig.wall_s <= 0:  # an event without its window's seconds
+            return fig.throughput
+        self.measured[0] += fig.throughput * fig.wall_s
+        self.measured[1] += fig.wall_s
+        return self.measured[0] / self.measured[1]
 
     def flush(self) -> None:
         """Log the metrics not logged yet (tracking trouble is printed: it must not kill a job)."""

@@ -143,3 +143,23 @@ def format_error(exc: BaseException, root: type) -> str:
 
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{key}: {first}" if key and key not in first else first
+
+
+def config_library_error(exc: BaseException) -> Optional[str]:
+    """An error OmegaConf or Hydra raised as a plain Python exception (an AttributeError or
+    AssertionError out of their own code, e.g. a mapping merged over a null node) while the config
+    was composed: one line naming the key (`full_key` in OmegaConf's message) and the problem;
+    None when the exception did not come out of them."""
+    tb, inside = exc.__traceback__, False
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        inside = inside or "/omegaconf/" in name or "/hydra/" in name
+        tb = tb.tb_next
+    if not inside:
+        return None
+    text = str(exc).strip()
+    key = re.search(r"full_key: (\S+)", text)
+    first = text.splitlines()[0] if text else type(exc).__name__
+    where = f"{key.group(1)}: " if key else ""
+    return (f"{where}this override could not be applied ({type(exc).__name__}: {first}); give the whole value, "
+            f"e.g. {key.group(1) if key else 'key'}={{_target_: pkg.fn}}, or set it in a config file")

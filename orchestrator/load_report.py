@@ -42,12 +42,12 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
     tuned = result.get("loader_autotune")
     if tuned:  # the advice is about the settings the run ended with
         cfg = dataclasses.replace(cfg, data=LoaderSettings(**tuned["final"]).data(cfg.data))
-    diag = diagnose(result, cfg, device_mem)
+    diag = diagnose(result, cfg, device_mem).as_dict()
     phase_sum = {r["rank"]: sum(r["phase_s"].values()) for r in per_rank}
     report: Dict[str, Any] = {
         "status": result.get("status"),
         "backend": cfg.backend.name.value, "world_size": result.get("world_size"),
-        "diagnosis": diag.as_dict(),
+        "diagnosis": diag,
         "straggler": straggler_note(result),
         "imbalance": result.get("imbalance"),
         "balance": balance or None,

@@ -146,6 +146,14 @@ def _spread(values: List[float]) -> float:
     return (max(values) - min(values)) / max(values) if values and max(values) > 0 else 0.0
 
 
+# what each utilization source counts, in the summary beside the phases' shares of the step's wall time
+UTILIZATION_WORDS = {
+    "cpu-time": "the loop thread's CPU time in compute + optimizer over wall time",
+    "nvml": "the GPU's busy share, NVML utilization.gpu",
+    "cuda-busy": "the share of the step the GPU ran kernels, by CUDA events",
+}
+
+
 def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
     """What the console shows at the end of a run."""
     def pct(x: Any) -> str:
@@ -157,7 +165,9 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("steps (measured)", f"{result.get('steps', '-')} ({result.get('measured_steps', '-')})"),
         ("loss first -> last", f"{result.get('first_loss', float('nan')):.4g} -> {result.get('final_loss', float('nan')):.4g}"
          if result.get("final_loss") is not None else "-"),
-        ("utilization", f"{pct(result.get('utilization'))} ({result.get('utilization_source', '-')})"),
+        ("utilization", f"{pct(result.get('utilization'))} ({result.get('utilization_source', '-')}"
+                        + (f": {UTILIZATION_WORDS[result['utilization_source']]})"
+                           if result.get("utilization_source") in UTILIZATION_WORDS else ")")),
         ("mfu", f"{pct(result['mfu'])} of the {result.get('mfu_dtype')} peak" if result.get("mfu") is not None
          else f"- ({result.get('mfu_source', 'not measured')})"),
         *[(label, f"{pct(result[key])} ({result.get(key + '_source')})") for key, label in
@@ -167,7 +177,7 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
                                f"computed were padding)")] if result.get("tokens_per_s") is not None else []),
         ("step time", f"{1000 * result['step_time_s']:.2f} ms" if result.get("step_time_s") else "-"),
         ("data wait / h2d", f"{pct(result.get('data_wait_frac'))} / {pct(result.get('h2d_frac'))}"),
-        ("compute / comm / optimizer", f"{pct(result.get('compute_frac'))} / {pct(result.get('comm_frac'))} / "
+        ("compute / comm / optimizer (of step time)", f"{pct(result.get('compute_frac'))} / {pct(result.get('comm_frac'))} / "
                                         f"{pct(result.get('optimizer_frac'))}"),
         ("peak memory", f"{result['peak_mem_mb']:.0f} MB" if result.get("peak_mem_mb") else "-"),
         ("bottleneck", str(result.get("bottleneck", "-"))),
@@ -218,10 +228,11 @@ def measurement_warning(result: Dict[str, Any]) -> str:
     warm = result.get("warmup") or {}
     ran, raise_ = f"the run ended after {steps} steps", "trainer.epochs"
     per_epoch, n = result.get("steps_per_epoch"), result.get("epochs", 1)
-    if per_epoch:
+    if per_epoch and steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
+        ran += f", its trainer.max_steps (an epoch is {per_epoch} steps)"
+        raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
+    elif per_epoch:
         ran += f" ({n} epoch{'s' if n != 1 else ''} of {per_epoch} steps)"
-        if steps < n * per_epoch:  # trainer.max_steps cut the run, not the epochs
-            raise_ = "trainer.max_steps (and trainer.epochs if the data runs out)"
     act = f"raise {raise_}"
     if result.get("stopped_by") == "target_loss":  # neither limit ended it
         ran, act = f"the run reached trainer.target_loss after {steps} steps", "a lower trainer.target_loss trains longer"

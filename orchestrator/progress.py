@@ -13,7 +13,10 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-PLAIN_EVERY_S = 5.0  # seconds between plain progress lines (stdout not a terminal)
+PLAIN_EVERY_S = 5.0  # seconds between a job's plain progress lines (stdout not a terminal)
+# a study's plain lines come at each trial's and confirmation run's start; between them, a line
+# this often says a long one is still running
+STUDY_PLAIN_EVERY_S = 60.0
 PIPE_WIDTH = 240  # rich's width when stdout is a pipe or a file (its default there is 80)
 
 
@@ -146,10 +149,13 @@ class StudyProgress:
     """A running study: trial k of N, the running trial's knobs and elapsed time, the best so far
     with its interval, the ETA from this process's mean trial time; then the confirmation runs."""
 
-    def __init__(self, name: str, n_trials: int, live: Optional[bool] = None, every_s: float = PLAIN_EVERY_S) -> None:
+    def __init__(self, name: str, n_trials: int, live: Optional[bool] = None,
+                 every_s: float = STUDY_PLAIN_EVERY_S) -> None:
         self.live = is_terminal() if live is None else live
         self.name, self.n, self.every_s = name, n_trials, every_s
         self.phase, self.k, self.knobs, self.best = "trial", 0, "", ""
+        self.number: Optional[int] = None  # the running trial's number (Optuna's, from 0)
+        self.said_at = float("-inf")  # when the last plain line was printed
         self.total = n_trials
         self.t_trial = self.t0 = time.monotonic()
         self.durations: list = []
@@ -162,21 +168,23 @@ class StudyProgress:
             from rich.progress import Progress, TextColumn
 
             self.bar = Progress(TextColumn("{task.description}"), redirect_stdout=True, redirect_stderr=True,
-                                refresh_per_second=2)
+                                refresh_per_second=2, transient=True)  # gone at the end: the summary follows
             self.task = self.bar.add_task(self.line())
             self.bar.start()
             self.ticker = _Ticker(1.0, lambda: self.bar.update(self.task, description=self.line()))
         else:
-            self.ticker = _Ticker(self.every_s, self._say)
+            self.ticker = _Ticker(self.every_s, self._tick)
 
-    def trial(self, k: int, knobs: str) -> None:
-        """Trial `k` (1-based, of tune.n_trials) starts with these knobs."""
+    def trial(self, k: int, knobs: str, number: Optional[int] = None) -> None:
+        """The `k`th counted trial (1-based, of tune.n_trials), Optuna's trial `number`, starts with these knobs."""
         self.phase, self.k, self.knobs, self.total, self.t_trial = "trial", k, knobs, self.n, time.monotonic()
+        self.number = number
         self._show()
 
     def confirm(self, k: int, total: int, knobs: str) -> None:
         """Confirmation run `k` of `total` starts (a candidate's knobs)."""
         self.phase, self.k, self.knobs, self.total, self.t_trial = "confirm", k, knobs, total, time.monotonic()
+        self.number = None
         self._show()
 
     def ended(self, best: str) -> None:
@@ -191,9 +199,15 @@ class StudyProgress:
         return max(0.0, (self.total - self.k + 1) * mean - (time.monotonic() - self.t_trial))
 
     def line(self) -> str:
-        what = "confirmation run" if self.phase == "confirm" else "trial"
-        return (f"[tune] {what} {self.k}/{self.total} running {clock(time.monotonic() - self.t_trial)}: {self.knobs}"
-                + (f" | best so far: {self.best}" if self.best else "") + f" | ETA {clock(self.eta_s())}")
+        if self.phase == "confirm":
+            what = f"confirmation run {self.k}/{self.total}"
+        else:  # Optuna's number, as the trial's own line and the study name it, and the count
+            what = f"trial {self.k}/{self.total}" if self.number is None else f"trial {self.number} ({self.k}/{self.total})"
+        # while the candidates are re-measured, the leader is still judged on its trial's figures: the
+        # pick is made from the confirmed ones at the end (the study's last lines)
+        best = "leader before confirmation" if self.phase == "confirm" else "best so far"
+        return (f"[tune] {what} {clock(time.monotonic() - self.t_trial)}: {self.knobs}"
+                + (f" | {best}: {self.best}" if self.best else "") + f" | ETA {clock(self.eta_s())}")
 
     def _show(self) -> None:
         if self.bar is not None:
@@ -203,7 +217,14 @@ class StudyProgress:
 
     def _say(self) -> None:
         if self.k:
+            self.said_at = time.monotonic()
             print(self.line(), flush=True)
+
+    def _tick(self) -> None:
+        """The plain heartbeat: only when no line was said for most of an interval (a run that just
+        started said its own)."""
+        if time.monotonic() - self.said_at >= 0.9 * self.every_s:
+            self._say()
 
     def stop(self) -> None:
         if self.ticker is not None:

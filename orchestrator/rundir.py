@@ -86,6 +86,7 @@ class WindowEvent(TypedDict):
     comm_frac: float
     step_time_s: float
     tokens_per_s: Optional[float]  # real tokens/s (dict batches with an attention_mask), else None
+    wall_s: float  # the window's seconds (the live progress weighs the windows by them)
 
 
 class CheckpointEvent(TypedDict):

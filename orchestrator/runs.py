@@ -2,8 +2,9 @@
 studies and sweeps with their status and key figures, each study's best config and its rerun line.
 
     python -m orchestrator.runs [--uri URI] [--experiment NAME] [--last N] [--links BASE_URL]
+    python -m orchestrator.runs tracking.uri=URI tracking.experiment=NAME   (as every other command)
 
-`--uri` defaults to $MLFLOW_TRACKING_URI, else tracking.uri's default (sqlite:///outputs/mlflow.db;
+`--uri` (or `tracking.uri=`) defaults to $MLFLOW_TRACKING_URI, else tracking.uri's default (sqlite:///outputs/mlflow.db;
 a relative path is the project's, as a run's tracking.uri); `--links` prints each experiment's training
 runs URL in the UI served at BASE_URL (scripts/ui.sh uses it).
 """
@@ -123,6 +124,20 @@ def show(uri: str, experiment: str, last: int, links: Optional[str] = None) -> N
     _sweeps(runs, last)
 
 
+OVERRIDES = {"tracking.uri": "uri", "tracking.experiment": "experiment"}  # Hydra's keys -> the options
+
+
+def _apply_overrides(args: argparse.Namespace) -> None:
+    """`tracking.uri=...` and `tracking.experiment=...` (Hydra's form, as `python -m orchestrator`
+    takes them) set --uri and --experiment; anything else is refused in one line."""
+    for item in args.overrides:
+        key, eq, value = item.lstrip("+").partition("=")
+        if not eq or key not in OVERRIDES:
+            raise Refused(f"{item}: not an option of this command; allowed: {', '.join(f'{k}=...' for k in OVERRIDES)}, "
+                          "--uri, --experiment, --last, --links")
+        setattr(args, OVERRIDES[key], value)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.runs", description=__doc__.splitlines()[0])
     parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI") or TrackingConfig.uri,
@@ -130,8 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--experiment", default=TrackingConfig.experiment, help="default: %(default)s")
     parser.add_argument("--last", type=int, default=10, help="rows per table (default: %(default)s)")
     parser.add_argument("--links", metavar="BASE_URL", help="print each experiment's training runs URL in that UI")
+    parser.add_argument("overrides", nargs="*", metavar="tracking.uri=URI | tracking.experiment=NAME",
+                        help="the store and experiment as a run's command line gives them")
     args = parser.parse_args(argv)
     try:
+        _apply_overrides(args)
         if args.last < 1:
             raise Refused(f"--last: must be an integer >= 1, got {args.last}")
         show(resolve_uri(args.uri, PROJECT), args.experiment, args.last, args.links)

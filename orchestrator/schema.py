@@ -213,7 +213,7 @@ class DataConfig:
     latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
     latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
     # {_target_, args}: the loaders' collate_fn, called as fn(items, **args); null: torch's default
-    collate_fn: Optional[Dict[str, Any]] = None
+    collate_fn: Optional[Any] = None  # Any: OmegaConf merges a mapping given on the command line over null
     batch_key: Optional[str] = None  # a dict batch's key whose leading dimension is the batch size; null: the first tensor's
     # validation (runtime/evaluate.py): a dataset {_target_, args} built like _target_, or a held-out
     # fraction of the training set (the same items whatever trainer.seed); null and 0: none

@@ -37,8 +37,16 @@ VIEW_KEY = "training"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 # (The UI orders metrics, then tags, each alphabetically; a study's run logs its pick's figures
 # under the same names, so its row reads like its trials'.)
-VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization`", "metrics.`mfu`", "tags.`verdict`",
-                "tags.`trial_state`", "tags.`world_size`")
+# MLflow shows a metric as logged, a fraction as 0.110927...: shares are also logged in percent, named so
+PERCENT_METRICS = ("utilization", "mfu")
+VIEW_COLUMNS = ("metrics.`throughput`", "metrics.`utilization_pct`", "metrics.`mfu_pct`",
+                "metrics.`confirmed_throughput`", "metrics.`confirmed_utilization_pct`", "tags.`pick`",
+                "tags.`verdict`", "tags.`trial_state`", "tags.`world_size`")
+# Its charts view (compareRunsMode=CHART) opens on a section of bar charts, a bar per run: samples/s and
+# utilization (as MLflow's charts state holds them: section and cards by uuid); MLflow adds its
+# generated sections of the other metrics after it.
+VIEW_SECTION = "throughput and utilization per run"
+VIEW_CHARTS = ("throughput", "utilization_pct", "confirmed_throughput")  # a chart shows only where runs have it
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI's training kind (not its GenAI one)
 
 # Fail fast against an unreachable server instead of MLflow's minutes of retries.
@@ -52,6 +60,23 @@ os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 def eval_points(event: Dict[str, Any], step: int) -> List[tuple[str, float, int]]:
     """An evaluation's MLflow metrics at its step: `val/loss` and `val/<metric>` (trainer.val_metric)."""
     return [("val/loss", event["val_loss"], step), *((f"val/{k}", v, step) for k, v in event["metrics"].items())]
+
+
+def view_state() -> Dict[str, Any]:
+    """The training view's UI state (VIEW_TAG): the runs table's columns, and the charts view's
+    first section (VIEW_CHARTS)."""
+    section = "section-training"
+    return {"selectedColumns": list(VIEW_COLUMNS), "isAccordionReordered": True,  # generated sections come after
+            "compareRunSections": [{"uuid": section, "name": VIEW_SECTION, "display": True, "isReordered": False,
+                                    "deleted": False, "isGenerated": False}],
+            "compareRunCharts": [{"uuid": f"chart-{key}", "type": "BAR", "runsCountToCompare": 100,
+                                  "metricSectionId": section, "deleted": False, "isGenerated": False, "metricKey": key}
+                                 for key in VIEW_CHARTS]}
+
+
+def with_percent(points: List[tuple]) -> List[tuple]:
+    """(name, value, step) points, and for each share of PERCENT_METRICS the same in percent (`<name>_pct`)."""
+    return list(points) + [(f"{k}_pct", round(100 * v, 2), step) for k, v, step in points if k in PERCENT_METRICS]
 
 
 def runs_url(base: str, experiment_id: str) -> str:
@@ -117,7 +142,7 @@ class Tracker:
         """The experiment's kind (older experiments lack it) and its training view (VIEW_TAG)."""
         import json
 
-        view = json.dumps({"selectedColumns": list(VIEW_COLUMNS)})
+        view = json.dumps(view_state())
         if tags.get(KIND_TAG) != KIND:
             self.client.set_experiment_tag(self.experiment_id, KIND_TAG, KIND)
         if tags.get(VIEW_TAG) != view:
@@ -277,9 +302,9 @@ class Tracker:
         word `end_as` where the status is none of MLflow's (CHECKPOINTED). Tracking trouble is
         printed, never raised: the job's outcome matters more."""
         try:
-            self.log_metrics((f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k], result.get("steps", 0))
-                             for k in SUMMARY_METRICS if isinstance(result.get(k), (int, float))
-                             and not math.isnan(result[k]))
+            self.log_metrics(with_percent([(f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k],
+                                            result.get("steps", 0)) for k in SUMMARY_METRICS
+                                           if isinstance(result.get(k), (int, float)) and not math.isnan(result[k])]))
             tags = {"status": str(status)}
             if result.get("utilization_source"):
                 tags["utilization_source"] = result["utilization_source"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Dict, Optional
+
 import pytest
 
 from orchestrator.errors import format_error
@@ -185,3 +188,42 @@ def test_applied_values_are_checked_on_either_path():
                       ({"tune.throughput_floor": 2}, "tune.throughput_floor: must be in (0, 1]")]:
         with pytest.raises(ConfigError, match=r"^" + line.replace("(", r"\(").replace("[", r"\[")):
             space.apply(cfg, bad)
+
+
+@pytest.mark.parametrize("override", [
+    "data.collate_fn={_target_:torch.utils.data.default_collate}",  # the form docs/running.md gives
+    "+data.collate_fn={_target_:torch.utils.data.default_collate}",
+    "++data.collate_fn={_target_:torch.utils.data.default_collate}",
+    "+data.collate_fn._target_=torch.utils.data.default_collate",
+])
+def test_a_collate_function_is_given_on_the_command_line_over_null(override):
+    """data=custom has collate_fn: null; a mapping given on the command line replaces it."""
+    cfg = to_config(compose_dict(["data=custom", "data._target_=tests.custom_task.make_dataset", "+data.args.items=64",
+                                  override]))
+    assert cfg.data.collate_fn == {"_target_": "torch.utils.data.default_collate"}
+
+
+@pytest.mark.parametrize("override", ["model.loss={_target_:torch.nn.functional.cross_entropy}",
+                                      "++model.loss={_target_:torch.nn.functional.cross_entropy}"])
+def test_a_loss_mapping_is_given_on_the_command_line_over_a_name(override):
+    cfg = to_config(compose_dict([override]))
+    assert cfg.model.loss == {"_target_": "torch.nn.functional.cross_entropy"}
+
+
+@dataclasses.dataclass
+class Node:
+    collate_fn: Optional[Dict[str, str]] = None
+
+
+def test_a_plain_exception_out_of_omegaconf_is_one_line():
+    """OmegaConf raising a plain AttributeError (a mapping merged over a null Optional[Dict] node)
+    reaches the user as one line naming the key."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.errors import config_library_error
+
+    with pytest.raises(AttributeError) as info:
+        OmegaConf.update(OmegaConf.structured(Node), "collate_fn", {"_target_": "pkg.collate"}, merge=True)
+    line = config_library_error(info.value)
+    assert line is not None and "\n" not in line and line.startswith("collate_fn: this override could not be applied")
+    assert config_library_error(AttributeError("ours")) is None  # not out of OmegaConf: left as it is

@@ -189,3 +189,13 @@ def test_the_loader_override_says_its_prefetch_and_a_command_to_paste(tmp_path):
     use = next(line for line in text.splitlines() if line.startswith("# Use: "))[len("# Use: "):]
     args = shlex.split(use)
     assert args[1:] == ["-m", "orchestrator", "--config-dir", str(tmp_path), "experiment=input_bound", "+tuned=loader"]
+
+
+def test_the_summary_says_what_utilization_and_the_phase_shares_count():
+    """'utilization 26.9%' beside 'compute 94.3%' read as a contradiction: each row says what it counts."""
+    from orchestrator.merge import summary_rows
+
+    rows = dict(summary_rows({"utilization": 0.269, "utilization_source": "cpu-time", "compute_frac": 0.943,
+                              "comm_frac": 0.0, "optimizer_frac": 0.01}))
+    assert rows["utilization"] == "26.9% (cpu-time: the loop thread's CPU time in compute + optimizer over wall time)"
+    assert rows["compute / comm / optimizer (of step time)"].startswith("94.3% / 0.0% / 1.0%")

@@ -565,3 +565,17 @@ print(sorted(m for m in set(sys.modules) - at["warm"] if not m.startswith("_")))
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_warning_says_what_ended_the_run():
+    """A run cut by trainer.max_steps is not said to have run its epochs ("ended after 100 steps
+    (2 epochs of 64 steps)" was a contradiction)."""
+    from orchestrator.merge import measurement_warning
+
+    cut = {"steps": 100, "measured_steps": 95, "estimate": {"windows": 1}, "steps_per_epoch": 64, "epochs": 2,
+           "warmup": {"steps": 5}}
+    said = measurement_warning(cut)
+    assert "the run ended after 100 steps, its trainer.max_steps (an epoch is 64 steps); raise trainer.max_steps" in said
+    assert "2 epochs" not in said
+    whole = {**cut, "steps": 128}
+    assert "the run ended after 128 steps (2 epochs of 64 steps); raise trainer.epochs" in measurement_warning(whole)

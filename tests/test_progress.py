@@ -83,12 +83,21 @@ def test_a_run_shows_its_progress_and_its_table(tmp_path, pty):
 def test_a_study_shows_trial_k_of_n_the_best_and_its_table(tmp_path, pty):
     text = watch([*STUDY, f"tune.storage=sqlite:///{tmp_path}/optuna.db"], tmp_path, pty)
     # a plain line says "[tune]"; rich's live line on a terminal is the line itself, cut at its width
-    assert re.search(r"(\[tune\] | )trial 1/2 running \d+:\d\d: batch_size=\d+ .*\| ETA \?", text), text[-3000:]
+    # Optuna's trial number, as the trial's own line says it, and the count
+    assert re.search(r"(\[tune\] | )trial 0 \(1/2\) \d+:\d\d: batch_size=\d+ .*\| ETA \?", text), text[-3000:]
     if pty:
-        assert re.search(r" trial 2/2 running \d+:\d\d: .* \| best so far: trial \d+", text), text[-3000:]
+        assert re.search(r" trial 1 \(2/2\) \d+:\d\d: .* \| best so far: trial \d+", text), text[-3000:]
     else:  # (the interval when the best has two windows or more)
-        assert re.search(r"\[tune\] trial 2/2 running \d+:\d\d: .* \| best so far: trial \d+: utilization [\d.]+%, "
+        assert re.search(r"\[tune\] trial 1 \(2/2\) \d+:\d\d: .* \| best so far: trial \d+: utilization [\d.]+%, "
                          r"[\d.]+( \(-?[\d.]+--?[\d.]+\))? samples/s \| ETA \d+:\d\d", text), text[-3000:]
+        # each trial's start and end name the same trial; the trial's own line comes before what it proposes
+        lines = text.splitlines()
+        for number in (0, 1):
+            start = next(i for i, line in enumerate(lines) if line.startswith(f"[tune] trial {number} ("))
+            end = next(i for i, line in enumerate(lines) if re.match(rf"\[tune\] trial +{number} [A-Z]+ ", line))
+            after = [i for i, line in enumerate(lines) if line.startswith(f"[tune] after trial {number}:")]
+            assert start < end and all(i > end for i in after), text[-3000:]
+    assert "A new study created" not in text and not re.search(r"^\[I \d{4}-", text, re.M)  # Optuna's own log
     header = [line for line in text.splitlines() if "rank" in line and "knobs" in line]
     assert header and "notes" in header[0] and header[0].rstrip()[-1] in "┃│"
     assert re.search(r"^\[tune\] rerun it: \S+ -m orchestrator .*\+tuned=best$", text, re.M)
@@ -118,6 +127,42 @@ def test_a_study_eta_comes_from_its_trials(capsys):
     study.trial(2, "batch_size=16")
     study.stop()
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "[tune] trial 1/5 running 0:00: batch_size=8 | ETA ?"
-    assert lines[1].startswith("[tune] trial 2/5 running 0:00: batch_size=16 | best so far: trial 0: utilization 50.0%")
+    assert lines[0] == "[tune] trial 1/5 0:00: batch_size=8 | ETA ?"
+    assert lines[1].startswith("[tune] trial 2/5 0:00: batch_size=16 | best so far: trial 0: utilization 50.0%")
     assert lines[1].endswith("| ETA 1:20")  # 4 trials left at 20 s each
+
+
+def test_a_piped_study_says_each_start_once_and_rarely_beats_between(capsys):
+    """Piped, a study's plain line comes at each start; the heartbeat right after a start says
+    nothing, and the heartbeat is rare (a line per minute at most, not every 5 s)."""
+    study = StudyProgress("s", 5, live=False)
+    assert study.every_s >= 30
+    study = StudyProgress("s", 5, live=False, every_s=3600)
+    study.start()
+    study.confirm(10, 10, "trial 3: batch_size=8")
+    study._tick()  # the ticker fires just after the start
+    study.ended("trial 3: utilization 50.0%")
+    study.confirm(11, 12, "trial 4: batch_size=16")
+    study.stop()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[tune] confirmation run 10/10 0:00: trial 3: batch_size=8 | ETA ?"
+    # the leader is not the pick yet: it is judged on its trial's figures until the confirmation ends
+    assert lines[1].startswith("[tune] confirmation run 11/12 0:00: trial 4: batch_size=16 | leader before "
+                               "confirmation: trial 3") and len(lines) == 2
+
+
+def test_a_runs_progress_shows_the_samples_per_second_its_summary_reports():
+    """The live rate is the measured windows' samples over their seconds so far (the summary's
+    figure at the end), not the last window's: a window of queued batches read 3000/s where the
+    run delivered 1200/s."""
+    import types
+
+    from orchestrator.app import LiveLog
+
+    progress = JobProgress(live=False, every_s=3600)
+    live = LiveLog(types.SimpleNamespace(log_metrics=lambda points: None, uri="-"), 1, progress=progress)
+    window = {"type": "window", "utilization": 0.5, "data_wait_frac": 0.1, "comm_frac": 0.0, "step_time_s": 0.01,
+              "tokens_per_s": None}
+    live([(0, {**window, "step": 10, "throughput": 1000.0, "wall_s": 4.0})])
+    live([(0, {**window, "step": 20, "throughput": 3000.0, "wall_s": 1.0})])
+    assert progress.throughput == pytest.approx((1000.0 * 4 + 3000.0 * 1) / 5)  # 1400/s, not 3000/s

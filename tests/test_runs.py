@@ -68,3 +68,16 @@ def test_runs_refuses_bad_options_in_one_line(tmp_path, capsys):
         assert err.startswith(said) and err.count("\n") == 1, err
     assert main(["--uri", uri, "--experiment", "nope"]) == 2
     assert "allowed: Default, look" in capsys.readouterr().err
+
+
+def test_runs_takes_the_store_as_every_other_command_does(tmp_path, capsys):
+    """`tracking.uri=` and `tracking.experiment=` (Hydra's form) as well as --uri and --experiment."""
+    uri, _ = store(tmp_path)
+    capsys.readouterr()
+    assert main([f"tracking.uri={uri}", "tracking.experiment=look"]) == 0
+    out = capsys.readouterr().out
+    assert "experiment 'look'" in out and "s: best trial 3" in out
+    assert main([f"tracking.uri={uri}", "trainer.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer.max_steps=3: not an option of this command; allowed: tracking.uri=...")
+    assert err.count("\n") == 1

@@ -83,8 +83,8 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     body = lambda: browser.find_element("tag name", "body").text  # noqa: E731
     wait_for(lambda: run_name in body() and parent_name in body(), browser=browser, what="runs table")
     headers = lambda: [h.text for h in browser.find_elements("css selector", "[role='columnheader']")]  # noqa: E731
-    wait_for(lambda: {"throughput", "utilization", "verdict"} <= set(headers()), browser=browser,
-             what="throughput, utilization and verdict columns")
+    wait_for(lambda: {"throughput", "utilization_pct", "verdict"} <= set(headers()), browser=browser,
+             what="throughput, utilization_pct and verdict columns")
     assert "Overview" not in headers() and "/overview" not in browser.current_url
     verdict = client.get_run(job["mlflow_run_id"]).data.tags["verdict"]
     wait_for(lambda: verdict in body(), browser=browser, what="the job's verdict in its row")
@@ -97,6 +97,25 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     wait_for(lambda: "trial 0" in body() and "trial 1" in body(), browser=browser, what="nested trials")
     os.makedirs(ROOT / "outputs", exist_ok=True)
     browser.save_screenshot(str(ROOT / "outputs" / "ui_runs.png"))
+
+    # docs/ui.md's filters work as written: the pick's row, by its tag
+    from selenium.webdriver.common.keys import Keys
+
+    search = browser.find_element("css selector", "input[placeholder*='metrics.rmse']")
+    search.send_keys("tags.pick = 'true'", Keys.ENTER)
+    pick = f"trial {summary['best']['number']}"
+    other = f"trial {1 - summary['best']['number']}"
+    wait_for(lambda: pick in body() and other not in body(), browser=browser, what="the pick's row alone")
+    browser.save_screenshot(str(ROOT / "outputs" / "ui_pick_filter.png"))
+
+    # the charts view opens on samples/s and utilization per run
+    browser.get(tracker.runs_url(url) + "&compareRunsMode=CHART")
+    from orchestrator.tracking import VIEW_SECTION
+
+    wait_for(lambda: VIEW_SECTION in body() and "utilization_pct" in body()
+             and body().index(VIEW_SECTION) < body().index("Model metrics"),
+             browser=browser, what="the charts view's throughput and utilization section first")
+    browser.save_screenshot(str(ROOT / "outputs" / "ui_charts.png"))
 
     # an image artifact of the job renders
     browser.get(f"{url}/#/experiments/{exp_id}/runs/{job['mlflow_run_id']}/artifacts/timeline.png")

@@ -157,7 +157,7 @@ class WindowFigures:
         return cls(throughput=float(ev["throughput"]), step_time_s=float(ev["step_time_s"]),
                    utilization=float(ev["utilization"]), data_wait_frac=float(ev["data_wait_frac"]),
                    comm_frac=float(ev["comm_frac"]), tokens_per_s=None if tokens is None else float(tokens),
-                   step=int(ev.get("step", 0)))
+                   step=int(ev.get("step", 0)), wall_s=float(ev.get("wall_s") or 0.0))
 
     def metrics(self) -> Dict[str, float]:
         """The MLflow window metrics (tokens/s only where counted)."""

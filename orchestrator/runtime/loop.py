@@ -264,7 +264,7 @@ class Run:
         self.events.write(WindowEvent(type="window", step=own.step, throughput=own.throughput,
                                       utilization=own.utilization, data_wait_frac=own.data_wait_frac,
                                       comm_frac=own.comm_frac, step_time_s=own.step_time_s,
-                                      tokens_per_s=own.tokens_per_s))
+                                      tokens_per_s=own.tokens_per_s, wall_s=own.wall_s))
         if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
             return False
         for hook in overriding(self.hooks, "on_window"):

@@ -16,11 +16,13 @@ from ..progress import console
 from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
+from .advise import pick_advice
+from .answer import record_pick
 from .edges import advice
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
-from .rules import (best_trials, completed, confirmed, counted, failed_confirmation, figures, ranked, refused, separation,
-                    versus_baseline)
+from .rules import (best_trials, completed, confirmed, counted, failed_confirmation, figures, pickable, ranked, refused,
+                    separation, versus_baseline)
 
 # Optuna's importances (a random forest over the completed trials) are noise below this many trials;
 # the plot also costs the first scikit-learn import, 2-3 s of a 6-trial study on 2 cores
@@ -114,12 +116,15 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
             f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
             f"# Rerun: {rerun}\n"
             + "".join(f"# Note: {line}\n" for line in _header_notes(notes))
-            + yaml.safe_dump(_nested(values), sort_keys=True)
+            + yaml.safe_dump(_nested({**values, **_tuned_tags(name, storage)}), sort_keys=True)
         )
         artifacts.append(str(best_yaml))
-        overrides = " ".join(shlex.quote(f"{k}={'null' if v is None else v}") for k, v in values.items())
+        overrides = " ".join(shlex.quote(f"{k}={_override_value(v)}") for k, v in values.items())
         summary["rerun"] = rerun
         summary["rerun_overrides"] = overrides
+    summary["pick"] = record_pick(study, best, t)  # Optuna's readers see the same answer
+    if best:
+        summary["pick_advice"] = pick_advice(study, summary["pick"], out_dir / "trials" / f"{best[0].number:04d}", name)
     summary["trial_overhead"] = _overhead(trials)
     artifacts += _plots(study, best, out_dir, t, say=print if echo else lambda line: None)
     write_json(out_dir / "summary.json", summary, indent=2)
@@ -128,6 +133,42 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     if echo:
         _print_table(study, best, t, name, summary)
     return summary
+
+
+def _override_value(v: Any) -> str:
+    """A value as a Hydra override writes it (null, true/false)."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _tuned_tags(name: str, storage: str) -> Dict[str, str]:
+    """Tags of the rerun of best.yaml naming the study (its advice is checked against it,
+    tune/advise.py); the storage only where its URL holds no password."""
+    if redact(storage) != storage:
+        return {"tags.tuned_study": name}
+    return {"tags.tuned_study": name, "tags.tuned_storage": storage}
+
+
+def floor_line(study: Any, best: List[Any], t: TuneConfig) -> str:
+    """The utilization objective's floor rule at the pick, in a line: the fastest compared config,
+    the pick (the busiest within the floor of it), and the busier ones the floor left out; '' for
+    other objectives."""
+    if t.objective is not Objective.utilization or not best:
+        return ""
+    conf, pick = confirmed(study), best[0]
+    pool = [tr for tr in pickable(study, t) if str(tr.number) in conf] if str(pick.number) in conf else pickable(study, t)
+    fig = {tr.number: figures(tr, conf) for tr in pool}
+    fig.setdefault(pick.number, figures(pick, conf))
+    fastest = max(fig, key=lambda n: fig[n]["throughput"])
+    top, p = fig[fastest]["throughput"], fig[pick.number]
+    said = (f"[tune] picked trial {pick.number}, the busiest config within {t.throughput_floor:g} of the fastest "
+            f"samples/s: utilization {100 * p['utilization']:.1f}% at {p['throughput']:.1f}/s"
+            + (f" (the fastest, trial {fastest}, {top:.1f}/s)" if fastest != pick.number else " (the fastest)"))
+    busier = sorted((n for n, f in fig.items() if f["utilization"] > p["utilization"] and n != pick.number),
+                    key=lambda n: -fig[n]["utilization"])
+    if busier:
+        said += "; busier but under the floor or too likely to be: " + ", ".join(
+            f"trial {n} ({100 * fig[n]['utilization']:.1f}% at {fig[n]['throughput'] / top:.2f}x)" for n in busier[:3])
+    return said + ("; judged on the confirmed figures" if str(pick.number) in conf else "")
 
 
 def _trials(numbers: List[Any]) -> str:
@@ -274,6 +315,9 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
                       shown, *real, a.get("verdict", "-"), " ".join(notes))
     console().print(table)
+    floor = floor_line(study, best, t)
+    if floor:
+        print(floor)
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
         figure = "real tokens/s" if sep["figure"] == "tokens_per_s" else sep["figure"]

@@ -38,13 +38,15 @@ def not_launched(trial: Any) -> bool:
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
-    """The default objective's score: 1 + utilization for a trial within `floor` of the best
-    throughput seen (so among those, utilization decides), throughput / best below it (so it
-    ranks under every trial that keeps up, ordered by how much data rate it loses)."""
+    """The default objective's score, in utilization's own unit for the trials that keep up: their
+    utilization (0-1) for a trial within `floor` of the best throughput seen (so among those,
+    utilization decides); below it minus the share of samples/s it loses against the best
+    (throughput / best - 1, under -(1 - floor)), so it ranks under every trial that keeps up,
+    ordered by how much data rate it loses."""
     best = max(best_thr, thr)
     if best <= 0:
-        return 0.0
-    return 1.0 + util if thr >= floor * best else thr / best
+        return -1.0
+    return util if thr >= floor * best else thr / best - 1.0
 
 
 def refused(trial: Any, t: TuneConfig) -> bool:

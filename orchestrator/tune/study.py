@@ -28,7 +28,7 @@ from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
 from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
-from ..tracking import Tracker
+from ..tracking import Tracker, with_percent
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, import_plotting, write_outputs
@@ -38,6 +38,7 @@ from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
 from .memory import memory_record
+from .answer import knob_attrs, name_objectives, score_offset, tell_mlflow
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
 
@@ -74,6 +75,9 @@ class Tuner:
     def __init__(self, cfg: Config, run_dir: Path, echo: bool = True, overrides: Optional[List[str]] = None) -> None:
         import optuna
 
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its INFO lines ("A new study created") are not ours
+        self.offset = 0.0  # added to the utilization score (answer.score_offset)
+        self.held: Optional[List[str]] = None  # lines said during a trial, printed after its own line (_record)
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
         self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0, "setup": 0.0}  # seconds, over this process's launches
@@ -107,6 +111,8 @@ class Tuner:
         try:
             with store_lock(self.storage), study_lock(self.storage, self.name):
                 study = self._create_or_load(pruner)
+                name_objectives(study, self.t)
+                self.offset = score_offset(study, self.t)  # 1 in a study made when the score was 1 + utilization
                 self._check_space(study)
                 worker = int(study.user_attrs.get("workers", 0))
                 study.set_user_attr("workers", worker + 1)
@@ -262,6 +268,8 @@ class Tuner:
                 except KeyboardInterrupt:
                     self._interrupted(study, trial)
                     raise
+                finally:  # a trial that raised before its own line: what it held is said still
+                    self._say_held()
                 duplicates_in_a_row = duplicates_in_a_row + 1 if not_launched(trial) else 0
                 if duplicates_in_a_row >= MAX_DUPLICATES:  # a small space is covered
                     self.stopped = {"by": "covered", "why": f"{MAX_DUPLICATES} proposals in a row were already "
@@ -396,6 +404,7 @@ class Tuner:
         TrialState = self.optuna.trial.TrialState
         t0 = time.monotonic()
         self.mine.add(trial.number)
+        self.held = []  # what the trial's end proposes is said after the trial's own line
         run_dir = self.run_dir / "trials" / f"{trial.number:04d}"
         # the check for a twin and the claim (this RUNNING trial's params) happen under the study
         # lock: two tuner processes never launch one config at the same time
@@ -403,6 +412,8 @@ class Tuner:
             values = self.space.sample(trial)
             rec = TrialRecord(trial.number, Status.RUNNING, values)
             trial.set_user_attr("values", values)
+            for key, value in knob_attrs(values).items():  # user units beside Optuna's internal parameters
+                trial.set_user_attr(key, value)
             if "proposed_by" not in trial.user_attrs:  # a diagnosis proposal carries its own
                 trial.set_user_attr("proposed_by", "baseline" if trial.user_attrs.get("baseline") else "sampler")
             rec.proposed_by = trial.user_attrs["proposed_by"]
@@ -429,7 +440,7 @@ class Tuner:
         pruned: Dict[str, Any] = {"flag": False}
         no_tokens: Optional[str] = None
         monitor = self._monitor(study, trial, pruned)
-        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values)))
+        self._show(lambda p: p.trial(counted(study.get_trials(deepcopy=False)), knob_words(values), trial.number))
         tags = {"mlflow.parentRunId": parent, "trial": str(trial.number), "study_name": self.name,
                 "run_kind": "trial"} if parent else {}
         try:
@@ -493,7 +504,8 @@ class Tuner:
                 return pruned["flag"]
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
             value = (job[name] if self.t.objective in (Objective.throughput, Objective.mfu, Objective.tokens) else
-                     utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
+                     utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor)
+                     + self.offset)
             trial.report(value, window)
             if trial.should_prune():
                 bar_ = self._median_at(study, trial.number, window)
@@ -597,9 +609,10 @@ class Tuner:
             if not active:
                 break
             if r >= CONFIRM_ROUNDS:
-                total = done + len(active) * (CONFIRM_MAX_ROUNDS - r)
+                grown, total = total, done + len(active) * (CONFIRM_MAX_ROUNDS - r)
                 self._say(f"[tune] round {r + 1}: trials {', '.join(str(tr.number) for tr in active)} "
-                          "still within each other's noise")
+                          f"still within each other's noise, measured again"
+                          + (f": confirmation runs up to {total}, from {grown}" if total != grown else ""))
             for tr in active[r % len(active):] + active[:r % len(active)]:
                 done += 1
                 self._confirm_run(study, tr, r, parent, done, total, runs, failed)
@@ -672,6 +685,7 @@ class Tuner:
                 study.tell(trial, state=TrialState.FAIL)
         except Exception as exc:  # the interrupt matters more than this record
             print(f"[tune] could not record trial {trial.number} as interrupted: {exc}")
+        self._say_held()
         self._say(f"[tune] trial {trial.number} interrupted; rerun with tune.study_name={self.name} to resume")
 
     def _twin(self, study: Any, trial: Any, values: Dict[str, Any]) -> Any:
@@ -702,7 +716,7 @@ class Tuner:
             return rec.metrics["mfu"]
         if self.t.objective is Objective.tokens:
             return rec.metrics["tokens_per_s"]
-        return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor)
+        return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor) + self.offset
 
     def _check_failure_rate(self, study: Any) -> None:
         TrialState = self.optuna.trial.TrialState
@@ -714,8 +728,18 @@ class Tuner:
 
     # -- output ---------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
-        if self.echo:
+        if not self.echo:
+            return
+        if self.held is not None:
+            self.held.append(text)
+        else:
             print(text, flush=True)
+
+    def _say_held(self) -> None:
+        """The lines held while a trial ran (its proposals), after the trial's own line."""
+        held, self.held = self.held or [], None
+        for line in held:
+            self._say(line)
 
     def _show(self, what: Callable[[StudyProgress], None]) -> None:
         """Tell the live progress (when the study echoes)."""
@@ -747,8 +771,11 @@ class Tuner:
         tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
         figures = (f"utilization {100 * m['utilization']:.1f}%  throughput {m['throughput']:.1f}/s{pm}{tokens}"
                    if "utilization" in m else rec.error.splitlines()[0] if rec.error else "")
+        held, self.held = self.held, None
         self._say(f"[tune] trial {rec.number:3d} {rec.state:8s} {rec.proposed_by:9s} {knobs:45s} {figures}  "
                   f"({rec.duration_s:.1f}s)")
+        self.held = held
+        self._say_held()
 
     def _notes(self, study: Any, best: List[Any]) -> Dict[str, Any]:
         """What the user must know to act on the pick: the edges it sits on, how its global batch
@@ -810,8 +837,7 @@ class Tuner:
         summary = write_outputs(study, best, t=self.t, out_dir=self.run_dir, name=self.name, storage=self.storage,
                                 overrides=self.overrides, echo=self.echo,
                                 notes={"stopped": self.stopped, **self._notes(study, best)})
-        if best:
-            self._tag(best[0].user_attrs.get("mlflow_run_id"), {"best": "true"})
+        tell_mlflow(self.tracker.client, study, best, self.t, parent)  # the pick and the confirmed figures
         for path in summary["artifacts"]:
             self.tracker.log_artifact(Path(path))
         if best:
@@ -819,8 +845,9 @@ class Tuner:
             self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi",
                                                                         "tokens_per_s_lo", "tokens_per_s_hi")
                                       if isinstance(fig.get(k), (int, float))]
-                                     + [(k, fig[k], 0) for k in ("throughput", "utilization", "mfu", "tokens_per_s")  # its row's columns
-                                        if isinstance(fig.get(k), (int, float))])
+                                     + with_percent([(k, fig[k], 0) for k in ("throughput", "utilization", "mfu",
+                                                                             "tokens_per_s")  # its row's columns
+                                                     if isinstance(fig.get(k), (int, float))]))
         self.tracker.end(status)
         self._say(f"[tune] {self.tracker.where()}")
         summary["status"] = status
