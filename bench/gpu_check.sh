@@ -6,8 +6,9 @@
 #
 # It runs single, dp, ddp and fsdp (1 rank, NCCL; fsdp with AMP's mixed-precision policy and a
 # sharded checkpoint) jobs of a transformer LM, AMP bf16 and fp16, the
-# profiler with the CUDA memory summary, and a 4-trial study, then prints one table: what ran,
-# its status, mfu, nvml_util, sm_active, peak memory and throughput. Outputs go to OUT.
+# profiler with the CUDA memory summary, 2 ddp ranks on the GPU over gloo and a run without the
+# gradient noise scale (its value per method and its cost), and a 4-trial study, then prints one
+# table: what ran, its status, mfu, nvml_util, sm_active, peak memory and throughput. Outputs go to OUT.
 #   bash bench/gpu_check.sh [WHEELS=.whl] [OUT=/tmp/gpu_check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,9 @@ run fsdp_amp backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl
 run amp_bf16 trainer.amp=true trainer.amp_dtype=bf16
 run amp_fp16 trainer.amp=true trainer.amp_dtype=fp16
 run profiler trainer.amp=true trainer.profile_steps=5
+# the gradient noise scale on CUDA: 2 ranks on the one GPU (gloo), the DDP hook's method; its cost beside `single`
+run ddp_gloo_2 backend=ddp parallelism.nproc_per_node=2 backend.dist_backend=gloo
+run single_quiet backend=single trainer.noise_scale=false
 run study mode=tune tune.n_trials=4 tune.warmup_steps=5 tune.measure_steps=20 tune.window_steps=5 \
   "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 tune.space.batch_size.high=64 \
   tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
@@ -79,6 +83,15 @@ if prof.exists():
     ops = (rep.get("profile") or {}).get("top_ops") or []
     has_mem = any(r.get("memory_summary") for r in rep.get("per_rank", []))
     print(f"profiler: {len(ops)} top ops, first {ops[0]['name'] if ops else '-'}; memory summary: {has_mem}")
+for name in ("single", "ddp_nccl", "fsdp_amp", "amp_fp16", "ddp_gloo_2"):  # the gradient noise scale, per method
+    path = out / name / "result.json"
+    ns = (json.loads(path.read_text()).get("noise_scale") if path.exists() else None) or {}
+    print(f"noise scale {name}: B_simple {ns.get('b_simple')} [{ns.get('lo')}, {ns.get('hi')}] "
+          f"({ns.get('method')}, {ns.get('batch_small')} vs {ns.get('batch_big')}, {ns.get('n')} steps)")
+step = {n: json.loads((out / n / "result.json").read_text()).get("step_time_s")
+        for n in ("single", "single_quiet") if (out / n / "result.json").exists()}
+if len(step) == 2 and all(step.values()):
+    print(f"noise scale cost (single vs single_quiet step time): {100 * (step['single'] / step['single_quiet'] - 1):+.2f}%")
 widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
 for i, r in enumerate(rows):
     print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))

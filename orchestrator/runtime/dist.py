@@ -236,6 +236,19 @@ class DDPAdapter(Adapter):
             dist.destroy_process_group()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) gradient's local shard; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sq_norm(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The squared L2 norm of several tensors together, in float32, on their device (no sync)."""
+    ts = [_local(t) for t in tensors if t is not None]
+    if len(ts) < 2:
+        return torch.linalg.vector_norm(ts[0], dtype=torch.float32).square() if ts else None
+    return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).square().sum()
+
+
 def _sq(t: torch.Tensor) -> torch.Tensor:
     """A flat tensor's squared L2 norm in float32, on its device (one reduction, no sync)."""
     return torch.linalg.vector_norm(t, dtype=torch.float32).square()
@@ -400,8 +413,6 @@ def _feed_unsharded_grads(groups: List[Any], noise: Any) -> None:
     """Each FSDP param group's post_backward, where it reduces: first the squared norm of this
     rank's unsharded gradients (the micro-steps' accumulated ones added in first, as post_backward
     itself does) into `noise`. Private API: where it differs, nothing is fed (noise.fed stays False)."""
-    from .noise import sq_norm
-
     try:
         for g in groups:
             for fp in g.fsdp_params:

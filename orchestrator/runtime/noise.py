@@ -27,22 +27,10 @@ from torch import nn
 from ..measure.noise import NoiseEstimator
 from ..measure.results import NoiseScale
 from ..schema import BackendName, Balance, Config
+from .dist import sq_norm
 from .hooks import Hook
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) gradient's local shard; a plain tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def sq_norm(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The squared L2 norm of several tensors together, in float32, on their device (no sync)."""
-    ts = [_local(t) for t in tensors if t is not None]
-    if len(ts) < 2:
-        return torch.linalg.vector_norm(ts[0], dtype=torch.float32).square() if ts else None
-    return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).square().sum()
 
 
 def _total(parts: List[torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER
 from .batch import Feed, to_device
@@ -141,8 +142,6 @@ class Stepper:
 def split(batch: Any, n: int, start: int, stop: int) -> Any:
     """Samples [start, stop) of a batch of `n`: every tensor in it whose first dimension is `n`
     (an (input, target) pair, a dict's fields); other leaves as they are."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else t,
                     batch)
 
