@@ -408,6 +408,12 @@ class FSDPAdapter(DDPAdapter):
         if noise is not None:
             _feed_unsharded_grads(groups, noise)
 
+    def consolidated_state_dict(self, model: nn.Module) -> Optional[dict]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if self.rank == 0 else None
+
 
 def _feed_unsharded_grads(groups: List[Any], noise: Any) -> None:
     """Each FSDP param group's post_backward, where it reduces: first the squared norm of this
@@ -438,12 +444,6 @@ def _feed_unsharded_grads(groups: List[Any], noise: Any) -> None:
     for g in groups:
         g.post_backward = feeding(g, g.post_backward)
     noise.fed = True
-
-    def consolidated_state_dict(self, model: nn.Module) -> Optional[dict]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return full if self.rank == 0 else None
 
 
 class HorovodAdapter(Adapter):
