@@ -358,7 +358,9 @@ class TrainerConfig:
     loader_autotune_every: int = 100  # steps between the autotuner's looks at the last windows
     # the gradient noise scale B_simple, measured while training (runtime/noise.py, docs/measurement.md)
     noise_scale: bool = True
-    noise_every: int = 100  # one process, no accumulation: a step of two half batches every this many steps
+    # steps between the estimated ones, besides the warmup's; 0: every 4th, or every 100th where a step
+    # of two half batches (one process, no accumulation) pays an extra forward and backward
+    noise_every: int = 0
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -383,7 +385,8 @@ class TrainerConfig:
         _measure_rule("trainer", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
         _require(self.loader_autotune_every >= 1,
                  f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
-        _require(self.noise_every >= 1, f"trainer.noise_every: must be an integer >= 1 (steps), got {self.noise_every}")
+        _require(self.noise_every >= 0,
+                 f"trainer.noise_every: must be an integer >= 0 (steps; 0 = automatic), got {self.noise_every}")
 
 
 def _refuse_non_finite(node: Any, where: str) -> None:

@@ -197,13 +197,15 @@ class DDPAdapter(Adapter):
             return default_hooks.allreduce_hook(state, bucket)
 
         def measured_allreduce(state, bucket):  # the norm first: the rank's own work, not communication
-            noise.add_small(_sq(bucket.buffer()))  # before the hook averages the bucket in place
+            if not noise.active:
+                return timed_allreduce(state, bucket)
+            noise.add_small(_norm(bucket.buffer()))  # before the hook averages the bucket in place
             on_bucket()
             return default_hooks.allreduce_hook(state, bucket).then(averaged)
 
         def averaged(fut):
             reduced = fut.value()
-            noise.add_big(_sq(reduced))
+            noise.add_big(_norm(reduced))
             return reduced
 
         model.register_comm_hook(None, timed_allreduce if noise is None else measured_allreduce)  # type: ignore[operator]
@@ -241,17 +243,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def sq_norm(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The squared L2 norm of several tensors together, in float32, on their device (no sync)."""
+def norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The L2 norm of each tensor (a sharded one's local shard), in float32, on their device: one
+    fused op, no sync (the gradient noise scale, runtime/noise.py)."""
     ts = [_local(t) for t in tensors if t is not None]
-    if len(ts) < 2:
-        return torch.linalg.vector_norm(ts[0], dtype=torch.float32).square() if ts else None
-    return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).square().sum()
+    return list(torch._foreach_norm(ts, 2, dtype=torch.float32)) if ts else []
 
 
-def _sq(t: torch.Tensor) -> torch.Tensor:
-    """A flat tensor's squared L2 norm in float32, on its device (one reduction, no sync)."""
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+def _norm(t: torch.Tensor) -> List[torch.Tensor]:
+    """A flat tensor's L2 norm in float32, on its device (one reduction, no sync)."""
+    return [torch.linalg.vector_norm(t, dtype=torch.float32)]
 
 
 def shard_units(model: nn.Module, class_names: List[str], min_params: int) -> List[nn.Module]:
@@ -429,7 +430,7 @@ def _feed_unsharded_grads(groups: List[Any], noise: Any) -> None:
 
     def feeding(g: Any, fn: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
-            if g.reduce_grads:
+            if g.reduce_grads and noise.active:
                 local = []
                 for fp in g.fsdp_params:
                     if not hasattr(fp, "_unsharded_param"):
@@ -437,7 +438,7 @@ def _feed_unsharded_grads(groups: List[Any], noise: Any) -> None:
                     fp.accumulate_unsharded_grad_if_needed()  # idempotent: post_backward calls it again
                     acc = fp.unsharded_accumulated_grad
                     local.append(acc if acc is not None else fp.unsharded_param.grad)
-                noise.add_small(sq_norm(local))
+                noise.add_small(norms(local))
             return fn(*args, **kwargs)
         return run
 
@@ -486,7 +487,8 @@ class HorovodAdapter(Adapter):
             return
 
         def measured(p: torch.Tensor) -> Any:
-            noise.add_small(_sq(p.grad))
+            if noise.active:
+                noise.add_small(_norm(p.grad))
             return launch(p)
 
         self.optimizer._allreduce_grad_async = measured  # type: ignore[union-attr]

@@ -6,16 +6,17 @@ Each estimated step gives a pair of squared gradient norms at two batch sizes:
 - `ranks` (several ranks: ddp, fsdp, horovod): each rank's own gradient before the all-reduce
   (DDP's communication hook sees every bucket; Horovod each gradient as its allreduce starts;
   FSDP each group's unsharded gradient before its reduce-scatter) at the local batch, and the
-  averaged gradient after it at the global batch. Costs a norm of the gradients twice a step.
+  averaged gradient after it at the global batch. Costs a norm of the gradients twice.
 - `accumulation` (one rank, trainer.accumulation_steps > 1): the first micro-batch's gradient and
   the accumulated one.
-- `halves` (one rank, single or dp, no accumulation): the warmup's steps (never measured) and
-  every trainer.noise_every-th step run their batch as two halves (the same gradient: each half's
-  loss weighs by its share); the first half's gradient and the whole's.
+- `halves` (one rank, single or dp, no accumulation): the step runs its batch as two halves (the
+  same gradient: each half's loss weighs by its share); the first half's gradient and the whole's.
 
-The norms stay on the device (one fused `_foreach_norm` per measurement, no sync); they are read,
-and averaged over the ranks in one all-reduce, at a logged step (which syncs for its loss anyway)
-once FLUSH_AT pairs wait, and at the run's end."""
+The steps estimated are the warmup's (never measured) and every trainer.noise_every-th.
+
+The norms stay on the device (one fused `_foreach_norm` per measurement, or one norm per DDP bucket;
+no sync); they are squared and summed, read, and averaged over the ranks in one all-reduce, at a
+logged step (which syncs for its loss anyway) once FLUSH_AT pairs wait, and at the run's end."""
 
 from __future__ import annotations
 
@@ -27,18 +28,12 @@ from torch import nn
 from ..measure.noise import NoiseEstimator
 from ..measure.results import NoiseScale
 from ..schema import BackendName, Balance, Config
-from .dist import sq_norm
+from .dist import norms
 from .hooks import Hook
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
-
-
-def _total(parts: List[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-
-
-def grads(model: nn.Module) -> List[torch.Tensor]:
-    return [p.grad for p in model.parameters() if p.grad is not None]
+EVERY = 4  # trainer.noise_every=0: every 4th step is estimated (the norms: ~20-40 us a step on a CPU)...
+HALVES_EVERY = 100  # ... and every 100th with `halves` (a second forward and backward: ~+60% of a step)
 
 
 def method_for(cfg: Config, world_size: int) -> Tuple[Optional[str], str]:
@@ -60,34 +55,40 @@ def method_for(cfg: Config, world_size: int) -> Tuple[Optional[str], str]:
 
 
 class NoiseProbe:
-    """One rank's side: this step's parts of the two squared norms (from the adapter's hooks or
-    the step), the steps' pairs waiting on the device, and the run's estimator."""
+    """One rank's side: this step's norms of the gradient's parts (buckets, parameters) from the
+    adapter's hooks or the step, the steps' pairs waiting on the device, and the run's estimator.
+    A step adds a norm per part (one fused op), nothing else on the device; squaring and summing
+    happen for all the waiting pairs at once, when they are read."""
 
     def __init__(self, method: str, world_size: int, big_div: int, every: int, scaler: Any = None) -> None:
         self.method, self.world, self.big_div, self.every, self.scaler = method, world_size, big_div, every, scaler
         self.fed = method != "ranks"  # ranks: the adapter sets it once its hooks feed this probe
-        self.small: List[torch.Tensor] = []
+        self.active = False  # this step is estimated (the step sets it; the adapter's hooks read it)
+        self.small: List[torch.Tensor] = []  # this step's: the parts' norms of the small-batch gradient
         self.big: List[torch.Tensor] = []
-        self.b_small = 0
-        self.pending: List[Tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        self.weight, self.b_small = 1.0, 0
+        self.norms: List[torch.Tensor] = []  # the waiting pairs' norms, in order
+        self.pending: List[Tuple[int, int, float, Optional[torch.Tensor], int, int]] = []
         self.estimator = NoiseEstimator(method)
+        self._params: Optional[List[nn.Parameter]] = None
 
     # -- what the hooks and the step call ------------------------------------------------------
-    def add_small(self, sq: Optional[torch.Tensor]) -> None:
-        if sq is not None:
-            self.small.append(sq)  # list.append: safe from a communication thread's callback
+    def add_small(self, norms: List[torch.Tensor]) -> None:
+        self.small.extend(norms)  # one list operation: safe from a communication thread's callback
 
-    def add_big(self, sq: Optional[torch.Tensor]) -> None:
-        if sq is not None:
-            self.big.append(sq)
+    def add_big(self, norms: List[torch.Tensor]) -> None:
+        self.big.extend(norms)
+
+    def grad_norms(self, model: nn.Module) -> List[torch.Tensor]:
+        if self._params is None:
+            self._params = list(model.parameters())
+        return norms([p.grad for p in self._params if p.grad is not None])
 
     def first_part(self, model: nn.Module, n_part: int, weight: float) -> None:
         """After the first micro-batch's (or half's) backward, whose loss weighed `weight`: its own
         gradient is the accumulated one over `weight`."""
-        sq = sq_norm(grads(model))
-        if sq is not None:
-            self.small.append(sq / (weight * weight))
-            self.b_small = n_part
+        self.small.extend(self.grad_norms(model))
+        self.weight, self.b_small = weight, n_part
 
     def end_step(self, model: nn.Module, samples: int) -> None:
         """After the gradients are synchronized, before clipping: close the step's pair."""
@@ -99,31 +100,46 @@ class NoiseProbe:
         else:
             b_small, b_big = self.b_small, samples
         if not self.big:  # the averaged gradient's norm, where no hook saw it (not DDP)
-            self.add_big(sq_norm(grads(model)))
-        small, big = _total(self.small), _total(self.big) if self.big else None
-        self.small, self.big = [], []
-        if big is None:
-            return
-        scale = getattr(self.scaler, "_scale", None)  # AMP fp16: the gradients are scaled by it
-        if isinstance(scale, torch.Tensor):
-            small, big = small / scale.square(), big / scale.square()
-        self.pending.append((small, big, b_small, b_big))
+            self.big.extend(self.grad_norms(model))
+        small, big, self.small, self.big = self.small, self.big, [], []
+        if big:
+            scale = getattr(self.scaler, "_scale", None)  # AMP fp16: the gradients are scaled by it
+            scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None  # updated in place later
+            self.pending.append((len(small), len(big), self.weight, scale, b_small, b_big))
+            self.norms += small + big
 
     # -- reading them ---------------------------------------------------------------------------
+    def squared(self) -> List[float]:
+        """The waiting pairs' squared norms, |G_small|^2 then |G_big|^2 for each, this rank's."""
+        flat = torch.stack(self.norms).square()
+        slots: List[int] = []
+        for i, (n_small, n_big, _, _, _, _) in enumerate(self.pending):
+            slots += [2 * i] * n_small + [2 * i + 1] * n_big
+        sums = torch.zeros(2 * len(self.pending), dtype=flat.dtype, device=flat.device)
+        values = sums.index_add_(0, torch.tensor(slots, device=flat.device), flat).tolist()
+        scales = [s for *_, s, _, _ in self.pending if s is not None]
+        scale_sq = iter(torch.stack(scales).double().square().tolist()) if scales else None
+        for i, (_, _, weight, scale, _, _) in enumerate(self.pending):
+            div = next(scale_sq) if scale is not None and scale_sq is not None else 1.0
+            values[2 * i] /= weight * weight * div
+            values[2 * i + 1] /= div
+        return values
+
     def flush(self, adapter: Any) -> None:
         """Read the pairs waiting (every rank at the same step: with several ranks, one all-reduce
         averages the ranks' own gradients' norms, and sums FSDP's shards of the averaged one)."""
         if not self.pending:  # the same on every rank: every rank closes a pair at the same steps
             return
-        values = torch.stack([s for s, _, _, _ in self.pending] + [b for _, b, _, _ in self.pending]).tolist()
+        values = self.squared()
         if self.world > 1:
             values = adapter.all_reduce_sum(values)
-        k = len(self.pending)
-        for i, (_, _, b_small, b_big) in enumerate(self.pending):
-            small = values[i] / self.world if self.world > 1 else values[i]
-            big = values[k + i] / self.big_div if self.world > 1 else values[k + i]
+        for i, (*_, b_small, b_big) in enumerate(self.pending):
+            small, big = values[2 * i], values[2 * i + 1]
+            if self.world > 1:
+                small, big = small / self.world, big / self.big_div
             self.estimator.add(small, big, b_small, b_big)
         self.pending.clear()
+        self.norms.clear()
 
     def result(self) -> NoiseScale:
         return self.estimator.result()
@@ -176,5 +192,6 @@ def noise_hook(run: Any) -> Optional[NoiseHook]:
         return NoiseHook(None, cfg.trainer.log_every, "ranks" if adapter.world_size > 1 else "halves")
     shard = cfg.parallelism.shard_size or adapter.world_size
     big_div = adapter.world_size // shard if cfg.backend.name is BackendName.fsdp else adapter.world_size
-    run.noise = NoiseProbe(method, adapter.world_size, big_div, cfg.trainer.noise_every, run.scaler)
+    every = cfg.trainer.noise_every or (HALVES_EVERY if method == "halves" else EVERY)
+    run.noise = NoiseProbe(method, adapter.world_size, big_div, every, run.scaler)
     return NoiseHook(run.noise, cfg.trainer.log_every, method)

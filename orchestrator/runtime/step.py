@@ -38,12 +38,12 @@ class Stepper:
         self.counted_step = run.step
         self.flops: Dict[str, Any] = {"flops": None,
                                       "reason": "not counted: trainer.warmup_steps=0 leaves no unmeasured step"}
-        # the gradient noise scale (runtime/noise.py): the probe, and what this step does for it
+        # the gradient noise scale (runtime/noise.py): estimated on the warmup's steps (never
+        # measured) and every noise.every-th step
         self.noise = run.noise
-        method = self.noise.method if self.noise is not None else None
-        self.halves_every = self.noise.every if method == "halves" else 0
-        self.halves_until = run.step + t.warmup_steps  # and every warmup step: they are never measured
-        self.first_micro = self.noise if method == "accumulation" else None
+        self.noise_until = run.step + t.warmup_steps
+        self.noise_halves = self.noise is not None and self.noise.method == "halves"
+        self.first_micro = self.noise is not None and self.noise.method == "accumulation"
 
     def __call__(self, run: Any) -> tuple:
         """(samples, micro-batches, the step's loss or None when the step is not logged); advances
@@ -58,7 +58,10 @@ class Stepper:
         samples = 0
         step_loss = 0.0
         feed = self.feed
-        halves = self.halves_every and (step % self.halves_every == 0 or step < self.halves_until)
+        noise = self.noise
+        if noise is not None:
+            noise.active = step < self.noise_until or step % noise.every == 0
+        halves = self.noise_halves and noise.active  # type: ignore[union-attr]
         for m in range(micro):
             batch = next(it)
             mark(DATA)
@@ -90,8 +93,8 @@ class Stepper:
                         loss = loss / micro
                     weighted = loss if balancer is None else weigh(balancer, loss, n, b + m)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
-                if m == 0 and micro > 1 and self.first_micro is not None:
-                    self.first_micro.first_part(model, n, 1.0 / micro)
+                if m == 0 and micro > 1 and self.first_micro and noise.active:  # type: ignore[union-attr]
+                    noise.first_part(model, n, 1.0 / micro)  # type: ignore[union-attr]
             if logged:
                 step_loss += loss.detach()
             samples += n
@@ -128,7 +131,7 @@ class Stepper:
         if run.adapter.exposed_comm:
             run.adapter.synchronize(optimizer)
             mark(COMM)
-        if self.noise is not None:  # the gradients as the optimizer gets them, before clipping
+        if self.noise is not None and self.noise.active:  # the gradients as the optimizer gets them, before clipping
             self.noise.end_step(run.model, samples)
         if self.clip:  # the global norm, also over sharded (DTensor) gradients
             if scaler is not None:
