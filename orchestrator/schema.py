@@ -358,7 +358,7 @@ class TrainerConfig:
     loader_autotune_every: int = 100  # steps between the autotuner's looks at the last windows
     # the gradient noise scale B_simple, measured while training (runtime/noise.py, docs/measurement.md)
     noise_scale: bool = True
-    # steps between the estimated ones, besides the warmup's; 0: every 4th, or every 100th where a step
+    # steps between the estimated ones, besides the warmup's; 0: every 8th, or every 100th where a step
     # of two half batches (one process, no accumulation) pays an extra forward and backward
     noise_every: int = 0
 

@@ -16,6 +16,7 @@ from orchestrator.load_report import noise_line
 from orchestrator.measure.noise import MAX_BLOCKS, NoiseEstimator, fieller, unbiased
 from orchestrator.measure.results import JobResult, NoiseScale
 from orchestrator.runtime.dist import Adapter
+from orchestrator.runtime.noise import EVERY
 from orchestrator.runtime.loop import build_dataset, build_model, loss_fn, seed_everything, train
 from orchestrator.schema import ConfigError
 from orchestrator.tracking import noise_metrics
@@ -149,7 +150,7 @@ def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_pa
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "data.batch_size=16", *WORKLOAD)
     result = run_job(cfg, tmp_path, echo=False)
     got = result["noise_scale"]
-    estimated = [s for s in range(result["steps"]) if s < cfg.trainer.warmup_steps or s % 4 == 0]  # noise_every=0: 4
+    estimated = [s for s in range(result["steps"]) if s < cfg.trainer.warmup_steps or s % EVERY == 0]
     assert (got["method"], got["batch_small"], got["batch_big"], got["n"]) == ("ranks", 16, 32, len(estimated))
     within_2x(got, offline_noise_scale(cfg))
     assert json.loads((tmp_path / "result.json").read_text())["noise_scale"] == got

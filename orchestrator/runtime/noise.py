@@ -32,7 +32,7 @@ from .dist import norms
 from .hooks import Hook
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
-EVERY = 4  # trainer.noise_every=0: every 4th step is estimated (the norms: ~20-40 us a step on a CPU)...
+EVERY = 8  # trainer.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
 HALVES_EVERY = 100  # ... and every 100th with `halves` (a second forward and backward: ~+60% of a step)
 
 
