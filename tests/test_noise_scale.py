@@ -155,6 +155,11 @@ def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_pa
     within_2x(got, offline_noise_scale(cfg))
     assert json.loads((tmp_path / "result.json").read_text())["noise_scale"] == got
     assert "Gradient noise scale" in (tmp_path / "load_report.md").read_text()
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"])
+    assert run.data.metrics["noise_scale"] == pytest.approx(got["b_simple"])
+    assert run.data.tags["noise_scale_method"].startswith("ranks (16 vs 32 samples")
 
 
 @pytest.mark.parametrize("extra, method, small, big", [
