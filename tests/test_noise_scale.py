@@ -197,3 +197,15 @@ def test_off_is_off(make_cfg):
     adapter.setup()
     res = train(cfg, adapter)
     assert "noise_scale" not in res.meter and math.isfinite(res.final_loss)
+
+
+def test_a_tuning_trial_estimates_halves_on_its_warmup_steps_only(make_cfg):
+    """A trial's windows are short: a step of two halves would stand out in one."""
+    counts = {}
+    for mode in ("run", "tune"):
+        cfg = make_cfg(*WORKLOAD, f"mode={mode}", "trainer.warmup_steps=3", "trainer.max_steps=12",
+                       "trainer.noise_every=4")
+        adapter = Adapter(cfg)
+        adapter.setup()
+        counts[mode] = train(cfg, adapter).meter["noise_scale"]["n"]
+    assert counts == {"run": 5, "tune": 3}  # the warmup's steps 0, 1, 2; in a run also steps 4 and 8

@@ -208,7 +208,8 @@ class DDPAdapter(Adapter):
             noise.add_big(_norm(reduced))
             return reduced
 
-        model.register_comm_hook(None, timed_allreduce if noise is None else measured_allreduce)  # type: ignore[operator]
+        hook = timed_allreduce if noise is None else measured_allreduce
+        model.register_comm_hook(None, hook)  # type: ignore[operator]
         if noise is not None:
             noise.fed = True
 

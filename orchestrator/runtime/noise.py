@@ -12,7 +12,9 @@ Each estimated step gives a pair of squared gradient norms at two batch sizes:
 - `halves` (one rank, single or dp, no accumulation): the step runs its batch as two halves (the
   same gradient: each half's loss weighs by its share); the first half's gradient and the whole's.
 
-The steps estimated are the warmup's (never measured) and every trainer.noise_every-th.
+The steps estimated are the warmup's (never measured) and every trainer.noise_every-th; a tuning
+trial with `halves` estimates its warmup's steps only (its windows are short: a step that costs
+half as much again would stand out in one and widen the trial's interval).
 
 The norms stay on the device (one fused `_foreach_norm` per measurement, or one norm per DDP bucket;
 no sync); they are squared and summed, read, and averaged over the ranks in one all-reduce, at a
@@ -27,7 +29,7 @@ from torch import nn
 
 from ..measure.noise import NoiseEstimator
 from ..measure.results import NoiseScale
-from ..schema import BackendName, Balance, Config
+from ..schema import BackendName, Balance, Config, Mode
 from .dist import norms
 from .hooks import Hook
 
@@ -193,5 +195,7 @@ def noise_hook(run: Any) -> Optional[NoiseHook]:
     shard = cfg.parallelism.shard_size or adapter.world_size
     big_div = adapter.world_size // shard if cfg.backend.name is BackendName.fsdp else adapter.world_size
     every = cfg.trainer.noise_every or (HALVES_EVERY if method == "halves" else EVERY)
+    if method == "halves" and cfg.mode is Mode.tune:  # a trial's short windows: a slower step is an outlier
+        every = 0  # its warmup's steps only
     run.noise = NoiseProbe(method, adapter.world_size, big_div, every, run.scaler)
     return NoiseHook(run.noise, cfg.trainer.log_every, method)

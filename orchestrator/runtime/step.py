@@ -60,7 +60,7 @@ class Stepper:
         feed = self.feed
         noise = self.noise
         if noise is not None:
-            noise.active = step < self.noise_until or step % noise.every == 0
+            noise.active = step < self.noise_until or (noise.every > 0 and step % noise.every == 0)
         halves = self.noise_halves and noise.active  # type: ignore[union-attr]
         for m in range(micro):
             batch = next(it)
