@@ -209,3 +209,26 @@ def test_a_tuning_trial_estimates_halves_on_its_warmup_steps_only(make_cfg):
         adapter.setup()
         counts[mode] = train(cfg, adapter).meter["noise_scale"]["n"]
     assert counts == {"run": 5, "tune": 3}  # the warmup's steps 0, 1, 2; in a run also steps 4 and 8
+
+
+def test_the_probe_divides_out_weights_and_the_loss_scale():
+    """AMP fp16: the gradients the probe sees are scaled by the GradScaler's scale (read when the
+    step closes: the scaler updates it in place later); the first micro-batch's by its weight."""
+    from types import SimpleNamespace
+
+    from orchestrator.runtime.noise import NoiseProbe
+
+    scaler = SimpleNamespace(_scale=torch.tensor(4.0))
+    probe = NoiseProbe("accumulation", 1, 1, 1, scaler)
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.grad = torch.tensor([[4.0, 0.0]])  # the first of 2 micro-batches: weight 1/2, scale 4
+    probe.active = True
+    probe.first_part(model, 8, 0.5)
+    model.weight.grad = torch.tensor([[0.0, 12.0]])
+    probe.end_step(model, 16)
+    scaler._scale.fill_(1024.0)  # the scaler's update after the step
+    probe.flush(Adapter.__new__(Adapter))
+    assert probe.estimator.n == 1 and probe.estimator.batch_small == 8
+    small, big = 16.0 / 0.25 / 16.0, 144.0 / 16.0  # |G_small|^2 = 4, |G_big|^2 = 9
+    g2, trace = unbiased(small, big, 8, 16)
+    assert probe.estimator.blocks[0][:2] == pytest.approx([g2, trace])
