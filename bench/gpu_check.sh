@@ -86,8 +86,9 @@ if prof.exists():
 for name in ("single", "ddp_nccl", "fsdp_amp", "amp_fp16", "ddp_gloo_2"):  # the gradient noise scale, per method
     path = out / name / "result.json"
     ns = (json.loads(path.read_text()).get("noise_scale") if path.exists() else None) or {}
-    print(f"noise scale {name}: B_simple {ns.get('b_simple')} [{ns.get('lo')}, {ns.get('hi')}] "
-          f"({ns.get('method')}, {ns.get('batch_small')} vs {ns.get('batch_big')}, {ns.get('n')} steps)")
+    print(f"noise scale {name}: " + (f"B_simple {ns.get('b_simple')} [{ns.get('lo')}, {ns.get('hi')}] ({ns['method']}, "
+                                     f"{ns.get('batch_small')} vs {ns.get('batch_big')}, {ns['n']} steps)" if ns.get("n")
+                                     else "not measured (one rank without accumulation, or no result)"))
 step = {n: json.loads((out / n / "result.json").read_text()).get("step_time_s")
         for n in ("single", "single_quiet") if (out / n / "result.json").exists()}
 if len(step) == 2 and all(step.values()):
