@@ -143,10 +143,10 @@ def within_2x(got: dict, want: float) -> None:
     assert want / 2 <= got["b_simple"] <= 2 * want, (got, want)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "horovod"])
 def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_path, backend):
     """Each rank's gradient before the reduction (DDP's communication hook, FSDP's unsharded
-    gradients before the reduce-scatter) against the averaged one."""
+    gradients before the reduce-scatter, Horovod's allreduce as it starts) against the averaged one."""
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "data.batch_size=16", *WORKLOAD)
     result = run_job(cfg, tmp_path, echo=False)
     got = result["noise_scale"]
