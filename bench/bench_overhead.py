@@ -8,7 +8,9 @@ Measures, side by side and interleaved (same seeds, fixed torch threads):
   * orch:   `orchestrator.runtime.loop.train(cfg, Adapter(cfg))` on the same workload
             (cfg composed from conf/ with Hydra, backend=single, tracking off);
   * noop:   the same `train()` with `StepMeter.mark/end_step/comm_hook_fired`
-            replaced by no-ops in this process only (the loop without its instrumentation).
+            replaced by no-ops in this process only (the loop without its instrumentation);
+  * quiet:  the same `train()` with trainer.noise_scale=false (the gradient noise scale's cost is
+            orch over quiet).
 
 Per-step wall time is measured by the benchmark, never read from the meter:
 
@@ -22,12 +24,13 @@ Per-step wall time is measured by the benchmark, never read from the meter:
 The figure per variant is the median over rounds. Targets: orch / plain step-time ratio <= 1.03,
 instrumentation overhead (orch - noop) / noop <= 1 %.
 
-    .venv/bin/python bench/bench_overhead.py [--rounds 9] [--steps 2560] [--threads 1]
+    .venv/bin/python bench/bench_overhead.py [--rounds 9] [--steps 2560] [--threads 1] [--noise-every N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -55,6 +58,7 @@ SIZE, FEATURES, CLASSES = 4096, 1000, 10
 
 # -- the timing probe: one perf_counter stamp per batch fetched, same for every variant ---------
 STAMPS: List[float] = []
+CPU_STAMPS: List[float] = []  # the process's CPU time at the same points: steadier than wall time on a loaded host
 
 
 class _ProbeIter:
@@ -66,6 +70,7 @@ class _ProbeIter:
 
     def __next__(self):
         STAMPS.append(time.perf_counter())
+        CPU_STAMPS.append(time.process_time())
         return next(self._inner)
 
     def __len__(self) -> int:
@@ -132,6 +137,7 @@ def run_plain(steps: int, skip: int) -> Dict[str, float]:
     loader = ProbedLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0,
                           generator=torch.Generator().manual_seed(SEED))
     STAMPS.clear()
+    CPU_STAMPS.clear()
     done, first_loss = 0, float("nan")
     model.train()
     t0 = time.perf_counter()
@@ -147,9 +153,10 @@ def run_plain(steps: int, skip: int) -> Dict[str, float]:
                 first_loss = loss.item()
             if done == steps:
                 break
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     stamps = STAMPS[:steps]
     return {"steady": steady_step_s(stamps, skip, t1), "e2e": (t1 - t0) / done,
+            "cpu": steady_step_s(CPU_STAMPS[:steps], skip, c1),
             "first_loss": first_loss, "loss": loss.item()}
 
 
@@ -157,22 +164,24 @@ def run_orch(cfg: Config, skip: int) -> Dict[str, float]:
     adapter = Adapter(cfg)
     adapter.setup()
     STAMPS.clear()
+    CPU_STAMPS.clear()
     res = loop_mod.train(cfg, adapter)
     assert res.steps == cfg.trainer.max_steps, res.steps
     # the last step ends where train()'s loop ends: see _stamped_close
     stamps = STAMPS[:res.steps]
     return {"steady": steady_step_s(stamps, skip, _train_end[0]), "e2e": res.wall_s / res.steps,
+            "cpu": steady_step_s(CPU_STAMPS[:res.steps], skip, _train_end[1]),
             "first_loss": res.first_loss, "loss": res.final_loss}
 
 
 # train() computes wall_s just after its loop; record the matching perf_counter from the outside by
 # wrapping StepMeter.close (called in train()'s `finally`, right after the loop and meter.flush()).
-_train_end = [0.0]
+_train_end = [0.0, 0.0]
 _real_close = StepMeter.close
 
 
 def _stamped_close(self: StepMeter) -> None:
-    _train_end[0] = time.perf_counter()
+    _train_end[0], _train_end[1] = time.perf_counter(), time.process_time()
     _real_close(self)
 
 
@@ -208,10 +217,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2560, help="steps per run (128 per epoch)")
     ap.add_argument("--skip", type=int, default=20, help="first steps left out of the steady state")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--noise-every", type=int, default=0,
+                    help="trainer.noise_every of orch and noop (0: the default); 1 prices a step of two halves")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     cfg = compose_cfg(args.steps)
+    if args.noise_every:
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, noise_every=args.noise_every))
     data_mod.DataLoader = ProbedLoader  # the orchestrator's build_loader (runtime/data.py) gets the same probe
 
     def orch() -> Dict[str, float]:
@@ -224,7 +237,12 @@ def main() -> None:
     def plain() -> Dict[str, float]:
         return run_plain(args.steps, args.skip)
 
-    variants: Dict[str, Callable[[], Dict[str, float]]] = {"plain": plain, "orch": orch, "noop": noop}
+    quiet_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, noise_scale=False))
+
+    def quiet() -> Dict[str, float]:
+        return run_orch(quiet_cfg, args.skip)
+
+    variants: Dict[str, Callable[[], Dict[str, float]]] = {"plain": plain, "orch": orch, "noop": noop, "quiet": quiet}
     names = list(variants)
     for name in names:  # one warm-up run each, discarded (lazy init, allocator, caches)
         variants[name]()
@@ -232,7 +250,7 @@ def main() -> None:
     t_bench = time.perf_counter()
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
-        order = names[r % 3:] + names[:r % 3]  # rotate who goes first
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
         for name in order:
             gc.collect()
             got[name].append(variants[name]())
@@ -252,7 +270,8 @@ def main() -> None:
     print("loss first -> last: " + "  ".join(f"{n} {first[n]:.4f} -> {last[n]:.4f}" for n in names)
           + "  (same init and batches in epoch 1)")
     print(f"{'':28s}{'steady us/step':>16s}{'(min..max over rounds)':>26s}{'end-to-end us/step':>20s}")
-    for n, label in (("plain", "plain loop"), ("orch", "orchestrator train()"), ("noop", "train(), meter no-ops")):
+    for n, label in (("plain", "plain loop"), ("orch", "orchestrator train()"), ("noop", "train(), meter no-ops"),
+                     ("quiet", "train(), noise_scale=false")):
         lo, hi = spread[n]
         print(f"{label:28s}{med[n]['steady'] * 1e6:16.1f}{f'{lo * 1e6:.1f}..{hi * 1e6:.1f}':>26s}"
               f"{med[n]['e2e'] * 1e6:20.1f}")
@@ -269,6 +288,16 @@ def main() -> None:
           f"{ratio_e2e:.3f} end-to-end   target <= 1.03: {ok(ratio <= 1.03)}")
     print(f"instrumentation overhead       : {over:+.2f}% steady (paired {paired_over:+.2f}%), "
           f"{over_e2e:+.2f}% end-to-end   target <= 1%: {ok(over <= 1.0)}")
+    noise = [(o["steady"] / q["steady"] - 1) * 100 for o, q in zip(got["orch"], got["quiet"])]
+    noise_cpu = [(o["cpu"] / q["cpu"] - 1) * 100 for o, q in zip(got["orch"], got["quiet"])]
+    noise_e2e = [(o["e2e"] / q["e2e"] - 1) * 100 for o, q in zip(got["orch"], got["quiet"])]
+    cost = statistics.median(noise)
+    print(f"gradient noise scale's cost    : {cost:+.2f}% steady paired (rounds {min(noise):+.2f}..{max(noise):+.2f}%), "
+          f"{statistics.median(noise_e2e):+.2f}% end-to-end (rounds {min(noise_e2e):+.2f}..{max(noise_e2e):+.2f}%)   "
+          f"target <= 2%: {ok(cost <= 2.0)}")
+    print(f"  in CPU time per step         : {statistics.median(noise_cpu):+.2f}% steady paired "
+          f"(rounds {min(noise_cpu):+.2f}..{max(noise_cpu):+.2f}%; orch {statistics.median(g['cpu'] for g in got['orch']) * 1e6:.1f} "
+          f"us, quiet {statistics.median(g['cpu'] for g in got['quiet']) * 1e6:.1f} us)")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@
 #
 # It runs single, dp, ddp and fsdp (1 rank, NCCL; fsdp with AMP's mixed-precision policy and a
 # sharded checkpoint) jobs of a transformer LM, AMP bf16 and fp16, the
-# profiler with the CUDA memory summary, validation (fsdp, AMP), and a 4-trial study, then prints one table: what ran,
-# its status, mfu, nvml_util, sm_active, peak memory and throughput. Outputs go to OUT.
+# profiler with the CUDA memory summary, validation (fsdp, AMP), 2 ddp ranks on the GPU over gloo
+# and a run without the gradient noise scale (its value per method and its cost), and a 4-trial
+# study, then prints one table: what ran, its status, mfu, nvml_util, sm_active, peak memory and
+# throughput. Outputs go to OUT.
 #   bash bench/gpu_check.sh [WHEELS=.whl] [OUT=/tmp/gpu_check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +51,9 @@ run profiler trainer.amp=true trainer.profile_steps=5
 # validation under fsdp with AMP: 5% held out, an evaluation every 40 steps and at the end, kept out of the windows
 run validation backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl trainer.amp=true \
   data.val_fraction=0.05 trainer.eval_every=40
+# the gradient noise scale on CUDA: 2 ranks on the one GPU (gloo), the DDP hook's method; its cost beside `single`
+run ddp_gloo_2 backend=ddp parallelism.nproc_per_node=2 backend.dist_backend=gloo
+run single_quiet backend=single trainer.noise_scale=false
 run study mode=tune tune.n_trials=4 tune.warmup_steps=5 tune.measure_steps=20 tune.window_steps=5 \
   "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 tune.space.batch_size.high=64 \
   tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
@@ -87,6 +92,16 @@ if val.exists():
     v = json.loads(val.read_text())
     print(f"validation: {len(v.get('evals') or [])} evaluations at steps {[e['step'] for e in v.get('evals') or []]}, "
           f"val_loss {v.get('val_loss')}, eval_frac {pct(v.get('eval_frac'))} of the loop (kept out of the windows)")
+for name in ("single", "ddp_nccl", "fsdp_amp", "amp_fp16", "ddp_gloo_2"):  # the gradient noise scale, per method
+    path = out / name / "result.json"
+    ns = (json.loads(path.read_text()).get("noise_scale") if path.exists() else None) or {}
+    print(f"noise scale {name}: " + (f"B_simple {ns.get('b_simple')} [{ns.get('lo')}, {ns.get('hi')}] ({ns['method']}, "
+                                     f"{ns.get('batch_small')} vs {ns.get('batch_big')}, {ns['n']} steps)" if ns.get("n")
+                                     else "not measured (one rank without accumulation, or no result)"))
+step = {n: json.loads((out / n / "result.json").read_text()).get("step_time_s")
+        for n in ("single", "single_quiet") if (out / n / "result.json").exists()}
+if len(step) == 2 and all(step.values()):
+    print(f"noise scale cost (single vs single_quiet step time): {100 * (step['single'] / step['single_quiet'] - 1):+.2f}%")
 widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
 for i, r in enumerate(rows):
     print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))

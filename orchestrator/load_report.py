@@ -62,6 +62,7 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
         "profile": next((r["profile"] for r in rank_results if r.get("profile") and r["rank"] == 0), None),
         "loader_autotune": tuned,
         "validation": validation(result),
+        "noise_scale": result.get("noise_scale"),
     }
     return report
 
@@ -94,6 +95,8 @@ def to_markdown(report: Dict[str, Any]) -> str:
         lines += [f"**Balance** (parallelism.balance=speed): {balance_line(report['balance'])}.", ""]
     if report.get("validation"):
         lines += [f"**Validation**: {validation_line(report['validation'])}.", ""]
+    if report.get("noise_scale"):
+        lines += [f"**Gradient noise scale**: {noise_line(report['noise_scale'])}.", ""]
     job = report["job"]
     if job.get("tokens_per_s") is not None:
         lines += [f"**Padding**: {100 * job['padding_frac']:.1f}% of the token positions computed were padding "
@@ -199,6 +202,21 @@ def _run_overrides(run_dir: Path) -> List[str]:
 
 def _num(x: Any, fmt: str, scale: float = 1.0) -> str:
     return "-" if x is None else format(scale * x, fmt)
+
+
+def noise_line(noise: Dict[str, Any]) -> str:
+    """The noise scale in words: B_simple with its interval, how and on how many steps it was measured."""
+    how = {"ranks": "each rank's gradient before the all-reduce against the averaged one",
+           "accumulation": "the first micro-batch's gradient against the accumulated one",
+           "halves": "half a batch's gradient against the whole batch's"}.get(noise.get("method"), noise.get("method"))
+    sizes = f"{how} ({noise.get('batch_small')} vs {noise.get('batch_big')} samples), {noise.get('n', 0)} steps"
+    b = noise.get("b_simple")
+    if b is None:
+        return f"not measurable yet (the mean gradient's squared norm is not above its noise); {sizes}"
+    lo, hi = noise.get("lo"), noise.get("hi")
+    interval = f"95% interval {lo:.0f} to {hi:.0f}" if lo is not None and hi is not None else "no bounded interval yet"
+    return (f"B_simple = {b:.0f} samples ({interval}): batches much smaller than this gain almost linearly "
+            f"from a larger batch, much larger ones little; from {sizes}")
 
 
 def balance_line(b: Dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .diagnose import STRAGGLER_SPREAD
-from .measure.results import PER_RANK_FIELDS, Estimate, JobResult, RankResult, WindowFigures, job_window
+from .measure.results import PER_RANK_FIELDS, Estimate, JobResult, NoiseScale, RankResult, WindowFigures, job_window
 from .measure.stats import MIN_WINDOWS, estimate_of
 from .rundir import ranks_dir
 
@@ -39,6 +39,8 @@ def merge(ranks: List[RankResult]) -> JobResult:
         setattr(job, key, first.get(key))
     # where a rank's training time went: its loop's wall time and the warmup windows in it (the
     # slowest rank's; the ranks synchronise); the study's time breakdown reads them
+    noise = first.get("noise_scale")  # the same on every rank: the ranks' norms are averaged in the run
+    job.noise_scale = NoiseScale.from_dict(noise) if noise else None
     job.extra["time_s"] = {"train": max(float(r.get("wall_s") or 0.0) for r in ranks),
                            "setup": max(float(r.get("setup_s") or 0.0) for r in ranks),
                            "warmup": max(sum(w.wall_s for w in r.windows_detail if w.warmup) for r in ranks)}
@@ -182,6 +184,7 @@ def summary_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         ("peak memory", f"{result['peak_mem_mb']:.0f} MB" if result.get("peak_mem_mb") else "-"),
         ("bottleneck", str(result.get("bottleneck", "-"))),
         *validation_rows(result),
+        *([("noise scale B_simple", _noise_cell(result["noise_scale"]))] if result.get("noise_scale") else []),
     ]
     bal = result.get("balance")
     imb = result.get("imbalance") or {}
@@ -217,6 +220,12 @@ def validation_rows(result: Dict[str, Any]) -> List[tuple[str, str]]:
         else:
             rows.append(("target loss", f"{result['target_loss']:g} ({on}) not reached"))
     return rows
+def _noise_cell(noise: Dict[str, Any]) -> str:
+    b, lo, hi = noise.get("b_simple"), noise.get("lo"), noise.get("hi")
+    how = f"{noise.get('method')}, {noise.get('n', 0)} steps"
+    if b is None:
+        return f"not measurable yet ({how})"
+    return f"{b:.0f} samples" + (f" ({lo:.0f}-{hi:.0f}; {how})" if lo is not None and hi is not None else f" ({how})")
 
 
 def measurement_warning(result: Dict[str, Any]) -> str:

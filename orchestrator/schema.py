@@ -377,6 +377,11 @@ class TrainerConfig:
     val_metric: Any = None
     # stop once reached: the validation loss when there is validation, else the training loss over a log interval
     target_loss: Optional[float] = None
+    # the gradient noise scale B_simple, measured while training (runtime/noise.py, docs/measurement.md)
+    noise_scale: bool = True
+    # steps between the estimated ones, besides the warmup's; 0: every 8th, or every 100th where a step
+    # of two half batches (one process, no accumulation) pays an extra forward and backward
+    noise_every: int = 0
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
@@ -401,6 +406,8 @@ class TrainerConfig:
         _measure_rule("trainer", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
         _require(self.loader_autotune_every >= 1,
                  f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
+        _require(self.noise_every >= 0,
+                 f"trainer.noise_every: must be an integer >= 0 (steps; 0 = automatic), got {self.noise_every}")
         _require(self.eval_every >= 0, f"trainer.eval_every: must be an integer >= 0 (steps; 0 = at the end only), "
                                        f"got {self.eval_every}")
         if self.val_metric is not None:

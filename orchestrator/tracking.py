@@ -85,6 +85,14 @@ def runs_url(base: str, experiment_id: str) -> str:
            "&workflowType=machine_learning"
 
 
+def noise_metrics(result: Dict[str, Any]) -> List[tuple]:
+    """The gradient noise scale's MLflow metrics: `noise_scale` (B_simple) and its interval's ends
+    (`noise_scale_lo`, `noise_scale_hi`), where measured."""
+    noise, step = result.get("noise_scale") or {}, result.get("steps", 0)
+    return [(name, noise[key], step) for name, key in (("noise_scale", "b_simple"), ("noise_scale_lo", "lo"),
+                                                       ("noise_scale_hi", "hi")) if noise.get(key) is not None]
+
+
 class Tracker:
     """Thin wrapper over `MlflowClient` with an explicit run id (safe from helper threads)."""
 
@@ -305,12 +313,17 @@ class Tracker:
             self.log_metrics(with_percent([(f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k],
                                             result.get("steps", 0)) for k in SUMMARY_METRICS
                                            if isinstance(result.get(k), (int, float)) and not math.isnan(result[k])]))
+            self.log_metrics(noise_metrics(result))
             tags = {"status": str(status)}
             if result.get("utilization_source"):
                 tags["utilization_source"] = result["utilization_source"]
             if result.get("per_rank"):
                 tags["device"] = result["per_rank"][0].get("device")
                 tags["bottleneck"] = result.get("bottleneck", "-")
+            noise = result.get("noise_scale")
+            if noise:  # how it was measured: method, the two batch sizes, the steps estimated
+                tags["noise_scale_method"] = (f"{noise['method']} ({noise['batch_small']} vs {noise['batch_big']} "
+                                              f"samples, {noise['n']} steps)")
             if result.get("diagnosis"):
                 tags["diagnosis"] = tags["verdict"] = result["diagnosis"]["verdict"]
             self.set_tags(tags)

@@ -210,7 +210,41 @@ class Estimate:
                 "windows": self.windows, "measured_s": self.measured_s}
 
 
+@dataclass
+class NoiseScale:
+    """The run's gradient noise scale (measure/noise.py): B_simple = tr(Sigma) / |G|^2 and its 95%
+    interval (None: not measurable yet, or unbounded), the means of the unbiased |G|^2 and
+    tr(Sigma), the steps estimated, how (`ranks`: each rank's gradient before the all-reduce and
+    the averaged one after; `accumulation`: the first micro-batch's and the accumulated;
+    `halves`: two halves of a batch every trainer.noise_every steps) and the two batch sizes."""
+
+    b_simple: Optional[float] = None
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    g2: Optional[float] = None
+    trace_sigma: Optional[float] = None
+    n: int = 0
+    method: str = "halves"
+    batch_small: int = 0
+    batch_big: int = 0
+
+    METHODS: ClassVar[Tuple[str, ...]] = ("ranks", "accumulation", "halves")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "NoiseScale":
+        num = lambda k: None if d.get(k) is None else float(d[k])  # noqa: E731
+        return cls(b_simple=num("b_simple"), lo=num("lo"), hi=num("hi"), g2=num("g2"),
+                   trace_sigma=num("trace_sigma"), n=int(d.get("n") or 0), method=str(d.get("method") or "halves"),
+                   batch_small=int(d.get("batch_small") or 0), batch_big=int(d.get("batch_big") or 0))
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"b_simple": self.b_simple, "lo": self.lo, "hi": self.hi, "g2": self.g2,
+                "trace_sigma": self.trace_sigma, "n": self.n, "method": self.method,
+                "batch_small": self.batch_small, "batch_big": self.batch_big}
+
+
 _ESTIMATE = (Estimate.from_dict, Estimate.as_dict)
+_NOISE = (NoiseScale.from_dict, NoiseScale.as_dict)
 _WINDOWS = (lambda ws: [Window.from_dict(w) for w in ws], lambda ws: [w.as_dict() for w in ws])
 
 
@@ -307,6 +341,7 @@ class JobResult(_Record):
     target_reached: Optional[bool] = None
     time_to_target_s: Optional[float] = None
     samples_to_target: Optional[float] = None
+    noise_scale: Optional[NoiseScale] = None  # the gradient noise scale (trainer.noise_scale)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     # the keys every rank reports alike (all-reduced figures; rank 0's timing) that merge copies
@@ -314,7 +349,7 @@ class JobResult(_Record):
                                              "target_reached", "time_to_target_s", "samples_to_target")
 
     _nested: ClassVar[Dict[str, Any]] = {"estimate": _ESTIMATE, "utilization_estimate": _ESTIMATE,
-                                         "tokens_estimate": _ESTIMATE}
+                                         "tokens_estimate": _ESTIMATE, "noise_scale": _NOISE}
 
     # (figure, its estimate's field): the figures a trial and its confirmation runs keep with intervals
     ESTIMATES: ClassVar[Tuple[Tuple[str, str], ...]] = (

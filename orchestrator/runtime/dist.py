@@ -111,9 +111,11 @@ class Adapter:
         else:
             optimizer.step()
 
-    def install_comm_hook(self, model: nn.Module, meter: Any) -> None:
+    def install_comm_hook(self, model: nn.Module, meter: Any, noise: Any = None) -> None:
         """Let the meter (runtime/meter.py StepMeter) see the exposed communication inside
-        forward + backward: DDP's last gradient bucket, FSDP's waits for its collectives."""
+        forward + backward: DDP's last gradient bucket, FSDP's waits for its collectives. With
+        several ranks, `noise` (runtime/noise.NoiseProbe) is fed each rank's own gradient's
+        squared norm before its reduction (and DDP's averaged one after it); `noise.fed` says so."""
 
     def consolidated_state_dict(self, model: nn.Module) -> Optional[dict]:
         """The whole model's state dict on rank 0 (model.pt), None on other ranks; every rank
@@ -185,7 +187,7 @@ class DDPAdapter(Adapter):
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager[Any]:
         return contextlib.nullcontext() if enabled else model.no_sync()  # type: ignore[operator]
 
-    def install_comm_hook(self, model: nn.Module, meter: Any) -> None:
+    def install_comm_hook(self, model: nn.Module, meter: Any, noise: Any = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         on_bucket = meter.comm_hook_fired
@@ -194,7 +196,22 @@ class DDPAdapter(Adapter):
             on_bucket()
             return default_hooks.allreduce_hook(state, bucket)
 
-        model.register_comm_hook(None, timed_allreduce)  # type: ignore[operator]
+        def measured_allreduce(state, bucket):  # the norm first: the rank's own work, not communication
+            if not noise.active:
+                return timed_allreduce(state, bucket)
+            noise.add_small(_norm(bucket.buffer()))  # before the hook averages the bucket in place
+            on_bucket()
+            return default_hooks.allreduce_hook(state, bucket).then(averaged)
+
+        def averaged(fut):
+            reduced = fut.value()
+            noise.add_big(_norm(reduced))
+            return reduced
+
+        hook = timed_allreduce if noise is None else measured_allreduce
+        model.register_comm_hook(None, hook)  # type: ignore[operator]
+        if noise is not None:
+            noise.fed = True
 
     def all_gather_object(self, obj: Any) -> list:
         import torch.distributed as dist
@@ -220,6 +237,23 @@ class DDPAdapter(Adapter):
             except Exception:
                 pass  # a peer already failed: the supervisor is ending the job
             dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) gradient's local shard; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The L2 norm of each tensor (a sharded one's local shard), in float32, on their device: one
+    fused op, no sync (the gradient noise scale, runtime/noise.py)."""
+    ts = [_local(t) for t in tensors if t is not None]
+    return list(torch._foreach_norm(ts, 2, dtype=torch.float32)) if ts else []
+
+
+def _norm(t: torch.Tensor) -> List[torch.Tensor]:
+    """A flat tensor's L2 norm in float32, on its device (one reduction, no sync)."""
+    return [torch.linalg.vector_norm(t, dtype=torch.float32)]
 
 
 def shard_units(model: nn.Module, class_names: List[str], min_params: int) -> List[nn.Module]:
@@ -333,7 +367,7 @@ class FSDPAdapter(DDPAdapter):
         model.set_requires_gradient_sync(enabled)  # type: ignore[operator]  # no reduce-scatter on micro-steps
         yield
 
-    def install_comm_hook(self, model: nn.Module, meter: Any) -> None:
+    def install_comm_hook(self, model: nn.Module, meter: Any, noise: Any = None) -> None:
         """FSDP's collectives and their waits are `comm`: the all-gathers (`unshard`, and
         `wait_for_unshard` with its copy-out), the reduce-scatter (+ HSDP all-reduce) in each group's
         `post_backward`, and the root's wait for the last one. On CPU (gloo) they block this
@@ -373,12 +407,45 @@ class FSDPAdapter(DDPAdapter):
                                                               timed(g.post_backward))
         for st in states:
             st._root_post_backward_final_callback = timed(st._root_post_backward_final_callback)
+        if noise is not None:
+            _feed_unsharded_grads(groups, noise)
 
     def consolidated_state_dict(self, model: nn.Module) -> Optional[dict]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return full if self.rank == 0 else None
+
+
+def _feed_unsharded_grads(groups: List[Any], noise: Any) -> None:
+    """Each FSDP param group's post_backward, where it reduces: first the squared norm of this
+    rank's unsharded gradients (the micro-steps' accumulated ones added in first, as post_backward
+    itself does) into `noise`. Private API: where it differs, nothing is fed (noise.fed stays False)."""
+    try:
+        for g in groups:
+            for fp in g.fsdp_params:
+                fp.accumulate_unsharded_grad_if_needed, fp.unsharded_accumulated_grad  # noqa: B018
+            g.reduce_grads  # noqa: B018
+    except AttributeError:
+        return
+
+    def feeding(g: Any, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if g.reduce_grads and noise.active:
+                local = []
+                for fp in g.fsdp_params:
+                    if not hasattr(fp, "_unsharded_param"):
+                        continue
+                    fp.accumulate_unsharded_grad_if_needed()  # idempotent: post_backward calls it again
+                    acc = fp.unsharded_accumulated_grad
+                    local.append(acc if acc is not None else fp.unsharded_param.grad)
+                noise.add_small(norms(local))
+            return fn(*args, **kwargs)
+        return run
+
+    for g in groups:
+        g.post_backward = feeding(g, g.post_backward)
+    noise.fed = True
 
 
 class HorovodAdapter(Adapter):
@@ -405,12 +472,28 @@ class HorovodAdapter(Adapter):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         compression = hvd.Compression.fp16 if self.cfg.backend.fp16_compression else hvd.Compression.none
-        return hvd.DistributedOptimizer(
+        self.optimizer = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
             compression=compression,
             backward_passes_per_step=self.cfg.trainer.accumulation_steps,
         )
+        return self.optimizer
+
+    def install_comm_hook(self, model: nn.Module, meter: Any, noise: Any = None) -> None:
+        """Each gradient's squared norm as its (in-place) allreduce starts: this rank's own; the
+        averaged one is the step's (runtime/noise.NoiseProbe.end_step after synchronize)."""
+        launch = getattr(self, "optimizer", None) and getattr(self.optimizer, "_allreduce_grad_async", None)
+        if noise is None or launch is None or self.world_size == 1:
+            return
+
+        def measured(p: torch.Tensor) -> Any:
+            if noise.active:
+                noise.add_small(_norm(p.grad))
+            return launch(p)
+
+        self.optimizer._allreduce_grad_async = measured  # type: ignore[union-attr]
+        noise.fed = True
 
     def sampler(self, dataset: Dataset, shuffle: bool, seed: int, drop_last: bool) -> Optional[Sampler]:
         return DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,

@@ -38,6 +38,7 @@ from .evaluate import eval_hook, validation_sets
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
                     SignalCheckpointHook, loader_tuner, overriding)
 from .meter import StepMeter, model_state_mb
+from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
 from .step import Stepper, check_loss
 
@@ -202,6 +203,7 @@ class Run:
     loss_sum: Any = 0.0  # ... into this (a tensor once summed), over loss_steps steps
     loss_steps: int = 0
     hooks: List[Hook] = field(default_factory=list)
+    noise: Optional[Any] = None  # runtime/noise.NoiseProbe: the gradient noise scale's collection
 
     @property
     def device(self) -> torch.device:
@@ -385,6 +387,9 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
         hooks.append(LatencyJumpHook(cfg.data.latency_jump_at, cfg.data.latency_after_ms))
     if run.loader_tuner is not None:
         hooks.append(LoaderAutotuneHook(run.loader_tuner, t.loader_autotune_every))
+    noise = noise_hook(run)  # sets run.noise
+    if noise is not None:
+        hooks.append(noise)
     evaluating = eval_hook(run)  # last: a step another hook stopped the run at is evaluated by its finish
     if evaluating is not None:
         hooks.append(evaluating)
@@ -393,7 +398,9 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
 
 def start(run: Run) -> None:
     """The start event, the resume's position and RNG, the hooks' start."""
-    run.adapter.install_comm_hook(run.model, run.meter)
+    ranks = run.noise if run.noise is not None and run.noise.method == "ranks" else None
+    run.adapter.install_comm_hook(run.model, run.meter, ranks)
+    check_fed(run, next((h for h in run.hooks if isinstance(h, NoiseHook)), None))
     run.events.write(StartEvent(type="start", total_steps=run.total, steps_per_epoch=run.per_epoch,
                                 device=str(run.device), utilization_source=run.meter.source))
     if run.ck is not None:

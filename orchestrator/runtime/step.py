@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER
 from .batch import Feed, to_device
@@ -38,6 +39,12 @@ class Stepper:
         self.counted_step = run.step
         self.flops: Dict[str, Any] = {"flops": None,
                                       "reason": "not counted: trainer.warmup_steps=0 leaves no unmeasured step"}
+        # the gradient noise scale (runtime/noise.py): estimated on the warmup's steps (never
+        # measured) and every noise.every-th step
+        self.noise = run.noise
+        self.noise_until = run.step + t.warmup_steps
+        self.noise_halves = self.noise is not None and self.noise.method == "halves"
+        self.first_micro = self.noise is not None and self.noise.method == "accumulation"
 
     def __call__(self, run: Any) -> tuple:
         """(samples, micro-batches, the step's loss or None when the step is not logged); advances
@@ -53,6 +60,10 @@ class Stepper:
         samples = 0
         step_loss = 0.0
         feed = self.feed
+        noise = self.noise
+        if noise is not None:
+            noise.active = step < self.noise_until or (noise.every > 0 and step % noise.every == 0)
+        halves = self.noise_halves and noise.active  # type: ignore[union-attr]
         for m in range(micro):
             batch = next(it)
             mark(DATA)
@@ -72,7 +83,9 @@ class Stepper:
                     batch = to_device(batch, device)
                     mark(H2D)
                 n = feed.size(batch)
-            if self.plain:
+            if halves and n > 1:
+                loss = self.halves(run, (x, y) if feed.pair else batch, n)
+            elif self.plain:
                 loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
                 (loss if balancer is None else weigh(balancer, loss, n, b + m)).backward()
             else:
@@ -82,6 +95,8 @@ class Stepper:
                         loss = loss / micro
                     weighted = loss if balancer is None else weigh(balancer, loss, n, b + m)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                if m == 0 and micro > 1 and self.first_micro and noise.active:  # type: ignore[union-attr]
+                    noise.first_part(model, n, 1.0 / micro)  # type: ignore[union-attr]
             if summed:
                 step_loss += loss.detach()
             samples += n
@@ -92,16 +107,36 @@ class Stepper:
             self.flops, self.counter = self.counter.per_sample(samples), None  # type: ignore[union-attr]
         if self.sum_losses:
             run.loss_sum, run.loss_steps = run.loss_sum + step_loss, run.loss_steps + 1
-        self.update(run)
+        self.update(run, samples)
         run.step = step + 1
         return samples, micro, (step_loss if logged else None)
 
-    def update(self, run: Any) -> None:
-        """The exposed communication, clipping and the optimizer step."""
+    def halves(self, run: Any, batch: Any, n: int) -> torch.Tensor:
+        """The batch's forward and backward as two halves, each loss weighed by its share (the
+        same gradient as the whole batch's); the first half's gradient goes to the noise probe.
+        Returns the batch's loss."""
+        model, scaler, feed = run.model, run.scaler, self.feed
+        k = n // 2
+        total = None
+        cut = (lambda a, b: (batch[0][a:b], batch[1][a:b])) if feed.pair else (lambda a, b: split(batch, n, a, b))
+        for i, (part, size) in enumerate(((cut(0, k), k), (cut(k, n), n - k))):
+            with self.autocast():
+                loss = self.criterion(model(part[0]), part[1]) if feed.pair else feed.loss(model, part)
+                weighted = loss * (size / n)
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+            if i == 0:
+                self.noise.first_part(model, size, size / n)  # type: ignore[union-attr]
+            total = weighted.detach() if total is None else total + weighted.detach()
+        return total  # type: ignore[return-value]
+
+    def update(self, run: Any, samples: int) -> None:
+        """The exposed communication, the noise probe's pair, clipping and the optimizer step."""
         optimizer, scaler, mark = run.optimizer, run.scaler, run.meter.mark
         if run.adapter.exposed_comm:
             run.adapter.synchronize(optimizer)
             mark(COMM)
+        if self.noise is not None and self.noise.active:  # the gradients as the optimizer gets them, before clipping
+            self.noise.end_step(run.model, samples)
         if self.clip:  # the global norm, also over sharded (DTensor) gradients
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -109,6 +144,13 @@ class Stepper:
         run.adapter.step(optimizer, scaler)
         optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
         mark(OPTIMIZER)
+
+
+def split(batch: Any, n: int, start: int, stop: int) -> Any:
+    """Samples [start, stop) of a batch of `n`: every tensor in it whose first dimension is `n`
+    (an (input, target) pair, a dict's fields); other leaves as they are."""
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else t,
+                    batch)
 
 
 def weigh(balancer: Any, loss: torch.Tensor, n: int, k: int) -> torch.Tensor:

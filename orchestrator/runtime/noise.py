@@ -1,0 +1,201 @@
+"""Measuring the gradient noise scale while the job trains (trainer.noise_scale; the estimator is
+measure/noise.py, the method is docs/measurement.md's "Gradient noise scale").
+
+Each estimated step gives a pair of squared gradient norms at two batch sizes:
+
+- `ranks` (several ranks: ddp, fsdp, horovod): each rank's own gradient before the all-reduce
+  (DDP's communication hook sees every bucket; Horovod each gradient as its allreduce starts;
+  FSDP each group's unsharded gradient before its reduce-scatter) at the local batch, and the
+  averaged gradient after it at the global batch. Costs a norm of the gradients twice.
+- `accumulation` (one rank, trainer.accumulation_steps > 1): the first micro-batch's gradient and
+  the accumulated one.
+- `halves` (one rank, single or dp, no accumulation): the step runs its batch as two halves (the
+  same gradient: each half's loss weighs by its share); the first half's gradient and the whole's.
+
+The steps estimated are the warmup's (never measured) and every trainer.noise_every-th; a tuning
+trial with `halves` estimates its warmup's steps only (its windows are short: a step that costs
+half as much again would stand out in one and widen the trial's interval).
+
+The norms stay on the device (one fused `_foreach_norm` per measurement, or one norm per DDP bucket;
+no sync); they are squared and summed, read, and averaged over the ranks in one all-reduce, at a
+logged step (which syncs for its loss anyway) once FLUSH_AT pairs wait, and at the run's end."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..measure.noise import NoiseEstimator
+from ..measure.results import NoiseScale
+from ..schema import BackendName, Balance, Config, Mode
+from .dist import norms
+from .hooks import Hook
+
+FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
+EVERY = 8  # trainer.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
+HALVES_EVERY = 100  # ... and every 100th with `halves` (a second forward and backward: ~+60% of a step)
+
+
+def method_for(cfg: Config, world_size: int) -> Tuple[Optional[str], str]:
+    """(method, '') for this run, or (None, why it is not measured)."""
+    t, name = cfg.trainer, cfg.backend.name
+    if not t.noise_scale:
+        return None, "trainer.noise_scale=false"
+    if world_size > 1:
+        if cfg.parallelism.balance is Balance.speed:
+            return None, "not measured with parallelism.balance=speed (the ranks' batches differ)"
+        return "ranks", ""
+    if name is BackendName.fsdp:
+        return None, "not measured with backend=fsdp on one rank"
+    if t.accumulation_steps > 1:
+        return "accumulation", ""
+    if name in (BackendName.single, BackendName.dp):
+        return "halves", ""
+    return None, f"not measured with backend={name.value} on one rank without accumulation"
+
+
+class NoiseProbe:
+    """One rank's side: this step's norms of the gradient's parts (buckets, parameters) from the
+    adapter's hooks or the step, the steps' pairs waiting on the device, and the run's estimator.
+    A step adds a norm per part (one fused op), nothing else on the device; squaring and summing
+    happen for all the waiting pairs at once, when they are read."""
+
+    def __init__(self, method: str, world_size: int, big_div: int, every: int, scaler: Any = None) -> None:
+        self.method, self.world, self.big_div, self.every, self.scaler = method, world_size, big_div, every, scaler
+        self.fed = method != "ranks"  # ranks: the adapter sets it once its hooks feed this probe
+        self.active = False  # this step is estimated (the step sets it; the adapter's hooks read it)
+        self.small: List[torch.Tensor] = []  # this step's: the parts' norms of the small-batch gradient
+        self.big: List[torch.Tensor] = []
+        self.weight, self.b_small = 1.0, 0
+        self.norms: List[torch.Tensor] = []  # the waiting pairs' norms, in order
+        self.pending: List[Tuple[int, int, float, Optional[torch.Tensor], int, int]] = []
+        self.estimator = NoiseEstimator(method)
+        self._params: Optional[List[nn.Parameter]] = None
+
+    # -- what the hooks and the step call ------------------------------------------------------
+    def add_small(self, norms: List[torch.Tensor]) -> None:
+        self.small.extend(norms)  # one list operation: safe from a communication thread's callback
+
+    def add_big(self, norms: List[torch.Tensor]) -> None:
+        self.big.extend(norms)
+
+    def grad_norms(self, model: nn.Module) -> List[torch.Tensor]:
+        if self._params is None:
+            self._params = list(model.parameters())
+        return norms([p.grad for p in self._params if p.grad is not None])
+
+    def first_part(self, model: nn.Module, n_part: int, weight: float) -> None:
+        """After the first micro-batch's (or half's) backward, whose loss weighed `weight`: its own
+        gradient is the accumulated one over `weight`."""
+        self.small.extend(self.grad_norms(model))
+        self.weight, self.b_small = weight, n_part
+
+    def end_step(self, model: nn.Module, samples: int) -> None:
+        """After the gradients are synchronized, before clipping: close the step's pair."""
+        if not self.small:
+            self.big.clear()
+            return
+        if self.method == "ranks":
+            b_small, b_big = samples, samples * self.world
+        else:
+            b_small, b_big = self.b_small, samples
+        if not self.big:  # the averaged gradient's norm, where no hook saw it (not DDP)
+            self.big.extend(self.grad_norms(model))
+        small, big, self.small, self.big = self.small, self.big, [], []
+        if big:
+            scale = getattr(self.scaler, "_scale", None)  # AMP fp16: the gradients are scaled by it
+            scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None  # updated in place later
+            self.pending.append((len(small), len(big), self.weight, scale, b_small, b_big))
+            self.norms += small + big
+
+    # -- reading them ---------------------------------------------------------------------------
+    def squared(self) -> List[float]:
+        """The waiting pairs' squared norms, |G_small|^2 then |G_big|^2 for each, this rank's."""
+        flat = torch.stack(self.norms).square()
+        slots: List[int] = []
+        for i, (n_small, n_big, _, _, _, _) in enumerate(self.pending):
+            slots += [2 * i] * n_small + [2 * i + 1] * n_big
+        sums = torch.zeros(2 * len(self.pending), dtype=flat.dtype, device=flat.device)
+        values = sums.index_add_(0, torch.tensor(slots, device=flat.device), flat).tolist()
+        scales = [s for *_, s, _, _ in self.pending if s is not None]
+        scale_sq = iter(torch.stack(scales).double().square().tolist()) if scales else None
+        for i, (_, _, weight, scale, _, _) in enumerate(self.pending):
+            div = next(scale_sq) if scale is not None and scale_sq is not None else 1.0
+            values[2 * i] /= weight * weight * div
+            values[2 * i + 1] /= div
+        return values
+
+    def flush(self, adapter: Any) -> None:
+        """Read the pairs waiting (every rank at the same step: with several ranks, one all-reduce
+        averages the ranks' own gradients' norms, and sums FSDP's shards of the averaged one)."""
+        if not self.pending:  # the same on every rank: every rank closes a pair at the same steps
+            return
+        values = self.squared()
+        if self.world > 1:
+            values = adapter.all_reduce_sum(values)
+        for i, (*_, b_small, b_big) in enumerate(self.pending):
+            small, big = values[2 * i], values[2 * i + 1]
+            if self.world > 1:
+                small, big = small / self.world, big / self.big_div
+            self.estimator.add(small, big, b_small, b_big)
+        self.pending.clear()
+        self.norms.clear()
+
+    def result(self) -> NoiseScale:
+        return self.estimator.result()
+
+
+class NoiseHook(Hook):
+    """Reads the probe's pairs at logged steps (their loss already synced) and puts the run's
+    `noise_scale` (measure.results.NoiseScale) into the rank's result."""
+
+    def __init__(self, probe: Optional[NoiseProbe], log_every: int, method: str = "halves") -> None:
+        self.probe, self.log_every, self.method = probe, log_every, method
+
+    def after_step(self, run: Any) -> bool:
+        probe = self.probe
+        if probe is None or len(probe.pending) < FLUSH_AT or run.step % self.log_every:
+            return False
+        probe.flush(run.adapter)
+        return True
+
+    def summary(self, run: Any, out: Dict[str, Any]) -> None:
+        if self.probe is None:
+            out["noise_scale"] = NoiseScale(method=self.method).as_dict()
+            return
+        self.probe.flush(run.adapter)
+        out["noise_scale"] = self.probe.result().as_dict()
+
+
+def check_fed(run: Any, hook: Optional[NoiseHook]) -> None:
+    """After the adapter installed its hooks: a `ranks` probe that nothing feeds (FSDP internals
+    that differ in this torch) measures nothing; say so once."""
+    probe = run.noise
+    if hook is None or probe is None or probe.fed:
+        return
+    if run.adapter.rank == 0:
+        print(f"[noise] the gradient noise scale is not measured: backend={run.cfg.backend.name.value} "
+              "gives no hook on each rank's gradient before its reduction here")
+    hook.probe = run.noise = None
+
+
+def noise_hook(run: Any) -> Optional[NoiseHook]:
+    """The run's noise-scale hook (its probe on run.noise), or None when trainer.noise_scale is off.
+    A method the run cannot use says why once, and the result carries an empty estimate."""
+    cfg, adapter = run.cfg, run.adapter
+    if not cfg.trainer.noise_scale:
+        return None
+    method, why = method_for(cfg, adapter.world_size)
+    if method is None:
+        if adapter.rank == 0:
+            print(f"[noise] the gradient noise scale is {why}")
+        return NoiseHook(None, cfg.trainer.log_every, "ranks" if adapter.world_size > 1 else "halves")
+    shard = cfg.parallelism.shard_size or adapter.world_size
+    big_div = adapter.world_size // shard if cfg.backend.name is BackendName.fsdp else adapter.world_size
+    every = cfg.trainer.noise_every or (HALVES_EVERY if method == "halves" else EVERY)
+    if method == "halves" and cfg.mode is Mode.tune:  # a trial's short windows: a slower step is an outlier
+        every = 0  # its warmup's steps only
+    run.noise = NoiseProbe(method, adapter.world_size, big_div, every, run.scaler)
+    return NoiseHook(run.noise, cfg.trainer.log_every, method)

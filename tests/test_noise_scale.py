@@ -1,0 +1,234 @@
+"""The gradient noise scale (measure/noise.py, runtime/noise.py): the estimator against a linear
+regression whose gradient noise is known in closed form, and real runs (2 DDP ranks, and
+gradient accumulation in one process, and halves) against an offline measurement of the same
+model by the large/small-batch method."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from orchestrator.app import run_job
+from orchestrator.load_report import noise_line
+from orchestrator.measure.noise import MAX_BLOCKS, NoiseEstimator, fieller, unbiased
+from orchestrator.measure.results import JobResult, NoiseScale
+from orchestrator.runtime.dist import Adapter
+from orchestrator.runtime.noise import EVERY
+from orchestrator.runtime.loop import build_dataset, build_model, loss_fn, seed_everything, train
+from orchestrator.schema import ConfigError
+from orchestrator.tracking import noise_metrics
+
+from .conftest import compose_dict
+
+
+# -- the estimator against a known answer ------------------------------------------------------
+def regression_truth(delta: torch.Tensor, noise_sd: float) -> tuple:
+    """y = w*.x + e, x ~ N(0, I_d), e ~ N(0, s^2), loss (w.x - y)^2 / 2 at w = w* + delta: the
+    per-sample gradient is (delta.x - e) x, its mean delta, and E|g|^2 = |delta|^2 (d + 2) + s^2 d,
+    so |G|^2 = |delta|^2 and tr(Sigma) = |delta|^2 (d + 1) + s^2 d."""
+    d, g2 = delta.numel(), float(delta @ delta)
+    return g2, g2 * (d + 1) + noise_sd ** 2 * d
+
+
+def regression_grad(delta: torch.Tensor, noise_sd: float, b: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(b, delta.numel(), generator=gen, dtype=torch.float64)
+    e = noise_sd * torch.randn(b, generator=gen, dtype=torch.float64)
+    return ((x @ delta - e)[:, None] * x).mean(0)
+
+
+def test_unbiased_estimators_converge_to_the_regressions_true_noise():
+    gen = torch.Generator().manual_seed(0)
+    delta = 0.3 * torch.randn(8, generator=gen, dtype=torch.float64)
+    noise_sd, b_small, b_big = 1.0, 4, 16
+    true_g2, true_trace = regression_truth(delta, noise_sd)
+    est = NoiseEstimator("halves")
+    for _ in range(4000):
+        small = regression_grad(delta, noise_sd, b_small, gen)
+        rest = regression_grad(delta, noise_sd, b_big - b_small, gen)
+        big = (b_small * small + (b_big - b_small) * rest) / b_big  # the small batch is part of the big one
+        assert est.add(float(small @ small), float(big @ big), b_small, b_big)
+    got = est.result()
+    assert got.n == 4000 and (got.batch_small, got.batch_big, got.method) == (4, 16, "halves")
+    assert got.g2 == pytest.approx(true_g2, rel=0.1)
+    assert got.trace_sigma == pytest.approx(true_trace, rel=0.05)
+    truth = true_trace / true_g2
+    assert got.b_simple == pytest.approx(truth, rel=0.12)
+    assert got.lo < truth < got.hi and got.hi / got.lo < 1.6  # the interval covers it, and is informative
+    assert len(est.blocks) <= 2 * MAX_BLOCKS  # memory bounded: blocks merged
+
+
+def test_one_pair_by_hand_and_what_is_left_out():
+    # |G_small|^2 = 5 at 2 samples, |G_big|^2 = 2 at 8: |G|^2 = (16 - 10) / 6, tr = 3 / (1/2 - 1/8)
+    assert unbiased(5.0, 2.0, 2, 8) == pytest.approx((1.0, 8.0))
+    with pytest.raises(ValueError, match="batch_small < batch_big"):
+        unbiased(1.0, 1.0, 8, 8)
+    est = NoiseEstimator("accumulation")
+    assert not est.add(float("inf"), 1.0, 2, 8) and not est.add(1.0, 1.0, 4, 4)  # an AMP overflow; one micro-batch
+    assert est.result() == NoiseScale(method="accumulation")  # nothing estimated: all None, n 0
+    est.add(5.0, 2.0, 2, 8)
+    one = est.result()
+    assert one.n == 1 and one.g2 == pytest.approx(1.0) and one.b_simple is None  # one step: not measurable yet
+
+
+def test_not_measurable_while_the_mean_gradient_is_lost_in_the_noise():
+    est = NoiseEstimator("ranks")
+    est.add(5.0, 2.0, 2, 8)  # |G|^2 (16 - 10) / 6 = 1
+    est.add(9.0, 0.0, 2, 8)  # |G|^2 (0 - 18) / 6 = -3: the mean is -1
+    got = est.result()
+    assert got.g2 is not None and got.g2 <= 0
+    assert (got.b_simple, got.lo, got.hi) == (None, None, None)
+    assert "not measurable yet" in noise_line(got.as_dict())
+
+
+def test_fieller_interval_of_a_ratio():
+    assert fieller([1.0], [1.0]) == (None, None)  # one block: no spread
+    assert fieller([1.0, 2.0, 3.0], [-1.0, 1.0, 0.5]) == (None, None)  # denominator not clearly above 0
+    lo, hi = fieller([10.0, 12.0, 11.0, 9.0], [1.0, 1.1, 0.9, 1.0])
+    assert lo < 10.5 < hi
+
+
+def test_noise_scale_record_round_trips_in_the_job_result():
+    ns = NoiseScale(b_simple=100.0, lo=50.0, hi=200.0, g2=1.0, trace_sigma=100.0, n=7, method="ranks",
+                    batch_small=8, batch_big=16)
+    d = ns.as_dict()
+    assert list(d) == ["b_simple", "lo", "hi", "g2", "trace_sigma", "n", "method", "batch_small", "batch_big"]
+    job = JobResult.from_dict({"status": "FINISHED", "noise_scale": d})
+    assert job.noise_scale == ns and job.to_dict()["noise_scale"] == d
+    assert noise_metrics({"noise_scale": d, "steps": 3}) == [("noise_scale", 100.0, 3), ("noise_scale_lo", 50.0, 3),
+                                                             ("noise_scale_hi", 200.0, 3)]
+
+
+def test_noise_every_rejects_a_bad_value():
+    from orchestrator.schema import to_config
+
+    with pytest.raises(ConfigError, match=r"^trainer.noise_every: must be an integer >= 0"):
+        to_config(compose_dict(["trainer.noise_every=-1"]))
+
+
+# -- runs against an offline measurement -------------------------------------------------------
+# a small softmax regression with teacher labels; lr so small that the weights stay where the
+# offline measurement takes them (the initial ones)
+WORKLOAD = ["data.args.size=2048", "data.args.features=50", "model.args.in_features=50", "trainer.lr=1e-6",
+            "trainer.epochs=1", "trainer.save_model=false"]
+
+
+def offline_noise_scale(cfg) -> float:
+    """B_simple of the initial model over the whole dataset: the per-sample gradients' trace of
+    covariance over the squared norm of their mean (torch.func, one vmap)."""
+    from torch.func import functional_call, grad, vmap
+
+    seed_everything(cfg.trainer.seed)
+    model = build_model(cfg)
+    ds = build_dataset(cfg)
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    y = torch.tensor([int(ds[i][1]) for i in range(len(ds))])
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    criterion = loss_fn(cfg.model.loss)
+
+    def one(p, xi, yi):
+        return criterion(functional_call(model, p, (xi[None],)), yi[None])
+
+    per = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([g.reshape(len(x), -1) for g in per.values()], dim=1).double()
+    mean = flat.mean(0)
+    trace = float(((flat - mean) ** 2).sum(1).mean())
+    return trace / float(mean @ mean)
+
+
+def within_2x(got: dict, want: float) -> None:
+    assert got["b_simple"] is not None, got
+    assert want / 2 <= got["b_simple"] <= 2 * want, (got, want)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "horovod"])
+def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_path, backend):
+    """Each rank's gradient before the reduction (DDP's communication hook, FSDP's unsharded
+    gradients before the reduce-scatter, Horovod's allreduce as it starts) against the averaged one."""
+    cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "data.batch_size=16", *WORKLOAD)
+    result = run_job(cfg, tmp_path, echo=False)
+    got = result["noise_scale"]
+    estimated = [s for s in range(result["steps"]) if s < cfg.trainer.warmup_steps or s % EVERY == 0]
+    assert (got["method"], got["batch_small"], got["batch_big"], got["n"]) == ("ranks", 16, 32, len(estimated))
+    within_2x(got, offline_noise_scale(cfg))
+    assert json.loads((tmp_path / "result.json").read_text())["noise_scale"] == got
+    assert "Gradient noise scale" in (tmp_path / "load_report.md").read_text()
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"])
+    assert run.data.metrics["noise_scale"] == pytest.approx(got["b_simple"])
+    assert run.data.tags["noise_scale_method"].startswith("ranks (16 vs 32 samples")
+
+
+@pytest.mark.parametrize("extra, method, small, big", [
+    (["trainer.accumulation_steps=4", "data.batch_size=16", "trainer.noise_every=1"], "accumulation", 16, 64),
+    (["trainer.noise_every=2", "data.batch_size=64"], "halves", 32, 64),
+])
+def test_one_process_measures_the_noise_scale(make_cfg, extra, method, small, big):
+    cfg = make_cfg(*WORKLOAD, *extra)
+    adapter = Adapter(cfg)
+    adapter.setup()
+    got = train(cfg, adapter).meter["noise_scale"]
+    assert (got["method"], got["batch_small"], got["batch_big"]) == (method, small, big)
+    assert got["n"] >= 16
+    within_2x(got, offline_noise_scale(cfg))
+
+
+def test_halves_give_the_same_update_as_the_whole_batch(make_cfg):
+    """A step of two halves is the whole batch's step (each half's loss weighs by its share)."""
+    digests = []
+    for on in ("true", "false"):
+        cfg = make_cfg(*WORKLOAD, "trainer.lr=0.1", "trainer.max_steps=6", "trainer.noise_every=1",
+                       "data.batch_size=33", f"trainer.noise_scale={on}")
+        adapter = Adapter(cfg)
+        adapter.setup()
+        res = train(cfg, adapter)
+        digests.append({k: v.clone() for k, v in res.model.state_dict().items()})
+        assert ("noise_scale" in res.meter) == (on == "true")
+    for k in digests[0]:
+        assert torch.allclose(digests[0][k], digests[1][k], atol=1e-6), k
+
+
+def test_off_is_off(make_cfg):
+    cfg = make_cfg(*WORKLOAD, "trainer.max_steps=4", "trainer.noise_scale=false")
+    adapter = Adapter(cfg)
+    adapter.setup()
+    res = train(cfg, adapter)
+    assert "noise_scale" not in res.meter and math.isfinite(res.final_loss)
+
+
+def test_a_tuning_trial_estimates_halves_on_its_warmup_steps_only(make_cfg):
+    """A trial's windows are short: a step of two halves would stand out in one."""
+    counts = {}
+    for mode in ("run", "tune"):
+        cfg = make_cfg(*WORKLOAD, f"mode={mode}", "trainer.warmup_steps=3", "trainer.max_steps=12",
+                       "trainer.noise_every=4")
+        adapter = Adapter(cfg)
+        adapter.setup()
+        counts[mode] = train(cfg, adapter).meter["noise_scale"]["n"]
+    assert counts == {"run": 5, "tune": 3}  # the warmup's steps 0, 1, 2; in a run also steps 4 and 8
+
+
+def test_the_probe_divides_out_weights_and_the_loss_scale():
+    """AMP fp16: the gradients the probe sees are scaled by the GradScaler's scale (read when the
+    step closes: the scaler updates it in place later); the first micro-batch's by its weight."""
+    from types import SimpleNamespace
+
+    from orchestrator.runtime.noise import NoiseProbe
+
+    scaler = SimpleNamespace(_scale=torch.tensor(4.0))
+    probe = NoiseProbe("accumulation", 1, 1, 1, scaler)
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.grad = torch.tensor([[4.0, 0.0]])  # the first of 2 micro-batches: weight 1/2, scale 4
+    probe.active = True
+    probe.first_part(model, 8, 0.5)
+    model.weight.grad = torch.tensor([[0.0, 12.0]])
+    probe.end_step(model, 16)
+    scaler._scale.fill_(1024.0)  # the scaler's update after the step
+    probe.flush(Adapter.__new__(Adapter))
+    assert probe.estimator.n == 1 and probe.estimator.batch_small == 8
+    small, big = 16.0 / 0.25 / 16.0, 144.0 / 16.0  # |G_small|^2 = 4, |G_big|^2 = 9
+    g2, trace = unbiased(small, big, 8, 16)
+    assert probe.estimator.blocks[0][:2] == pytest.approx([g2, trace])
