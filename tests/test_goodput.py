@@ -181,3 +181,35 @@ def test_goodput_picks_a_larger_batch_at_its_scaled_rate(make_cfg, tmp_path, mon
     assert "trainer.lr=0.16" in summary["rerun_overrides"]
     assert summary["best"]["lr"] == pytest.approx(0.16)  # the trial itself trained at it
     assert f"[tune] {tt['line']}" in out and "x faster to the same loss" in tt["line"]
+
+
+def test_lr_warmup_ramps_the_rate_in_the_ranks(make_cfg):
+    """trainer.warmup_lr_steps: lr/n, 2lr/n, ... lr over the first n optimizer steps, then lr; a
+    resumed run continues the ramp at its step; the loop adds the hook only when it is set."""
+    import torch
+
+    from orchestrator.runtime.hooks import LrWarmupHook
+    from orchestrator.runtime.loop import build_hooks
+
+    def run_at(step):
+        return SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), step=step)
+
+    run, hook, seen = run_at(0), LrWarmupHook(0.1, 4), []
+    hook.start(run)
+    for step in range(6):
+        seen.append(run.optimizer.param_groups[0]["lr"])
+        run.optimizer.step()
+        run.step = step + 1
+        hook.after_step(run)
+    assert seen == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
+    resumed = run_at(2)
+    LrWarmupHook(0.1, 4).start(resumed)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.075)
+
+    def hooks(*overrides):
+        cfg = make_cfg(*overrides)
+        run = SimpleNamespace(cfg=cfg, adapter=SimpleNamespace(rank=0, sharded_state=False), balancer=None, step=0,
+                              dataset=None, loader_tuner=None)
+        return [type(h).__name__ for h in build_hooks(run, None, None, None)]
+
+    assert "LrWarmupHook" in hooks("trainer.warmup_lr_steps=3") and "LrWarmupHook" not in hooks()
