@@ -78,11 +78,12 @@ def scaled_lr(lr0: float, m0: float, m: float, rule: LrScaling, b_noise: Optiona
     return lr0 * (math.sqrt(gain) if adam else gain), "adascale"
 
 
-def lr_for(cfg: Config, job: Config, b_noise: Optional[float]) -> Dict[str, Any]:
-    """The `trainer.lr` override of `job` (a trial of the base config `cfg`) under tune.lr_scaling:
-    {} when its global batch is the base's, the rule is none, or the space searches the rate."""
+def lr_for(cfg: Config, job: Config, values: Dict[str, Any], b_noise: Optional[float]) -> Dict[str, Any]:
+    """The `trainer.lr` override of `job` (the base config `cfg` with a trial's `values`) under
+    tune.lr_scaling: {} when its global batch is the base's, the rule is none, or the space
+    searches the rate."""
     m0, m = global_batch(cfg), global_batch(job)
-    if m == m0 or job.trainer.lr != cfg.trainer.lr:  # the same math, or a rate the space sets
+    if m == m0 or LR_KEY in values:  # the same math, or a rate the space sets
         return {}
     lr, _ = scaled_lr(cfg.trainer.lr, m0, m, rule_of(cfg), b_noise, adam=cfg.trainer.optimizer not in SGD_FAMILY)
     return {LR_KEY: lr} if lr != cfg.trainer.lr else {}
@@ -136,23 +137,28 @@ def speedup(pick: Dict[str, Any], user: Dict[str, Any]) -> Optional[float]:
     return pick["goodput"] / user["throughput"]
 
 
-def study_base(study: Any) -> Optional[int]:
-    """The user's global batch M0, as the study recorded it (Tuner: user attribute `base_global_batch`)."""
-    m0 = study.user_attrs.get("base_global_batch")
-    return int(m0) if m0 else None
+Scale = Tuple[Optional[int], Optional[float]]
+
+
+def scale_of(study: Any) -> Scale:
+    """(M0, B): the user's global batch as the study recorded it (user attribute
+    `base_global_batch`) and its pooled noise scale (user attribute `noise_scale`, see
+    pooled_noise), read once (on a database each read of the attributes is a query)."""
+    attrs = study.user_attrs
+    m0, pooled = attrs.get("base_global_batch"), attrs.get("noise_scale")
+    return (int(m0) if m0 else None), (pooled.get("b_simple") if isinstance(pooled, dict) else None)
 
 
 def study_b(study: Any) -> Optional[float]:
-    """The study's pooled noise scale (user attribute `noise_scale`, see pooled_noise)."""
-    pooled = study.user_attrs.get("noise_scale")
-    return pooled.get("b_simple") if isinstance(pooled, dict) else None
+    """The study's pooled noise scale (None: not measured)."""
+    return scale_of(study)[1]
 
 
-def judged(trial: Any, f: Dict[str, Any], study: Any) -> Dict[str, Any]:
-    """A trial's figures `f` with its goodput at the study's pooled noise scale (as they are when
-    the study did not record the user's global batch)."""
-    m0 = study_base(study)
-    return with_goodput(f, trial.user_attrs.get("global_batch"), m0, study_b(study)) if m0 else f
+def judged(trial: Any, f: Dict[str, Any], scale: Scale) -> Dict[str, Any]:
+    """A trial's figures `f` with its goodput at the study's `scale` (as they are when the study
+    did not record the user's global batch)."""
+    m0, b = scale
+    return with_goodput(f, trial.user_attrs.get("global_batch"), m0, b) if m0 else f
 
 
 def guard(order: List[Any], fig: Dict[int, Dict[str, Any]], base: Optional[Any], m0: Optional[int],
@@ -167,14 +173,15 @@ def guard(order: List[Any], fig: Dict[int, Dict[str, Any]], base: Optional[Any],
     if pick.user_attrs.get("global_batch") in (None, m0) or base is None or base.number not in fig:
         return pick, None
     ratio = speedup(fig[pick.number], fig[base.number])
-    if ratio is not None and ratio > 1:
+    if ratio is None or ratio > 1:  # no figures to judge it by, or sooner to the target
         return pick, None
     held = next((tr for tr in order if tr.user_attrs.get("global_batch") == m0), base)
     m = pick.user_attrs["global_batch"]
     e = fig[pick.number].get("efficiency")
     return held, (f"trial {pick.number} (global batch {m}, {m / m0:.3g}x yours) is predicted to reach your target "
                   f"{1 / ratio if ratio else float('inf'):.2f}x slower than your config (each sample worth "
-                  f"{e:.2g} of yours): the pick is trial {held.number}, at your global batch {m0}")
+                  f"{e if e is not None else 1.0:.2g} of yours): the pick is trial {held.number}, at your global "
+                  f"batch {m0}")
 
 
 def time_to_target(study: Any, cfg: Config, pick: Any, fig: Dict[str, Any], user: Optional[Dict[str, Any]],
@@ -234,7 +241,8 @@ def record_trial(study: Any, trial: Any, metrics: Dict[str, Any], noise: Any, m0
         done = [tr for tr in study.get_trials(deepcopy=False)
                 if tr.state.name == "COMPLETE" or tr.number == trial.number]
         study.set_user_attr("noise_scale", pooled_noise(done))
-    out = with_goodput(metrics, trial.user_attrs.get("global_batch"), m0, study_b(study))
+    b = study_b(study)
+    out = with_goodput(metrics, trial.user_attrs.get("global_batch"), m0, b)
     for k in GOODPUT_ATTRS:
         if k in out:
             trial.set_user_attr(k, out[k])
@@ -242,7 +250,7 @@ def record_trial(study: Any, trial: Any, metrics: Dict[str, Any], noise: Any, m0
         for tr in study.get_trials(deepcopy=False):
             if tr.state.name != "COMPLETE" or tr.number == trial.number:
                 continue
-            f = with_goodput(tr.user_attrs, tr.user_attrs.get("global_batch"), m0, study_b(study))
+            f = with_goodput(tr.user_attrs, tr.user_attrs.get("global_batch"), m0, b)
             for k in GOODPUT_ATTRS:
                 if k in f and f[k] != tr.user_attrs.get(k):
                     study._storage.set_trial_user_attr(tr._trial_id, k, f[k])

@@ -17,7 +17,7 @@ from ..rundir import write_atomic, write_json
 from ..schema import Objective, TuneConfig
 from ..stores import redact
 from .edges import advice
-from .goodput import judged
+from .goodput import judged, scale_of
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
 from .rules import (best_trials, completed, confirmed, counted, failed_confirmation, figures, ranked, refused, separation,
@@ -255,7 +255,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     from rich.table import Table
 
     best_numbers = {b.number for b in best}
-    conf = confirmed(study)
+    conf, scale = confirmed(study), scale_of(study)
     if t.objective is Objective.both:
         done = sorted(completed(study), key=lambda tr: (tr.number not in best_numbers, -tr.user_attrs["utilization"]))
     else:
@@ -270,7 +270,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
 
     failed = failed_confirmation(study)
     for i, tr in enumerate(done, 1):
-        a, f = tr.user_attrs, judged(tr, figures(tr, conf), study)
+        a, f = tr.user_attrs, judged(tr, figures(tr, conf), scale)
         knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t)),

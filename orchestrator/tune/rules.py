@@ -11,7 +11,7 @@ import numpy as np
 
 from ..measure.stats import Z95
 from ..schema import Objective, TuneConfig
-from .goodput import guard, judged, study_base
+from .goodput import guard, judged, scale_of
 
 # The figure a single-figure objective ranks by: samples/s, real tokens/s (padding excluded), or mfu
 # (whose confirmation runs re-measure samples/s: for one model mfu moves with it)
@@ -105,7 +105,8 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
     if not done:
         return []
     conf = confirmed(study)
-    fig = {tr.number: judged(tr, figures(tr, conf), study) for tr in done}  # goodput at the study's noise scale
+    scale = scale_of(study)
+    fig = {tr.number: judged(tr, figures(tr, conf), scale) for tr in done}  # goodput at the study's noise scale
     # the floor is measured from a possible pick; of the trials read above: another tuner process of
     # a shared study may complete one meanwhile (4 tuners started together: one ended with KeyError)
     eligible = [tr for tr in pickable(study, t) if tr.number in fig]
@@ -223,8 +224,9 @@ def guarded_pick(study: Any, t: TuneConfig) -> Tuple[Optional[Any], Optional[str
     order = [tr for tr in ranked(study, t) if tr.number in eligible and not refused(tr, t)]
     base = baseline_trial(study, t)
     conf = confirmed(study)
-    fig = {tr.number: judged(tr, figures(tr, conf), study) for tr in [*order, *([base] if base else [])]}
-    return guard(order, fig, base, study_base(study), t)
+    scale = scale_of(study)
+    fig = {tr.number: judged(tr, figures(tr, conf), scale) for tr in [*order, *([base] if base else [])]}
+    return guard(order, fig, base, scale[0], t)
 
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
@@ -333,7 +335,8 @@ def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
     if len(order) < 2 or t.objective is Objective.both:
         return {}
     conf = confirmed(study)
-    a, b = judged(order[0], figures(order[0], conf), study), judged(order[1], figures(order[1], conf), study)
+    scale = scale_of(study)
+    a, b = judged(order[0], figures(order[0], conf), scale), judged(order[1], figures(order[1], conf), scale)
     name = "utilization" if t.objective is Objective.utilization else deciding(t)
     if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
         name = "throughput"

@@ -38,7 +38,7 @@ from .rules import (baseline_trial, best_trials, completed, confirm_candidates, 
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
-from .goodput import global_batch, judged, lr_for, record_trial, study_b, time_to_target
+from .goodput import global_batch, judged, lr_for, record_trial, scale_of, study_b, time_to_target
 from .memory import memory_record
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
@@ -720,8 +720,8 @@ class Tuner:
 
     def _judged(self, study: Any, conf: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """Confirmed figures with their goodput at the study's noise scale."""
-        trials = {str(tr.number): tr for tr in study.get_trials(deepcopy=False)}
-        return {n: judged(trials[n], f, study) if n in trials else f for n, f in conf.items()}
+        trials, scale = {str(tr.number): tr for tr in study.get_trials(deepcopy=False)}, scale_of(study)
+        return {n: judged(trials[n], f, scale) if n in trials else f for n, f in conf.items()}
 
     def _check_failure_rate(self, study: Any) -> None:
         TrialState = self.optuna.trial.TrialState
@@ -812,8 +812,9 @@ class Tuner:
         conf = confirmed(study)
         _, why = guarded_pick(study, self.t)
         base = baseline_trial(study, self.t)
-        user = judged(base, figures(base, conf), study) if base is not None else None
-        return time_to_target(study, self.cfg, pick, judged(pick, figures(pick, conf), study), user, why)
+        scale = scale_of(study)
+        user = judged(base, figures(base, conf), scale) if base is not None else None
+        return time_to_target(study, self.cfg, pick, judged(pick, figures(pick, conf), scale), user, why)
 
     def _measured_share(self, study: Any) -> Dict[str, Any]:
         """This process's study time spent measuring: the measured seconds of its trials and
@@ -891,7 +892,7 @@ def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0, b_noi
         "trainer.max_measure_s": max(t.max_measure_s, t.min_measure_s * longer), "trainer.max_steps": 0,
     }
     job = apply(cfg, {**fixed, **values})
-    scaled = lr_for(cfg, job, b_noise)
+    scaled = lr_for(cfg, job, values, b_noise)
     if scaled:
         job = apply(job, scaled)
     if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
