@@ -213,3 +213,39 @@ def test_lr_warmup_ramps_the_rate_in_the_ranks(make_cfg):
         return [type(h).__name__ for h in build_hooks(run, None, None, None)]
 
     assert "LrWarmupHook" in hooks("trainer.warmup_lr_steps=3") and "LrWarmupHook" not in hooks()
+
+
+def test_goodput_ranks_and_prunes_by_what_a_sample_is_worth(make_cfg, tmp_path):
+    """Batch 256 moves 4x the samples/s of the user's 16, but at a noise scale of 16 each is worth
+    (16 + 16) / (16 + 256) of one: the goodput objective ranks the user's batch first, and a
+    window of another batch-256 trial is pruned on its goodput, in those words."""
+    import optuna
+
+    from orchestrator.tune.goodput import record_trial
+    from orchestrator.tune.rules import best_trials, ranked
+    from orchestrator.tune.study import Tuner
+
+    cfg = make_cfg("mode=tune", "data.batch_size=16", "tune.global_batch=free", "tune.objective=goodput",
+                   "tune.pruner=interval", f"tune.storage=sqlite:///{tmp_path}/o.db")
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("base_global_batch", 16)
+    for batch, thr in ((16, 1000.0), (256, 4000.0)):
+        trial = study.ask()
+        trial.set_user_attr("global_batch", batch)
+        f = record_trial(study, trial, {"throughput": thr, "throughput_lo": 0.9 * thr, "throughput_hi": 1.1 * thr,
+                                        "utilization": 0.5}, {"b_simple": 16.0}, 16, refresh=True)
+        for k, v in {**f, "values": {BATCH_KEY: batch}}.items():
+            trial.set_user_attr(k, v)
+        study.tell(trial, f["goodput"])
+    a = {tr.number: tr.user_attrs for tr in study.trials}
+    assert a[1]["efficiency"] == pytest.approx(32 / 272) and a[1]["goodput"] == pytest.approx(4000 * 32 / 272)
+    assert study.user_attrs["noise_scale"]["how"] == "median of B_simple over trials 0, 1"
+    t = cfg.tune
+    assert [tr.number for tr in ranked(study, t)] == [0, 1] and best_trials(study, t)[0].number == 0
+    tuner = Tuner(cfg, tmp_path, echo=False)
+    trial = study.ask()
+    trial.set_user_attr("global_batch", 256)
+    pruned = {"flag": False}
+    monitor = tuner._monitor(study, trial, pruned)
+    stops = [monitor(i, {"throughput": 5000.0 + i, "utilization": 0.5}) for i in range(4)]
+    assert stops == [False, False, False, True] and pruned["reason"].startswith("goodput 588.")

@@ -233,8 +233,8 @@ def record_trial(study: Any, trial: Any, metrics: Dict[str, Any], noise: Any, m0
                  refresh: bool) -> Dict[str, Any]:
     """A measured trial's noise scale (its run's `noise_scale`, when it measured one) pooled into
     the study's (user attribute `noise_scale`), and `metrics` with its goodput at that scale, also
-    set on the trial (GOODPUT_ATTRS). With `refresh` (the goodput objective) every completed
-    trial's goodput follows a pooled scale that moved: the rules rank and confirm by it."""
+    set on the trial (GOODPUT_ATTRS). With `refresh` every completed trial's goodput follows a
+    pooled scale that moved: the goodput objective ranks, confirms and stops early by it."""
     measured = measured_b(noise) is not None
     if measured:
         trial.set_user_attr("noise_scale", noise)

@@ -38,7 +38,7 @@ from .rules import (baseline_trial, best_trials, completed, confirm_candidates, 
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
-from .goodput import global_batch, judged, lr_for, record_trial, scale_of, study_b, time_to_target
+from .goodput import efficiency, global_batch, judged, lr_for, record_trial, scale_of, study_b, time_to_target
 from .memory import memory_record
 from .proposals import Proposals
 from .storage import check_shared, is_storage_error, orphaned, study_lock, study_storage
@@ -479,25 +479,29 @@ class Tuner:
         best_thr = self._best_throughput(study)
         bar = self._interval_bar(study)
         window_thr: List[float] = []
+        m0, b = scale_of(study)
+        worth = efficiency(trial.user_attrs.get("global_batch") or m0 or 1, m0 or 1, b)  # a sample's, for goodput
 
         def monitor(window: int, job: Dict[str, float]) -> bool:
             """Report each measured window's score (the objective's, not raw utilization) to the pruner."""
             if self.multi or self.t.objective is Objective.both:
                 return False
             name = deciding(self.t)  # samples/s, or real tokens/s for the tokens objective
+            if name == "goodput":
+                job = {**job, "goodput": job["throughput"] * worth}
             if job.get(name) is None:  # no tokens counted (a batch without a mask: refused at its first batch)
                 return False
             if self.t.pruner is PrunerName.interval:
                 window_thr.append(job[name])
                 est = estimate(window_thr) if len(window_thr) >= MIN_WINDOWS and bar is not None else {}
                 if est.get("interval") and est["interval"][1] < bar[0]:
-                    what = "real tokens/s" if name == "tokens_per_s" else "throughput"
+                    what = {"tokens_per_s": "real tokens/s", "goodput": "goodput"}.get(name, "throughput")
                     pruned.update(flag=True, window=window, job=job, reason=(
                         f"{what} {est['mean']:.1f}/s over {len(window_thr)} windows, at most "
                         f"{est['interval'][1]:.1f}/s (95%): below {bar[1]}"))
                 return pruned["flag"]
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
-            value = (job[name] if self.t.objective in (Objective.throughput, Objective.mfu, Objective.tokens) else
+            value = (job[name] if self.t.objective is not Objective.utilization else
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor))
             trial.report(value, window)
             if trial.should_prune():
@@ -715,8 +719,7 @@ class Tuner:
 
     def _goodput(self, study: Any, trial: Any, rec: TrialRecord, noise: Any) -> None:
         """The trial's noise scale pooled into the study's, its goodput on it and in `rec.metrics`."""
-        rec.metrics = record_trial(study, trial, rec.metrics, noise, global_batch(self.cfg),
-                                   refresh=self.t.objective is Objective.goodput)
+        rec.metrics = record_trial(study, trial, rec.metrics, noise, global_batch(self.cfg), refresh=True)
 
     def _judged(self, study: Any, conf: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """Confirmed figures with their goodput at the study's noise scale."""
