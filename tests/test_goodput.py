@@ -166,7 +166,7 @@ def test_a_pick_predicted_slower_to_the_target_is_set_aside(make_cfg, tmp_path, 
 
 
 @pytest.mark.slow  # two trials, about 10 s
-def test_goodput_picks_a_larger_batch_at_its_scaled_rate(make_cfg, tmp_path, monkeypatch, capsys):
+def test_goodput_picks_a_larger_batch_at_its_scaled_rate(make_cfg, tmp_path, monkeypatch, capsys, mlflow_uri):
     """A large noise scale: batch 128 loses nothing per sample; the goodput objective picks it, its
     trial trained at the linear rule's rate, and best.yaml and the rerun line carry the rate and a
     warmup (16x the rate)."""
@@ -181,6 +181,10 @@ def test_goodput_picks_a_larger_batch_at_its_scaled_rate(make_cfg, tmp_path, mon
     assert "trainer.lr=0.16" in summary["rerun_overrides"]
     assert summary["best"]["lr"] == pytest.approx(0.16)  # the trial itself trained at it
     assert f"[tune] {tt['line']}" in out and "x faster to the same loss" in tt["line"]
+    import mlflow
+
+    metrics = mlflow.tracking.MlflowClient(mlflow_uri).get_run(summary["mlflow_run_id"]).data.metrics
+    assert metrics["best_lr"] == pytest.approx(0.16) and metrics["best_goodput"] == pytest.approx(tt["goodput"])
 
 
 def test_lr_warmup_ramps_the_rate_in_the_ranks(make_cfg):
