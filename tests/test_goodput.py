@@ -110,8 +110,10 @@ def test_guard_sets_aside_a_pick_predicted_slower_to_the_target():
 
 def test_noise_is_pooled_as_the_median_and_read_defensively():
     trials = [_trial(2, 64, noise_scale={"b_simple": 30.0}), _trial(0, 64, noise_scale={"b_simple": 10.0}),
-              _trial(1, 64, noise_scale={"b_simple": None}), _trial(3, 64), _trial(4, 64, noise_scale={"b_simple": 20.0})]
-    assert pooled_noise(trials) == {"b_simple": 20.0, "trials": [0, 2, 4], "how": "median of B_simple over trials 0, 2, 4"}
+              _trial(1, 64, noise_scale={"b_simple": None}), _trial(3, 64),
+              _trial(4, 64, noise_scale={"b_simple": 20.0}), _trial(5, 64, noise_scale={"b_simple": float("nan")})]
+    assert pooled_noise(trials) == {"b_simple": 20.0, "trials": [0, 2, 4],
+                                    "how": "median of B_simple over trials 0, 2, 4"}
     assert pooled_noise([_trial(0, 64, noise_scale="n/a")]) is None
 
 

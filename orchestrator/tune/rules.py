@@ -259,7 +259,8 @@ def _candidates(study: Any, t: TuneConfig) -> List[Any]:
         score = {tr.number: final_score(tr, t, top) for tr in done}
     by_score = sorted(done, key=lambda tr: -score[tr.number])[:t.confirm_top]
     leader = by_score[0].user_attrs
-    names = (FIGURE[t.objective],) if t.objective in (Objective.tokens, Objective.goodput) else ("throughput", "utilization")
+    one = t.objective in (Objective.tokens, Objective.goodput)
+    names = (FIGURE[t.objective],) if one else ("throughput", "utilization")
     contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader, names)]
     fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
     if t.objective is not Objective.utilization:

@@ -193,8 +193,8 @@ class SearchSpace:
         t = cfg.tune
         self.world = cfg.world_size
         # the global batch held (None: free): tune.global_batch=user holds the base config's
-        self.global_batch: Optional[int] = (None if t.global_batch == "free" else t.global_batch if t.global_batch != "user"
-                                            else cfg.data.batch_size * cfg.trainer.accumulation_steps * self.world)
+        held = cfg.data.batch_size * cfg.trainer.accumulation_steps * self.world if t.global_batch == "user" else t.global_batch
+        self.global_batch: Optional[int] = None if held == "free" else held
         dims: List[Dimension] = []
         self.left_out: Dict[str, str] = {}  # dimension -> why it is not searched here
         for name, spec in t.space.items():

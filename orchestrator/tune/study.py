@@ -848,8 +848,8 @@ class Tuner:
         for path in summary["artifacts"]:
             self.tracker.log_artifact(Path(path))
         if best:
-            fig = judged(best[0], {**best[0].user_attrs, **figures(best[0], confirmed(study))},  # confirmed, when re-measured
-                         scale_of(study))
+            fig = {**best[0].user_attrs, **figures(best[0], confirmed(study))}  # the confirmed figures when re-measured
+            fig = judged(best[0], fig, scale_of(study))
             self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi",
                                                                         "tokens_per_s_lo", "tokens_per_s_hi", "goodput",
                                                                         "efficiency", "lr")
