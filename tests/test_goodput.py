@@ -255,3 +255,17 @@ def test_goodput_ranks_and_prunes_by_what_a_sample_is_worth(make_cfg, tmp_path):
     monitor = tuner._monitor(study, trial, pruned)
     stops = [monitor(i, {"throughput": 5000.0 + i, "utilization": 0.5}) for i in range(4)]
     assert stops == [False, False, False, True] and pruned["reason"].startswith("goodput 588.")
+
+
+def test_resuming_a_study_with_another_global_batch_is_refused(make_cfg, tmp_path):
+    """A study holds one global batch (or none) for all its trials and tuner processes."""
+    from orchestrator.tune.study import Tuner
+
+    common = [*SHORT, "tune.study_name=one-batch", f"tune.storage=sqlite:///{tmp_path}/optuna.db"]
+    Tuner(make_cfg(*common), tmp_path / "a", echo=False)._study()
+    Tuner(make_cfg(*common, "tune.global_batch=32"), tmp_path / "b", echo=False)._study()  # 32 is the user's
+    with pytest.raises(ConfigError) as info:
+        Tuner(make_cfg(*common, "tune.global_batch=free"), tmp_path / "c", echo=False)._study()
+    assert str(info.value) == ("tune.global_batch: study 'one-batch' was made with the global batch 32, this call "
+                               "gives free; resume it with its own tune.global_batch, or start another study (a new "
+                               "tune.study_name)")

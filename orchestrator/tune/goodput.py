@@ -112,7 +112,7 @@ def pooled_noise(trials: List[Any]) -> Optional[Dict[str, Any]]:
 
 def measured_b(noise: Any) -> Optional[float]:
     """A run's B_simple from its `noise_scale` record, read defensively (absent, None, not a
-    positive finite number: not measured)."""
+    finite number >= 0: not measured)."""
     b = noise.get("b_simple") if isinstance(noise, dict) else None
     return float(b) if isinstance(b, (int, float)) and math.isfinite(b) and b >= 0 else None
 

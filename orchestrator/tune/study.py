@@ -130,6 +130,12 @@ class Tuner:
         that follow each machine's cores are not part of it): resuming it with another space is
         refused, in one line naming the dimensions that differ."""
         given = self._given_space()
+        held = "free" if self.space.global_batch is None else self.space.global_batch
+        if study.user_attrs.get("global_batch", held) != held:  # a study made before it was recorded: any
+            raise ConfigError(f"tune.global_batch: study '{self.name}' was made with the global batch "
+                              f"{study.user_attrs['global_batch']}, this call gives {held}; resume it with its own "
+                              "tune.global_batch, or start another study (a new tune.study_name)")
+        study.set_user_attr("global_batch", held)
         made = study.user_attrs.get("space")
         if made is None:  # a new study (or one made before the space was recorded)
             study.set_user_attr("space", given)
