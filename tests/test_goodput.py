@@ -129,6 +129,12 @@ def test_summary_names_the_rule_and_the_rate(make_cfg):
     slow = time_to_target(study, cfg, pick, goodput.with_goodput({"throughput": 500.0}, 256, 16, 1.0),
                           {"throughput": 100.0}, None)
     assert slow["line"].endswith("each sample is worth 0.066 of yours at lr 0.004 (sqrt): not recommended")
+    unmeasured = SimpleNamespace(user_attrs={})
+    worst = time_to_target(unmeasured, cfg, pick, goodput.with_goodput({"throughput": 2000.0}, 256, 16, None),
+                           {"throughput": 100.0}, None)
+    assert worst["noise_scale"] is None and worst["line"] == (
+        "trial 3: 20x your samples/s at 16x your global batch; each sample is worth 0.062 of yours at least (no noise "
+        "scale measured: the worst case) at lr 0.004 (sqrt): 1.2x faster to the same loss")
 
 
 def _faked_noise(monkeypatch, b):

@@ -219,7 +219,7 @@ def _line(number: int, fig: Dict[str, Any], user: Optional[Dict[str, Any]], m: i
            else f"{fig['throughput']:.1f} samples/s")
     lr = f"lr {out['lr']:.3g} ({out['rule_used']})" if out["lr"] is not None else "the lr the space set"
     e = out["efficiency"]
-    worth = f"worth {e:.2g} of yours" + ("" if b is not None else " at most (no noise scale measured)")
+    worth = f"worth {e:.2g} of yours" + ("" if b is not None else " at least (no noise scale measured: the worst case)")
     ratio = out["speedup"]
     end = ("not recommended" if ratio is not None and ratio <= 1 else
            f"{ratio:.2g}x faster to the same loss" if ratio is not None else "no figure of your config to compare")
