@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from orchestrator.schema import ConfigError, LrScaling, Objective, OptimizerName
+from orchestrator.schema import ConfigError, LrScaling, Objective
 from orchestrator.tune import goodput, study as study_mod
 from orchestrator.tune.goodput import efficiency, guard, pooled_noise, scaled_lr, time_to_target, warmup_steps
 from orchestrator.tune.space import ACCUM_KEY, BATCH_KEY, SearchSpace

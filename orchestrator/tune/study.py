@@ -32,9 +32,9 @@ from ..tracking import Tracker
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, import_plotting, write_outputs
-from .rules import (baseline_trial, best_trials, completed, confirm_candidates, confirmed, counted, deciding,
-                    failed_confirmation, figures, guarded_pick, not_launched, open_contest, reference_only, refused,
-                    stale_streak, utilization_score)
+from .rules import (baseline_trial, best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation,
+                    figures, guarded_pick, not_launched, open_contest, reference_only, refused, stale_streak,
+                    utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
