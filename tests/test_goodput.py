@@ -106,6 +106,8 @@ def test_guard_sets_aside_a_pick_predicted_slower_to_the_target():
     assert guard([big, held, user], fig, user, 64, t) == (big, None)
     fig[2].update(efficiency=0.05, goodput=15.0)
     assert guard([big, user], fig, user, 64, t)[0] is user  # no other trial at the user's batch: the user's config
+    assert guard([big, user], fig, user, 64, t, measured=False)[1].endswith(
+        "(each sample worth 0.05 of yours at worst: no noise scale measured): the pick is trial 0, at your global batch 64")
 
 
 def test_noise_is_pooled_as_the_median_and_read_defensively():

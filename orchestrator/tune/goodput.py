@@ -162,11 +162,12 @@ def judged(trial: Any, f: Dict[str, Any], scale: Scale) -> Dict[str, Any]:
 
 
 def guard(order: List[Any], fig: Dict[int, Dict[str, Any]], base: Optional[Any], m0: Optional[int],
-          t: TuneConfig) -> Tuple[Optional[Any], Optional[str]]:
+          t: TuneConfig, measured: bool = True) -> Tuple[Optional[Any], Optional[str]]:
     """The pick that its own figures do not predict reaching the user's target slower than the
     user's config: `order[0]` when its global batch is the user's, or when its goodput beats the
     user's samples/s; else the best-ranked trial with the user's global batch (the user's config
-    itself when there is none) and why, in one line."""
+    itself when there is none) and why, in one line (`measured`: the figures rest on a measured
+    noise scale, not its worst case)."""
     if not order or m0 is None or t.objective is Objective.both:
         return (order[0] if order else None), None
     pick = order[0]
@@ -178,10 +179,11 @@ def guard(order: List[Any], fig: Dict[int, Dict[str, Any]], base: Optional[Any],
     held = next((tr for tr in order if tr.user_attrs.get("global_batch") == m0), base)
     m = pick.user_attrs["global_batch"]
     e = fig[pick.number].get("efficiency")
+    worth = f"each sample worth {e if e is not None else 1.0:.2g} of yours" + (
+        "" if measured else " at worst: no noise scale measured")
     return held, (f"trial {pick.number} (global batch {m}, {m / m0:.3g}x yours) is predicted to reach your target "
-                  f"{1 / ratio if ratio else float('inf'):.2f}x slower than your config (each sample worth "
-                  f"{e if e is not None else 1.0:.2g} of yours): the pick is trial {held.number}, at your global "
-                  f"batch {m0}")
+                  f"{1 / ratio if ratio else float('inf'):.2f}x slower than your config ({worth}): the pick is trial "
+                  f"{held.number}, at your global batch {m0}")
 
 
 def time_to_target(study: Any, cfg: Config, pick: Any, fig: Dict[str, Any], user: Optional[Dict[str, Any]],

@@ -226,7 +226,7 @@ def guarded_pick(study: Any, t: TuneConfig) -> Tuple[Optional[Any], Optional[str
     conf = confirmed(study)
     scale = scale_of(study)
     fig = {tr.number: judged(tr, figures(tr, conf), scale) for tr in [*order, *([base] if base else [])]}
-    return guard(order, fig, base, scale[0], t)
+    return guard(order, fig, base, scale[0], t, measured=scale[1] is not None)
 
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
