@@ -7,9 +7,9 @@
 # It runs single, dp, ddp and fsdp (1 rank, NCCL; fsdp with AMP's mixed-precision policy and a
 # sharded checkpoint) jobs of a transformer LM, AMP bf16 and fp16, the
 # profiler with the CUDA memory summary, validation (fsdp, AMP), 2 ddp ranks on the GPU over gloo
-# and a run without the gradient noise scale (its value per method and its cost), and a 4-trial
-# study, then prints one table: what ran, its status, mfu, nvml_util, sm_active, peak memory and
-# throughput. Outputs go to OUT.
+# and a run without the gradient noise scale (its value per method and its cost), a 4-trial study
+# and a 4-trial goodput study (the global batch freed), then prints one table: what ran, its
+# status, mfu, nvml_util, sm_active, peak memory and throughput. Outputs go to OUT.
 #   bash bench/gpu_check.sh [WHEELS=.whl] [OUT=/tmp/gpu_check]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,10 @@ run single_quiet backend=single trainer.noise_scale=false
 run study mode=tune tune.n_trials=4 tune.warmup_steps=5 tune.measure_steps=20 tune.window_steps=5 \
   "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 tune.space.batch_size.high=64 \
   tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
+# the global batch freed, ranked by goodput: the learning rate that follows it, what a sample is worth
+run goodput mode=tune tune.global_batch=free tune.objective=goodput tune.n_trials=4 tune.warmup_steps=5 \
+  tune.measure_steps=20 tune.window_steps=5 "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 \
+  tune.space.batch_size.high=64 tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
 
 "$PY" - "$OUT" <<'PY'
 import json, sys
@@ -81,6 +85,11 @@ if summary.exists():
                  " ".join(f"{k.split('.')[-1]}={v}" for k, v in (b.get("values") or {}).items())))
 else:
     rows.append(("study (4 trials)", "NO SUMMARY", "-", "-", "-", "-", "-", "-"))
+goodput = out / "goodput" / "summary.json"
+tt = json.loads(goodput.read_text()).get("time_to_target") or {} if goodput.exists() else {}
+print(f"goodput study: {tt.get('line') or tt.get('guard') or 'the pick trains your global batch'}; lr {tt.get('lr')} "
+      f"({tt.get('rule_used')}); noise scale {(tt.get('noise_scale') or {}).get('how', 'not measured')}"
+      if goodput.exists() else "goodput study: NO SUMMARY")
 prof = out / "profiler" / "load_report.json"
 if prof.exists():
     rep = json.loads(prof.read_text())

@@ -354,6 +354,7 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     warmup_steps: int = 5  # excluded from every measured figure
+    warmup_lr_steps: int = 0  # optimizer steps of linear learning-rate warmup from lr/n to lr; 0: off
     window_steps: int = 20  # measurement window: figures are over the measured windows' time, the spread over windows
     log_every: int = 10  # steps between logged loss/throughput/utilization points
     timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
@@ -395,6 +396,8 @@ class TrainerConfig:
         )
         _require(self.grad_clip >= 0, f"trainer.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")
         _require(self.warmup_steps >= 0, f"trainer.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _require(self.warmup_lr_steps >= 0,
+                 f"trainer.warmup_lr_steps: must be an integer >= 0 (0 = off), got {self.warmup_lr_steps}")
         _require(self.window_steps >= 1, f"trainer.window_steps: must be >= 1, got {self.window_steps}")
         _require(self.log_every >= 1, f"trainer.log_every: must be >= 1, got {self.log_every}")
         _require(self.timeout_s >= 0, f"trainer.timeout_s: must be >= 0 (0 = none), got {self.timeout_s}")
@@ -453,7 +456,19 @@ class Objective(str, Enum):
     throughput = "throughput"
     mfu = "mfu"  # model FLOPs utilization (runtime/flops.py): useful FLOP/s over the device's peak
     tokens = "tokens"  # real tokens/s, padding excluded: dict batches with an attention_mask (runtime/batch.py)
+    goodput = "goodput"  # samples/s x the statistical efficiency of the global batch (tune/goodput.py)
     both = "both"  # multi-objective: the Pareto front is reported
+
+
+class LrScaling(str, Enum):
+    auto = "auto"  # linear for the SGD family, sqrt for the Adam family (trainer.optimizer)
+    linear = "linear"  # lr x M/M0
+    sqrt = "sqrt"  # lr x sqrt(M/M0)
+    adascale = "adascale"  # lr x AdaScale's gain ratio from the measured noise scale (sqrt of it for Adam)
+    none = "none"  # the user's rate whatever the global batch
+
+
+GLOBAL_BATCH_WORDS = ("user", "free")
 
 
 class ParamType(str, Enum):
@@ -526,7 +541,9 @@ class TuneConfig:
     max_measure_s: float = 2.0  # ... or stop here
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     run_noise: float = 0.10  # a run's mean is off by this (relative sd) beyond its windows' spread: every interval is widened by it
-    global_batch: Optional[int] = None  # batch x accumulation x world held at this value
+    # batch x accumulation x world: user (held at the base config's), free (searched), or held at an integer
+    global_batch: Any = "user"
+    lr_scaling: LrScaling = LrScaling.auto  # the learning rate of a trial whose global batch differs from the user's
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5  # end the study once more than this share of its trials failed
     pruner: PrunerName = PrunerName.none  # none | interval: a trial whose throughput interval lies below the floor | median
@@ -557,8 +574,7 @@ class TuneConfig:
         _require(self.rel_precision == 0 or self.max_measure_s > 0,
                  f"tune.max_measure_s: must be > 0 with tune.rel_precision > 0 (a trial needs a cap), got {self.max_measure_s}")
         _require(self.confirm_top >= 0, f"tune.confirm_top: must be >= 0 (0 = off), got {self.confirm_top}")
-        _require(self.global_batch is None or self.global_batch >= 1,
-                 f"tune.global_batch: must be null or >= 1, got {self.global_batch}")
+        self.global_batch = _global_batch(self.global_batch)
         _require(self.max_workers is None or self.max_workers >= 0,
                  f"tune.max_workers: must be null or >= 0, got {self.max_workers}")
         _require(0 <= self.max_failure_rate <= 1, f"tune.max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
@@ -581,6 +597,17 @@ class TuneConfig:
                 _require(p.low >= 1, f"{where}.low: powers of two start at 1, got {p.low:g}")
             if p.log:
                 _require(p.low > 0, f"{where}.low: a log scale needs low > 0, got {p.low:g}")
+
+
+def _global_batch(value: Any) -> Any:
+    """tune.global_batch as `user`, `free` or an int >= 1 (a digit string from the CLI is an int)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    ok = value in GLOBAL_BATCH_WORDS if isinstance(value, str) else (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    _require(ok, f"tune.global_batch: must be user (hold your config's batch x accumulation x world size), free, "
+                 f"or an integer >= 1, got {value!r}")
+    return value
 
 
 _TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")

@@ -202,7 +202,8 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     args = ["mode=tune", "tune.n_trials=4", "tune.study_name=interrupt-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
             "tune.warmup_steps=1", "tune.measure_steps=20", "tune.window_steps=10", "tune.pruner=none",
             "tune.rel_precision=0", "tune.confirm_top=0",
-            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "data.read_latency_ms=1"]
+            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "data.read_latency_ms=1",
+            "tune.global_batch=free"]
     first = cli(args, tmp_path / "first", mlflow_uri)
     storage = f"sqlite:///{tmp_path}/optuna.db"
     end = time.monotonic() + 120

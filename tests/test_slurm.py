@@ -131,7 +131,7 @@ def test_submitit_sweep_ddp_and_horovod_on_two_nodes(cluster, mlflow_uri, tmp_pa
 
 TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
         "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
-        "tune.space.num_workers.high=0"]
+        "tune.space.num_workers.high=0", "tune.global_batch=free"]
 
 
 def test_journal_study_lock_and_the_rules_of_workers(tmp_path):

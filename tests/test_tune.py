@@ -24,7 +24,7 @@ from .conftest import ROOT
 # trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
 SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
          "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
-         "tune.extend_edges=false"]
+         "tune.extend_edges=false", "tune.global_batch=free"]
 
 
 def study_of(summary) -> optuna.Study:
@@ -539,7 +539,8 @@ def test_a_diagnosis_chain_climbs_while_it_pays(make_cfg, tmp_path):
     that did not ends the chain (no batch 128)."""
     from orchestrator.tune.proposals import Proposals
 
-    cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16,32,64,128]",
+    cfg = make_cfg("mode=tune", "tune.global_batch=free",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16,32,64,128]",
                    "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1", "tune.n_trials=10")
     space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
     study = optuna.create_study(storage=storage, study_name="chain", direction="maximize")
@@ -596,7 +597,7 @@ def test_the_space_samples_ordinals_and_knobs_that_need_workers_only_with_worker
     only when the trial has workers; pin_memory left out without a GPU; the grid counts configs."""
     from orchestrator.tune.space import SearchSpace
 
-    space = SearchSpace(make_cfg("mode=tune", "tune.max_workers=3",
+    space = SearchSpace(make_cfg("mode=tune", "tune.global_batch=free", "tune.max_workers=3",
                                  "tune.space.accumulation_steps.type=categorical",
                                  "tune.space.accumulation_steps.choices=[4,1,2]"))
     assert "pin_memory" in space.left_out and all(d.name != "pin_memory" for d in space.dims)
@@ -625,7 +626,7 @@ def test_the_space_samples_ordinals_and_knobs_that_need_workers_only_with_worker
     assert all(t.state.name == "COMPLETE" for t in gp.trials)
     # 7 batch sizes x 3 accumulations x (1 point without workers + 3 worker counts x 8 prefetch depths)
     assert space.grid_size() == 7 * 3 * (1 + 3 * 8)
-    no_workers = SearchSpace(make_cfg("mode=tune", "tune.space.num_workers.high=0"))
+    no_workers = SearchSpace(make_cfg("mode=tune", "tune.global_batch=free", "tune.space.num_workers.high=0"))
     assert "prefetch_factor" in no_workers.left_out and no_workers.grid_size() == 7 * 8
     # a move the diagnosis proposes lands on the nearest value of the space on its way
     snap = space.snap
@@ -711,7 +712,8 @@ def test_the_edge_rules(make_cfg):
     from orchestrator.tune.edges import apply_extensions, edges_of, next_step
     from orchestrator.tune.space import SearchSpace
 
-    space = SearchSpace(make_cfg("mode=tune", "tune.max_workers=2", "tune.space.batch_size.high=64"))
+    space = SearchSpace(make_cfg("mode=tune", "tune.global_batch=free",
+                                 "tune.max_workers=2", "tune.space.batch_size.high=64"))
 
     def trial(number, verdict, error="", per_epoch=100, **values):
         v = {"data.batch_size": 64, "data.num_workers": 2, "trainer.accumulation_steps": 8, **values}
@@ -872,7 +874,8 @@ def test_the_memory_ceiling_holds_the_batch_that_ran_out_whatever_its_workers(ma
     stays launchable, larger ones do not; another memory cap has its own ceiling."""
     from orchestrator.tune.proposals import Proposals
 
-    cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
+    cfg = make_cfg("mode=tune", "tune.global_batch=free",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
                    "+tune.space.cap={key: trainer.memory_cap_mb, type: categorical, choices: [0, 300]}")
     space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
     study = optuna.create_study(storage=storage, study_name="mem", direction="maximize")
@@ -923,7 +926,8 @@ def test_a_batch_the_measured_memory_puts_over_the_limit_is_not_launched(make_cf
     assert memory_record(on_gpu, workers=2) == mem(495.0)  # the allocator's peak is the rank's own
     assert memory_record({"per_rank": [{"peak_mem_mb": 495.0, "model_state_mb": 2.2}]}) is None  # an older result
 
-    cfg = make_cfg("mode=tune", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
+    cfg = make_cfg("mode=tune", "tune.global_batch=free",
+                   "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
                    "tune.space.num_workers.high=0")
     space, storage = SearchSpace(cfg), f"sqlite:///{tmp_path}/s.db"
     study = optuna.create_study(storage=storage, study_name="mem", direction="maximize")

@@ -1,5 +1,6 @@
 """What plugs into the loop (runtime/loop.py) at a few points instead of living inside it: the
-profiler, balance by speed, checkpoints, the storage-latency jump and the loader autotune.
+profiler, balance by speed, checkpoints, the storage-latency jump, the loader autotune and the
+learning-rate warmup.
 
 A hook sees the run's state (`loop.Run`: step, epoch, batch in the epoch, loader, meter, events)
 and overrides only the points it needs; the loop calls a point only on the hooks that override
@@ -305,3 +306,25 @@ def weights_finite(model: nn.Module, adapter: Adapter) -> bool:
     if adapter.sharded_state:
         bad = adapter.all_reduce_sum([bad])[0]
     return bad == 0
+
+
+class LrWarmupHook(Hook):
+    """trainer.warmup_lr_steps: the learning rate rises linearly from lr/n to lr over the first n
+    optimizer steps (torch's LambdaLR), the warmup a rate scaled up with the global batch needs
+    (Goyal et al. 2017). A resumed run continues the ramp at its step."""
+
+    def __init__(self, lr: float, steps: int) -> None:
+        self.lr, self.steps = lr, steps
+        self.scheduler: Optional[torch.optim.lr_scheduler.LambdaLR] = None
+
+    def start(self, run: Any) -> None:
+        for group in run.optimizer.param_groups:
+            group["initial_lr"] = self.lr
+        n = self.steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: min(1.0, (s + 1) / n),
+                                                           last_epoch=run.step - 1)
+
+    def after_step(self, run: Any) -> bool:
+        if self.scheduler is not None and self.scheduler.last_epoch < self.steps:  # past the ramp: the rate stays
+            self.scheduler.step()
+        return False

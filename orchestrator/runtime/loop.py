@@ -35,8 +35,8 @@ from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, en
 from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
 from .evaluate import eval_hook, validation_sets
-from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, Profiler, ProfilerHook,
-                    SignalCheckpointHook, loader_tuner, overriding)
+from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, LrWarmupHook, Profiler,
+                    ProfilerHook, SignalCheckpointHook, loader_tuner, overriding)
 from .meter import StepMeter, model_state_mb
 from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
@@ -371,6 +371,8 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
     latency jump, loader autotune (a checkpoint records the loader the step ran with), evaluation."""
     cfg, t, adapter = run.cfg, run.cfg.trainer, run.adapter
     hooks: List[Hook] = []
+    if t.warmup_lr_steps:
+        hooks.append(LrWarmupHook(t.lr, t.warmup_lr_steps))
     if t.profile_steps and trace_path is not None:
         hooks.append(ProfilerHook(Profiler(run.device, trace_path), t.warmup_steps, t.profile_steps))
     if run.balancer is not None:

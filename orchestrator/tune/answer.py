@@ -22,10 +22,11 @@ METRIC_NAMES = {
     Objective.throughput: ["samples/s"],
     Objective.mfu: ["mfu"],
     Objective.tokens: ["real tokens/s"],
+    Objective.goodput: ["goodput (samples/s x each sample's worth at the user's global batch)"],
     Objective.both: ["utilization", "samples/s"],
 }
 PICK_FIGURES = ("utilization", "utilization_lo", "utilization_hi", "throughput", "throughput_lo", "throughput_hi",
-                "mfu", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi", "runs")
+                "mfu", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi", "goodput", "efficiency", "lr", "runs")
 
 
 OLD_UTILIZATION_NAME = "1 + utilization within the throughput floor, samples/s over the best's below it"

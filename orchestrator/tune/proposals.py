@@ -17,6 +17,7 @@ study (Optuna's `enqueue_trial`), each tagged `proposed_by` and a reason, within
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -24,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..jobmodel import BASE_NOISE, JobModel, Prediction, runs_of
 from ..schema import Config, Objective, SamplerName, TuneConfig
 from .edges import apply_extensions, edges_of, next_step, workers_cap
+from .goodput import efficiency, study_b
 from .memory import first_over
 from .rules import best_trials, counted, improves, out_of_memory
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace
@@ -104,10 +106,17 @@ class Proposals:
             return {**point, PREFETCH_KEY: here.get(PREFETCH_KEY) or 2}  # torch's default queue depth
         return point
 
-    def predict(self, model: JobModel, point: Dict[str, Any]) -> Prediction:
-        return model.predict(int(point.get(BATCH_KEY) or self.cfg.data.batch_size),
-                             int(point.get(WORKERS_KEY) if point.get(WORKERS_KEY) is not None else self.cfg.data.num_workers),
-                             int(point.get(ACCUM_KEY) or self.cfg.trainer.accumulation_steps))
+    def predict(self, model: JobModel, point: Dict[str, Any], study: Any = None) -> Prediction:
+        """The job model's samples/s at `point`; under the goodput objective (given the `study`,
+        whose noise scale it uses) its goodput: samples/s x the efficiency of its global batch."""
+        b = int(point.get(BATCH_KEY) or self.cfg.data.batch_size)
+        a = int(point.get(ACCUM_KEY) or self.cfg.trainer.accumulation_steps)
+        w = int(point.get(WORKERS_KEY) if point.get(WORKERS_KEY) is not None else self.cfg.data.num_workers)
+        pred = model.predict(b, w, a)
+        if study is None or self.t.objective is not Objective.goodput:
+            return pred
+        world, m0 = self.space.world, self.cfg.data.batch_size * self.cfg.trainer.accumulation_steps * self.space.world
+        return dataclasses.replace(pred, throughput=pred.throughput * efficiency(b * a * world, m0, study_b(study)))
 
     def cannot_win(self, study: Any, values: Dict[str, Any]) -> Optional[str]:
         """Why a sampler's config is not worth a launch: the top of its predicted throughput lies
@@ -121,10 +130,14 @@ class Proposals:
             return None
         if self.t.objective is Objective.tokens:
             return self._cannot_win_tokens(study, model, values, done)
-        fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
-        lo = fastest.user_attrs.get("throughput_lo") or fastest.user_attrs["throughput"]
+        name = "goodput" if self.t.objective is Objective.goodput else "throughput"
+        done = [tr for tr in done if tr.user_attrs.get(name) is not None]
+        if not done:
+            return None
+        fastest = max(done, key=lambda tr: tr.user_attrs[name])
+        lo = fastest.user_attrs.get(f"{name}_lo") or fastest.user_attrs[name]
         floor = self.t.throughput_floor if self.t.objective is Objective.utilization else 1.0
-        pred = self.predict(model, values)
+        pred = self.predict(model, values, study)
         if pred.hi >= floor * lo:
             return None
         return (f"predicted {pred.throughput:.0f}/s (at most {pred.hi:.0f}; {pred.bound}-bound: {model.explain()}), "
@@ -216,7 +229,7 @@ class Proposals:
             candidates = self._candidates(study, here)
             if not candidates:
                 return False
-            preds = [(self.predict(model, p), p) for p in candidates]
+            preds = [(self.predict(model, p, study), p) for p in candidates]
             done = [tr.user_attrs for tr in trials if tr.state.name == "COMPLETE"
                     and "throughput" in tr.user_attrs and "utilization" in tr.user_attrs]
             if self.t.objective is Objective.tokens:  # the best real tokens/s, in this data's samples/s
@@ -224,6 +237,8 @@ class Proposals:
                 if per is None:
                     return False
                 done = [{**f, "throughput": f["tokens_per_s"] / per} for f in done if f.get("tokens_per_s") is not None]
+            if self.t.objective is Objective.goodput:  # the best goodput, against predicted goodput
+                done = [{**f, "throughput": f["goodput"]} for f in done if f.get("goodput") is not None]
             pick = self._next(preds, done)
             if pick is None:
                 return False

@@ -19,6 +19,7 @@ from ..stores import redact
 from .advise import pick_advice
 from .answer import record_pick
 from .edges import advice
+from .goodput import judged, scale_of
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
 from .rules import (best_trials, completed, confirmed, counted, failed_confirmation, figures, pickable, ranked, refused,
@@ -30,7 +31,8 @@ IMPORTANCE_MIN_TRIALS = 10
 COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
            "stopped_by", "mfu", "data_wait_frac", "comm_frac", "peak_mem_mb", "duration_s", "global_batch",
            "steps_per_epoch", "last_window_utilization", "last_window_throughput", "prune_reason",
-           "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi", "padding_frac", "last_window_tokens_per_s")
+           "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi", "padding_frac", "last_window_tokens_per_s",
+           "lr", "efficiency", "goodput")
 CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_hi", "rel_se", "windows", "measured_s",
                      "runs", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi")
 
@@ -109,6 +111,8 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         tuned = out_dir / "tuned"
         tuned.mkdir(exist_ok=True)
         best_yaml = tuned / "best.yaml"
+        # the learning rate (and its warmup) tune.lr_scaling gives the pick's global batch
+        values = {**values, **((notes.get("time_to_target") or {}).get("set") or {})}
         rerun = orchestrator_command(["--config-dir", str(tuned.parent), *overrides, "+tuned=best"])
         write_atomic(
             best_yaml,
@@ -212,7 +216,8 @@ def interval_words(f: Dict[str, Any], name: str, unit: float = 1.0, fmt: str = "
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
-    return ([notes["global_batch"]["note"]] if notes.get("global_batch") else []) + [e["note"] for e in notes["edges"]]
+    return (([notes["global_batch"]["note"]] if notes.get("global_batch") else []) + [e["note"] for e in notes["edges"]]
+            + time_to_target_lines(notes.get("time_to_target") or {}))
 
 
 def _overhead(trials: List[Any]) -> Dict[str, float]:
@@ -291,20 +296,22 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     from rich.table import Table
 
     best_numbers = {b.number for b in best}
-    conf = confirmed(study)
+    conf, scale = confirmed(study), scale_of(study)
     if t.objective is Objective.both:
         done = sorted(completed(study), key=lambda tr: (tr.number not in best_numbers, -tr.user_attrs["utilization"]))
     else:
         done = ranked(study, t)
     table = Table(title=f"study {name}: {summary['states']}")
     tokens = t.objective is Objective.tokens  # the figure it ranks by, beside samples/s
+    good = t.objective is Objective.goodput
     for col in ("rank", "trial", "by", "knobs", "utilization", "throughput (95% interval)",
-                *(("real tokens/s (95% interval)",) if tokens else ()), "verdict", "notes"):
+                *(("real tokens/s (95% interval)",) if tokens else ()), *(("goodput (x efficiency)",) if good else ()),
+                "verdict", "notes"):
         table.add_column(col)
 
     failed = failed_confirmation(study)
     for i, tr in enumerate(done, 1):
-        a, f = tr.user_attrs, figures(tr, conf)
+        a, f = tr.user_attrs, judged(tr, figures(tr, conf), scale)
         knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t)),
@@ -312,6 +319,8 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         real = (("-" if f.get("tokens_per_s") is None else f"{f['tokens_per_s']:.0f}"
                  + interval_words(f, "tokens_per_s", 1.0, "{:.0f}")),) if tokens else ()
         shown = f"{f['throughput']:.1f}" + interval_words(f, "throughput", 1.0, "{:.0f}")
+        if good:
+            real = ("-" if f.get("goodput") is None else f"{f['goodput']:.1f} (x{f['efficiency']:.2g})",)
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
                       shown, *real, a.get("verdict", "-"), " ".join(notes))
     console().print(table)
@@ -351,6 +360,22 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
         print(f"[tune] edge: {advice(edge, t.extend_edges)}")
     if summary["global_batch"]:
         print(f"[tune] global batch: {summary['global_batch']['note']}")
+    for line in time_to_target_lines(summary.get("time_to_target") or {}):
+        print(f"[tune] {line}")
     if summary.get("best"):
         print(f"[tune] best: trial {summary['best']['number']}: {summary['rerun_overrides']}")
         print(f"[tune] rerun it: {summary['rerun']}")
+
+
+def time_to_target_lines(tt: Dict[str, Any]) -> List[str]:
+    """The pick's time to the user's target (goodput.time_to_target) as the console says it."""
+    lines = [f"set aside: {tt['guard']}"] if tt.get("guard") else []
+    if tt.get("line"):
+        pooled = tt.get("noise_scale")
+        lines.append(tt["line"] + (f" (noise scale {pooled['b_simple']:.3g}: {pooled['how']})" if pooled else ""))
+    if tt.get("set", {}).get("trainer.lr") is not None:
+        warm = tt["set"].get("trainer.warmup_lr_steps")
+        lines.append(f"best.yaml sets trainer.lr={tt['set']['trainer.lr']:.4g} ({tt['rule_used']} from your "
+                     f"{tt['user_lr']:g} at global batch {tt['user_global_batch']})"
+                     + (f" with trainer.warmup_lr_steps={warm}" if warm else ""))
+    return lines

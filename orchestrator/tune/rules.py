@@ -11,16 +11,19 @@ import numpy as np
 
 from ..measure.stats import Z95
 from ..schema import Objective, TuneConfig
+from .goodput import guard, judged, scale_of
 
 # The figure a single-figure objective ranks by: samples/s, real tokens/s (padding excluded), or mfu
 # (whose confirmation runs re-measure samples/s: for one model mfu moves with it)
-FIGURE = {Objective.throughput: "throughput", Objective.mfu: "mfu", Objective.tokens: "tokens_per_s"}
+FIGURE = {Objective.throughput: "throughput", Objective.mfu: "mfu", Objective.tokens: "tokens_per_s",
+          Objective.goodput: "goodput"}
 
 
 def deciding(t: TuneConfig) -> str:
     """The figure whose interval the objective's pruning, floor and noise are judged on:
-    real tokens/s for tokens, else samples/s (utilization's floor and mfu are in samples/s)."""
-    return "tokens_per_s" if t.objective is Objective.tokens else "throughput"
+    real tokens/s for tokens, goodput (samples/s x the efficiency of the global batch) for goodput,
+    else samples/s (utilization's floor and mfu are in samples/s)."""
+    return {Objective.tokens: "tokens_per_s", Objective.goodput: "goodput"}.get(t.objective, "throughput")
 
 
 def counted(trials: List[Any]) -> int:
@@ -104,7 +107,8 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
     if not done:
         return []
     conf = confirmed(study)
-    fig = {tr.number: figures(tr, conf) for tr in done}
+    scale = scale_of(study)
+    fig = {tr.number: judged(tr, figures(tr, conf), scale) for tr in done}  # goodput at the study's noise scale
     # the floor is measured from a possible pick; of the trials read above: another tuner process of
     # a shared study may complete one meanwhile (4 tuners started together: one ended with KeyError)
     eligible = [tr for tr in pickable(study, t) if tr.number in fig]
@@ -138,8 +142,8 @@ def _ranked(done: List[Any], pool: List[Any], fig: Dict[int, Dict[str, Any]], t:
         f, outside = fig[tr.number], tr not in pool
         if t.objective is Objective.mfu and f.get("mfu") is not None:
             return (outside, -f["mfu"])
-        if t.objective is Objective.tokens:
-            return (outside, -(f.get("tokens_per_s") or 0.0))
+        if t.objective in (Objective.tokens, Objective.goodput):
+            return (outside, -(f.get(FIGURE[t.objective]) or 0.0))
         if t.objective in (Objective.throughput, Objective.mfu):  # confirmed figures: mfu moves with samples/s
             return (outside, -f["throughput"])
         return (outside, -expected[tr.number])
@@ -210,8 +214,21 @@ def best_trials(study: Any, t: TuneConfig) -> List[Any]:
     """Best first: the Pareto front for objective both, else the top of `ranked`."""
     if t.objective is Objective.both:
         return sorted(study.best_trials, key=lambda tr: -tr.user_attrs["utilization"]) if completed(study) else []
+    pick, _ = guarded_pick(study, t)
+    return [pick] if pick is not None else []
+
+
+def guarded_pick(study: Any, t: TuneConfig) -> Tuple[Optional[Any], Optional[str]]:
+    """The top of `ranked` among the pickable trials, unless its own figures predict it reaches
+    the user's target slower than the user's config (goodput.guard): then the best trial with
+    the user's global batch, and why."""
     eligible = {tr.number for tr in pickable(study, t)}
-    return [tr for tr in ranked(study, t) if tr.number in eligible and not refused(tr, t)][:1]
+    order = [tr for tr in ranked(study, t) if tr.number in eligible and not refused(tr, t)]
+    base = baseline_trial(study, t)
+    conf = confirmed(study)
+    scale = scale_of(study)
+    fig = {tr.number: judged(tr, figures(tr, conf), scale) for tr in [*order, *([base] if base else [])]}
+    return guard(order, fig, base, scale[0], t, measured=scale[1] is not None)
 
 
 def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
@@ -244,7 +261,8 @@ def _candidates(study: Any, t: TuneConfig) -> List[Any]:
         score = {tr.number: final_score(tr, t, top) for tr in done}
     by_score = sorted(done, key=lambda tr: -score[tr.number])[:t.confirm_top]
     leader = by_score[0].user_attrs
-    names = ("tokens_per_s",) if t.objective is Objective.tokens else ("throughput", "utilization")
+    one = t.objective in (Objective.tokens, Objective.goodput)
+    names = (FIGURE[t.objective],) if one else ("throughput", "utilization")
     contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader, names)]
     fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
     if t.objective is not Objective.utilization:
@@ -320,7 +338,8 @@ def separation(study: Any, t: TuneConfig) -> Dict[str, Any]:
     if len(order) < 2 or t.objective is Objective.both:
         return {}
     conf = confirmed(study)
-    a, b = figures(order[0], conf), figures(order[1], conf)
+    scale = scale_of(study)
+    a, b = judged(order[0], figures(order[0], conf), scale), judged(order[1], figures(order[1], conf), scale)
     name = "utilization" if t.objective is Objective.utilization else deciding(t)
     if name == "utilization" and b["throughput"] < t.throughput_floor * a["throughput"]:
         name = "throughput"

@@ -191,8 +191,10 @@ class SearchSpace:
     def __init__(self, cfg: Config, cpu_count: Optional[int] = None) -> None:
         self.base = cfg
         t = cfg.tune
-        self.global_batch = t.global_batch
         self.world = cfg.world_size
+        # the global batch held (None: free): tune.global_batch=user holds the base config's
+        held = cfg.data.batch_size * cfg.trainer.accumulation_steps * self.world if t.global_batch == "user" else t.global_batch
+        self.global_batch: Optional[int] = None if held == "free" else held
         dims: List[Dimension] = []
         self.left_out: Dict[str, str] = {}  # dimension -> why it is not searched here
         for name, spec in t.space.items():
@@ -210,21 +212,48 @@ class SearchSpace:
                               + "".join(f"; {n} is left out: {why}" for n, why in self.left_out.items()))
         self._base_workers = cfg.data.num_workers
         if self.global_batch:
-            dims = [d for d in dims if d.key != ACCUM_KEY]  # derived from the batch
-            batch = next((d for d in dims if d.key == BATCH_KEY), None)
-            if batch is None or batch.choices is None:
-                raise ConfigError("tune.global_batch: needs a data.batch_size parameter of type pow2 or categorical")
-            per_rank, rem = divmod(self.global_batch, self.world)
-            ok = [b for b in batch.choices if rem == 0 and per_rank % int(b) == 0]
-            if not ok:
-                raise ConfigError(
-                    f"tune.global_batch: {self.global_batch} cannot be reached: with world size {self.world} no "
-                    f"batch size in {batch.choices} times an integer accumulation gives it"
-                )
-            batch.choices = ok
+            dims = self._hold(dims, cfg)
         self.dims = dims
         self.keys = {d.key for d in dims}
         self._check_keys()
+
+    def _hold(self, dims: List[Dimension], cfg: Config) -> List[Dimension]:
+        """The dimensions with the global batch held at self.global_batch: accumulation derived
+        from the batch, whose choices are those that reach it. Holding the user's own
+        (tune.global_batch=user) never refuses a study: the user's batch is always a choice, an
+        int range of batches becomes its divisors, and without a batch dimension the global batch
+        does not move."""
+        user = cfg.tune.global_batch == "user"
+        accum = next((d for d in dims if d.key == ACCUM_KEY), None)
+        dims = [d for d in dims if d.key != ACCUM_KEY]  # derived from the batch
+        if accum is not None:
+            self.left_out[accum.name] = (f"derived from the batch: the global batch is held at {self.global_batch}"
+                                         + (" (yours; free it with tune.global_batch=free)" if user else ""))
+        batch = next((d for d in dims if d.key == BATCH_KEY), None)
+        per_rank, rem = divmod(self.global_batch, self.world)  # type: ignore[arg-type]
+        if user and batch is None:
+            self.global_batch = None
+        elif user and batch.choices is None:  # an int range: the batches in it that reach the user's
+            lo, hi = int(batch.low), int(batch.high)  # type: ignore[arg-type]
+            batch.choices = [b for b in range(lo, hi + 1) if b < 1 or per_rank % b == 0]  # b < 1: _check_keys names it
+            batch.type = ParamType.categorical
+        if batch is None or batch.choices is None:
+            if user:
+                if not dims:
+                    raise ConfigError("tune.space: only accumulation_steps, which holding your global batch fixes; "
+                                      "free it with tune.global_batch=free")
+                return dims
+            raise ConfigError("tune.global_batch: needs a data.batch_size parameter of type pow2 or categorical")
+        ok = [b for b in batch.choices if rem == 0 and per_rank % int(b) == 0]
+        if user and cfg.data.batch_size not in ok:  # the user's own batch always reaches it
+            ok, batch.type = sorted([*ok, cfg.data.batch_size]), ParamType.categorical
+        if not ok:
+            raise ConfigError(
+                f"tune.global_batch: {self.global_batch} cannot be reached: with world size {self.world} no "
+                f"batch size in {batch.choices} times an integer accumulation gives it"
+            )
+        batch.choices = ok
+        return dims
 
     @staticmethod
     def _on_cuda(cfg: Config) -> bool:

@@ -32,11 +32,13 @@ from ..tracking import Tracker, with_percent
 from .pool import RankPool
 from ..progress import StudyProgress
 from .report import best_words, import_plotting, write_outputs
-from .rules import (best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation, figures,
-                    not_launched, open_contest, reference_only, refused, stale_streak, utilization_score)
+from .rules import (baseline_trial, best_trials, confirm_candidates, confirmed, counted, deciding, failed_confirmation,
+                    figures, guarded_pick, not_launched, open_contest, reference_only, refused, stale_streak,
+                    utilization_score)
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
+from .goodput import efficiency, global_batch, judged, lr_for, record_trial, scale_of, study_b, time_to_target
 from .memory import memory_record
 from .answer import knob_attrs, name_objectives, score_offset, tell_mlflow
 from .proposals import Proposals
@@ -116,6 +118,8 @@ class Tuner:
                 self._check_space(study)
                 worker = int(study.user_attrs.get("workers", 0))
                 study.set_user_attr("workers", worker + 1)
+                if "base_global_batch" not in study.user_attrs:  # M0: what goodput and the lr rule are relative to
+                    study.set_user_attr("base_global_batch", global_batch(self.cfg))
                 self._reclaim_orphans(study)
                 apply_extensions(self.space, study.user_attrs.get("extended") or {})
                 if self.t.baseline and (worker == 0 and not study.trials or self._baseline_interrupted(study)):
@@ -132,6 +136,12 @@ class Tuner:
         that follow each machine's cores are not part of it): resuming it with another space is
         refused, in one line naming the dimensions that differ."""
         given = self._given_space()
+        held = "free" if self.space.global_batch is None else self.space.global_batch
+        if study.user_attrs.get("global_batch", held) != held:  # a study made before it was recorded: any
+            raise ConfigError(f"tune.global_batch: study '{self.name}' was made with the global batch "
+                              f"{study.user_attrs['global_batch']}, this call gives {held}; resume it with its own "
+                              "tune.global_batch, or start another study (a new tune.study_name)")
+        study.set_user_attr("global_batch", held)
         made = study.user_attrs.get("space")
         if made is None:  # a new study (or one made before the space was recorded)
             study.set_user_attr("space", given)
@@ -432,11 +442,12 @@ class Tuner:
         if below is not None:  # the job model shows it cannot be the pick: no launch
             return self._unlaunched(study, trial, rec, t0, "predicted_below", below[:480], f"not launched: {below}")
         try:
-            cfg = trial_config(self.cfg, values)
+            cfg = trial_config(self.cfg, values, b_noise=study_b(study))
             check_launch(cfg, run_dir)  # e.g. a backend of the space this machine cannot launch
         except ConfigError as exc:  # an invalid combination: recorded, never launched
             return self._unlaunched(study, trial, rec, t0, "invalid", str(exc), f"invalid: {exc}")
-        trial.set_user_attr("global_batch", cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size)
+        trial.set_user_attr("global_batch", global_batch(cfg))
+        trial.set_user_attr("lr", cfg.trainer.lr)
         pruned: Dict[str, Any] = {"flag": False}
         no_tokens: Optional[str] = None
         monitor = self._monitor(study, trial, pruned)
@@ -485,25 +496,29 @@ class Tuner:
         best_thr = self._best_throughput(study)
         bar = self._interval_bar(study)
         window_thr: List[float] = []
+        m0, b = scale_of(study)
+        worth = efficiency(trial.user_attrs.get("global_batch") or m0 or 1, m0 or 1, b)  # a sample's, for goodput
 
         def monitor(window: int, job: Dict[str, float]) -> bool:
             """Report each measured window's score (the objective's, not raw utilization) to the pruner."""
             if self.multi or self.t.objective is Objective.both:
                 return False
             name = deciding(self.t)  # samples/s, or real tokens/s for the tokens objective
+            if name == "goodput":
+                job = {**job, "goodput": job["throughput"] * worth}
             if job.get(name) is None:  # no tokens counted (a batch without a mask: refused at its first batch)
                 return False
             if self.t.pruner is PrunerName.interval:
                 window_thr.append(job[name])
                 est = estimate(window_thr) if len(window_thr) >= MIN_WINDOWS and bar is not None else {}
                 if est.get("interval") and est["interval"][1] < bar[0]:
-                    what = "real tokens/s" if name == "tokens_per_s" else "throughput"
+                    what = {"tokens_per_s": "real tokens/s", "goodput": "goodput"}.get(name, "throughput")
                     pruned.update(flag=True, window=window, job=job, reason=(
                         f"{what} {est['mean']:.1f}/s over {len(window_thr)} windows, at most "
                         f"{est['interval'][1]:.1f}/s (95%): below {bar[1]}"))
                 return pruned["flag"]
             # for a fixed model mfu is proportional to samples/s: the pruner compares throughput
-            value = (job[name] if self.t.objective in (Objective.throughput, Objective.mfu, Objective.tokens) else
+            value = (job[name] if self.t.objective is not Objective.utilization else
                      utilization_score(job["utilization"], job["throughput"], best_thr, self.t.throughput_floor)
                      + self.offset)
             trial.report(value, window)
@@ -537,6 +552,7 @@ class Tuner:
             trial.set_user_attr(k, v)
         if result.get("diagnosis"):
             trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
+        self._goodput(study, trial, rec, result.get("noise_scale"))
         study.tell(trial, self._score(study, rec))
         rec.state = "COMPLETE"
         if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
@@ -603,7 +619,8 @@ class Tuner:
         for r in range(CONFIRM_MAX_ROUNDS):
             if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
                 ref = reference_only(study, self.t)  # measured beside them, not in the contest
-                still = set(open_contest(combined({n: rs for n, rs in runs.items() if n != ref}, self.t.run_noise), self.t))
+                still = set(open_contest(self._judged(study, combined({n: rs for n, rs in runs.items() if n != ref},
+                                                                       self.t.run_noise)), self.t))
                 active = [tr for tr in top if tr.number in still]
             active = [tr for tr in active if str(tr.number) not in failed]
             if not active:
@@ -637,7 +654,7 @@ class Tuner:
         """One confirmation run of trial `tr` (round `r`), its result added to `runs`, or why it
         failed to `failed`."""
         tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
-        cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER)
+        cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER, b_noise=study_b(study))
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
         try:
             runs[tr.number].append({**self._launch(
@@ -716,7 +733,18 @@ class Tuner:
             return rec.metrics["mfu"]
         if self.t.objective is Objective.tokens:
             return rec.metrics["tokens_per_s"]
+        if self.t.objective is Objective.goodput:
+            return rec.metrics["goodput"]
         return utilization_score(util, thr, self._best_throughput(study), self.t.throughput_floor) + self.offset
+
+    def _goodput(self, study: Any, trial: Any, rec: TrialRecord, noise: Any) -> None:
+        """The trial's noise scale pooled into the study's, its goodput on it and in `rec.metrics`."""
+        rec.metrics = record_trial(study, trial, rec.metrics, noise, global_batch(self.cfg), refresh=True)
+
+    def _judged(self, study: Any, conf: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        """Confirmed figures with their goodput at the study's noise scale."""
+        trials, scale = {str(tr.number): tr for tr in study.get_trials(deepcopy=False)}, scale_of(study)
+        return {n: judged(trials[n], f, scale) if n in trials else f for n, f in conf.items()}
 
     def _check_failure_rate(self, study: Any) -> None:
         TrialState = self.optuna.trial.TrialState
@@ -802,16 +830,27 @@ class Tuner:
             return notes
         b = best[0]
         notes["edges"] = summary_of(b, self.space, study.user_attrs.get("extended") or {}, self.proposals.capped)
-        base = self.cfg.data.batch_size * self.cfg.trainer.accumulation_steps * self.cfg.world_size
+        base = global_batch(self.cfg)
         mine = b.user_attrs.get("global_batch")
-        if mine is not None and mine != base and mine != self.t.global_batch:  # not the one asked for
+        if mine is not None and mine != base and mine != self.space.global_batch:  # not the one asked for
             ranks = f"{self.cfg.world_size} rank{'s' if self.cfg.world_size != 1 else ''}"
             notes["global_batch"] = {
                 "base": base, "best": mine, "ratio": mine / base,
                 "note": f"the best trains a global batch of {mine} (batch x accumulation x {ranks}) where the base "
                         f"config trains {base} ({mine / base:.3g}x): different optimization math (learning rate, "
                         f"steps per epoch); hold it with tune.global_batch={base}"}
+        notes["time_to_target"] = self._time_to_target(study, b)
         return notes
+
+    def _time_to_target(self, study: Any, pick: Any) -> Dict[str, Any]:
+        """The pick in the user's units: its learning rate, the noise scale, its goodput against the
+        user's config, and why a pick predicted slower to the user's target was set aside."""
+        conf = confirmed(study)
+        _, why = guarded_pick(study, self.t)
+        base = baseline_trial(study, self.t)
+        scale = scale_of(study)
+        user = judged(base, figures(base, conf), scale) if base is not None else None
+        return time_to_target(study, self.cfg, pick, judged(pick, figures(pick, conf), scale), user, why)
 
     def _measured_share(self, study: Any) -> Dict[str, Any]:
         """This process's study time spent measuring: the measured seconds of its trials and
@@ -842,8 +881,10 @@ class Tuner:
             self.tracker.log_artifact(Path(path))
         if best:
             fig = {**best[0].user_attrs, **figures(best[0], confirmed(study))}  # the confirmed figures when re-measured
+            fig = judged(best[0], fig, scale_of(study))
             self.tracker.log_metrics([(f"best_{k}", fig[k], 0) for k in (*METRICS, "throughput_lo", "throughput_hi",
-                                                                        "tokens_per_s_lo", "tokens_per_s_hi")
+                                                                        "tokens_per_s_lo", "tokens_per_s_hi", "goodput",
+                                                                        "efficiency", "lr")
                                       if isinstance(fig.get(k), (int, float))]
                                      + with_percent([(k, fig[k], 0) for k in ("throughput", "utilization", "mfu",
                                                                              "tokens_per_s")  # its row's columns
@@ -874,10 +915,12 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Config:
+def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0, b_noise: Optional[float] = None) -> Config:
     """The job a trial launches: `cfg` with the sampled `values`, measured after a steady-state
-    warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0). `longer`
-    stretches the windows and the minimum measured time, not the cap (the confirmation runs)."""
+    warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0), at the
+    learning rate tune.lr_scaling gives its global batch (goodput.lr_for; `b_noise`: the study's
+    noise scale, for adascale). `longer` stretches the windows and the minimum measured time, not
+    the cap (the confirmation runs)."""
     t = cfg.tune
     fixed = {
         "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000,
@@ -887,6 +930,9 @@ def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0) -> Co
         "trainer.max_measure_s": max(t.max_measure_s, t.min_measure_s * longer), "trainer.max_steps": 0,
     }
     job = apply(cfg, {**fixed, **values})
+    scaled = lr_for(cfg, job, values, b_noise)
+    if scaled:
+        job = apply(job, scaled)
     if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
         job = apply(job, {"trainer.max_steps": steady_warmup_steps(job) + t.measure_steps})
     return job

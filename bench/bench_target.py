@@ -1,0 +1,238 @@
+"""Time to a target validation loss: does the tuned config train the user's model sooner?
+
+Per task and seed, on CPU, every run a real run of the orchestrator:
+  1. the target: the user's config trains for --budget epochs with a held-out validation split
+     (data.val_fraction); its final validation loss is the target;
+  2. the user's config trains again to that target (trainer.target_loss), evaluating every
+     --evals-per-epoch of an epoch, the same cadence in samples for every config below;
+  3. one study per policy (--trials trials, tune.seed = the seed), and its pick (best.yaml's
+     overrides: the batch, workers, accumulation and the learning rate it wrote) trains to the
+     same target:
+       util     the utilization objective, the global batch free, the learning rate kept
+                (what the tuner did before it knew about the global batch)
+       held     the default: the user's global batch held (micro-batch x accumulation, loader)
+       goodput  tune.objective=goodput, the global batch free, the learning rate by tune.lr_scaling
+Printed: per task, the wall time to the target of each pick as a ratio to the user's config
+(> 1: sooner; median and worst over seeds; "miss" when a run never reached the target within
+--cap x the budget), and the gradient noise scale the user's run measured beside one measured
+offline by the large/small-batch method on the user's final weights.
+
+Targets (issue: time to a trained model): the default (held) pick >= 2x on every input- or
+communication-bound task and >= 0.95x on every task; goodput >= held on every task; the noise
+scale within 2x of the offline one.
+
+Tasks: six of the zoo (bench/zoo) plus a DDP task whose loader waits on storage, and the shipped
+sequence example (experiment=variable_length_lm). Time on 2 cores: 5-15 minutes a task and seed.
+
+    .venv/bin/python bench/bench_target.py --only storage_1 comm_ddp --seeds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+BENCH = Path(__file__).resolve().parent
+os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+import torch  # noqa: E402
+from bench_tune import compose_cfg, prepare, table  # noqa: E402
+from zoo import TASKS as ZOO  # noqa: E402
+from zoo import MLP, _user  # noqa: E402
+
+from orchestrator.app import JobFailed, run_job  # noqa: E402
+from orchestrator.runtime.data import build_dataset  # noqa: E402
+from orchestrator.runtime.loop import build_model, loss_fn  # noqa: E402
+from orchestrator.tune.study import run_study  # noqa: E402
+
+VAL_FRACTION = 0.2
+POLICIES: Dict[str, List[str]] = {
+    "util": ["tune.objective=utilization", "tune.global_batch=free", "tune.lr_scaling=none"],
+    "held": [],  # the product's defaults
+    "goodput": ["tune.objective=goodput", "tune.global_batch=free"],
+}
+TASKS: Dict[str, List[str]] = {name: ZOO[name]["overrides"] for name in
+                               ("storage_1", "cpu_transform", "comm_ddp", "compute", "short_epochs", "already_best")}
+TASKS["ddp_storage"] = _user(MLP, "StoredFeatures latency_ms=1", batch=32, workers=0,
+                             extra=("backend=ddp", "parallelism.nproc_per_node=2"))
+TASKS["variable_length_lm"] = ["experiment=variable_length_lm"]
+BOUND = {"storage_1", "cpu_transform", "comm_ddp", "ddp_storage"}  # input- or communication-bound
+
+
+def space_of(name: str) -> List[str]:
+    """The zoo's searched space for its tasks (categorical), the default space for the others."""
+    spec = ZOO.get(name)
+    if spec is None:
+        return []
+    return [f"tune.space.{k}={{key: {key}, type: categorical, choices: {list(v)}}}"
+            for k, v in spec["space"].items()
+            for key in [{"batch_size": "data.batch_size", "num_workers": "data.num_workers",
+                         "accumulation_steps": "trainer.accumulation_steps"}[k]]] + [
+        "~tune.space.prefetch_factor", "~tune.space.pin_memory"]
+
+
+def job(overrides: List[str], run_dir: Path) -> Dict[str, Any]:
+    cfg = compose_cfg([*overrides, "tracking.enabled=false", "trainer.save_model=true"])
+    try:
+        return run_job(cfg, run_dir, echo=False)
+    except JobFailed as exc:
+        return {"status": "FAILED", "error": str(exc)}
+
+
+def evals_every(result: Dict[str, Any], per_epoch_evals: int, batch_now: int, batch_user: int) -> int:
+    """trainer.eval_every (steps) giving `per_epoch_evals` evaluations an epoch of the user's
+    config, in samples: the same cadence for every global batch."""
+    steps = int(result.get("steps_per_epoch") or 1) * batch_user // max(1, batch_now)
+    return max(1, steps // per_epoch_evals)
+
+
+def global_batch(cfg: Any) -> int:
+    return cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size
+
+
+def offline_noise(overrides: List[str], weights: Path, small: int, big: int, draws: int = 24) -> Optional[float]:
+    """B_simple by the large/small-batch method (McCandlish et al. 2018, appendix A) on the user's
+    final weights: |G_B|^2 averaged over `draws` batches of each size, then the unbiased
+    estimators of |G|^2 and tr(Sigma)."""
+    cfg = compose_cfg([*overrides, "tracking.enabled=false"])
+    model = build_model(cfg)
+    model.load_state_dict(torch.load(weights, map_location="cpu"))
+    dataset, criterion = build_dataset(cfg), loss_fn(cfg.model.loss)
+    g = torch.Generator().manual_seed(1234)
+
+    def sq_norm(b: int) -> float:
+        idx = torch.randint(len(dataset), (b,), generator=g).tolist()
+        x, y = torch.utils.data.default_collate([dataset[i] for i in idx])
+        model.zero_grad()
+        criterion(model(x), y).backward()
+        return float(sum((p.grad.detach() ** 2).sum() for p in model.parameters() if p.grad is not None))
+
+    gs = statistics.fmean(sq_norm(small) for _ in range(draws))
+    gb = statistics.fmean(sq_norm(big) for _ in range(draws))
+    g2 = (big * gb - small * gs) / (big - small)
+    trace = (gs - gb) / (1 / small - 1 / big)
+    return trace / g2 if g2 > 0 else None
+
+
+def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
+    base = [*overrides, f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
+    here = tmp / f"{name}-{seed}"
+    budget = job([*base, f"trainer.epochs={args.budget}"], here / "budget")
+    target = budget.get("val_loss")
+    if target is None:
+        return {"error": f"the budget run gave no validation loss: {budget.get('error', budget.get('status'))}"}
+    user_gb = global_batch(compose_cfg(base))
+    cap = [f"trainer.epochs={args.budget * args.cap}", f"trainer.target_loss={target}"]
+    out: Dict[str, Any] = {"target": target, "noise_run": (budget.get("noise_scale") or {}).get("b_simple")}
+    every = evals_every(budget, args.evals_per_epoch, user_gb, user_gb)
+    user = job([*base, *cap, f"trainer.eval_every={every}"], here / "user")
+    out["user"] = figures_of(user)
+    weights = here / "budget" / "model.pt"
+    if weights.exists() and name != "variable_length_lm":
+        ns = budget.get("noise_scale") or {}
+        small, big = int(ns.get("batch_small") or 16), int(ns.get("batch_big") or 0) or 256
+        out["noise_offline"] = offline_noise(base, weights, small, max(big, 4 * small))
+    for policy in args.policies:
+        t0 = time.monotonic()
+        summary = run_study(compose_cfg([*base, "mode=tune", "tracking.enabled=false", f"tune.n_trials={args.trials}",
+                                         f"tune.seed={seed}", f"tune.storage=sqlite:///{here}/optuna.db",
+                                         *space_of(name), *POLICIES[policy]]),
+                            here / "studies" / policy, echo=False)
+        picked = list(summary.get("rerun_overrides") or [])
+        run = [*base, *picked]
+        gb = global_batch(compose_cfg(run))
+        res = job([*run, *cap, f"trainer.eval_every={evals_every(budget, args.evals_per_epoch, gb, user_gb)}"],
+                  here / policy)
+        out[policy] = {**figures_of(res), "pick": picked, "global_batch": gb, "study_s": time.monotonic() - t0}
+    return out
+
+
+def figures_of(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Wall time to the target, evaluation excluded (every config evaluates at the same cadence in
+    samples, but a faster config spends a larger share of its time evaluating)."""
+    reached = bool(result.get("target_reached"))
+    wall = result.get("time_to_target_s")
+    evals = [e for e in result.get("evals") or [] if wall is not None and e.get("wall_s", math.inf) <= wall]
+    eval_s = sum(float(e.get("eval_s") or 0.0) for e in evals)
+    return {"reached": reached, "time_s": (wall - eval_s) if reached and wall is not None else None,
+            "samples": result.get("samples_to_target"), "status": result.get("status"),
+            "throughput": result.get("throughput")}
+
+
+def ratio(user: Dict[str, Any], pick: Dict[str, Any]) -> Optional[float]:
+    if not user.get("time_s") or not pick.get("reached") or not pick.get("time_s"):
+        return None
+    return user["time_s"] / pick["time_s"]
+
+
+def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -> int:
+    rows = [["task", "user s", *(f"{p} x" for p in policies), "B run", "B offline", "checks"]]
+    failed = 0
+    for name, seeds in results.items():
+        got = {p: [ratio(r["user"], r[p]) for r in seeds.values() if "user" in r and p in r] for p in policies}
+        cells = []
+        for p in policies:
+            vals = [v for v in got[p] if v is not None]
+            misses = len(got[p]) - len(vals)
+            cells.append("-" if not got[p] else
+                         f"{statistics.median(vals) if vals else 0:.2f} / {min(vals) if vals and not misses else 0:.2f}"
+                         + (f" ({misses} miss)" if misses else ""))
+        worst = {p: (min(v) if v and None not in v else 0.0) for p, v in got.items() if v}
+        checks = []
+        if "held" in worst:
+            need = 2.0 if name in BOUND else 0.95
+            checks.append(f"held>={need:g}:{'ok' if worst['held'] >= need else 'NO'}")
+        if "held" in worst and "goodput" in worst:
+            checks.append(f"goodput>=held:{'ok' if worst['goodput'] >= worst['held'] else 'NO'}")
+        runs = [r for r in seeds.values() if "user" in r]
+        b_run = [r["noise_run"] for r in runs if r.get("noise_run")]
+        b_off = [r["noise_offline"] for r in runs if r.get("noise_offline")]
+        if b_run and b_off:
+            q = statistics.median(b_run) / statistics.median(b_off)
+            checks.append(f"noise within 2x:{'ok' if 0.5 <= q <= 2 else 'NO'}")
+        failed += sum("NO" in c for c in checks)
+        user_s = [r["user"]["time_s"] for r in runs if r["user"].get("time_s")]
+        rows.append([name, f"{statistics.median(user_s):.1f}" if user_s else "-", *cells,
+                     f"{statistics.median(b_run):.0f}" if b_run else "-",
+                     f"{statistics.median(b_off):.0f}" if b_off else "-", " ".join(checks)])
+    print(table(rows))
+    print("cells: the pick's wall time to the target as a ratio to the user's (> 1: sooner), median / worst seed")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", choices=list(TASKS))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=4, help="epochs of the user's config that set the target")
+    ap.add_argument("--cap", type=int, default=4, help="a pick trains at most cap x budget epochs")
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--evals-per-epoch", type=int, default=4)
+    ap.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--cache", type=Path, default=Path("outputs/bench_target.json"))
+    args = ap.parse_args()
+    tmp = prepare("bench_target_")
+    cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+    for name, overrides in TASKS.items():
+        if args.only and name not in args.only:
+            continue
+        for seed in range(args.seeds):
+            if str(seed) in cache.get(name, {}):
+                continue
+            print(f"== {name} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
+            cache.setdefault(name, {})[str(seed)] = one(name, overrides, seed, args, tmp)
+            args.cache.write_text(json.dumps(cache, indent=1, default=str))
+    chosen = {n: {int(s): r for s, r in v.items() if int(s) < args.seeds} for n, v in cache.items()
+              if not args.only or n in args.only}
+    return report(chosen, args.policies)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
