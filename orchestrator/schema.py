@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .stores import redact
+from .stores import misread_password, redact
 
 
 class ConfigError(ValueError):
@@ -525,6 +525,8 @@ class TuneConfig:
         _require(self.max_workers_cap is None or self.max_workers_cap >= 0,
                  f"tune.max_workers_cap: must be null or >= 0, got {self.max_workers_cap}")
         _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
+        misread = misread_password(self.storage)
+        _require(misread is None, f"tune.storage: {misread}")
         for name, p in self.space.items():
             where = f"tune.space.{name}"
             if p.type is ParamType.categorical:
@@ -560,6 +562,8 @@ class TrackingConfig:
             "(MLflow's file store is gone: use sqlite:///outputs/mlflow.db)",
         )
         _require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
+        misread = misread_password(self.uri)
+        _require(misread is None, f"tracking.uri: {misread}")
 
 
 @dataclass

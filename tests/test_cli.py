@@ -68,7 +68,18 @@ BAD_INPUT = [
      "error: parallelism.hostfile: {run}/nowhere.txt does not exist; allowed: a file of 'host slots=N' lines"),
     (["hydra.run.dir={file}"], "error: hydra.run.dir: {file} is a file, not a directory; allowed:"),
     (["hydra.run.dir={ro}"], "error: hydra.run.dir: cannot write {ro}/"),
+    # a password in every URL form: masked on the line and in every file (SECRET below)
+    (["tracking.uri=http://user:S3c/retXY@127.0.0.1:9"],
+     "error: tracking.uri: the password in http://user:***@127.0.0.1:9 holds '/', where the driver ends the password; "
+     "allowed: the password percent-encoded (/ as %2F)"),
+    (["mode=tune", "tune.storage=postgresql+psycopg://u:S3cr@tXY@127.0.0.1:1/db"],
+     "error: tune.storage: the password in postgresql+psycopg://u:***@127.0.0.1:1/db holds '@'"),
+    (["mode=tune", "tune.storage=postgresql+psycopg://u@127.0.0.1:1/db?password=S3crQ"],
+     "error: tune.storage: malformed override 'tune.storage=postgresql+psycopg://u@127.0.0.1:1/db?password=***'"),
+    (["mode=tune", "tune.storage='postgresql+psycopg://u:S3cr%40tXY@127.0.0.1:1/db?password=S3crQ'"],
+     "error: tune.storage: cannot use postgresql+psycopg://u:***@127.0.0.1:1/db?password=*** (psycopg.OperationalError)"),
 ]
+SECRET = "S3c"  # in every password above
 
 
 @pytest.mark.parametrize("args, expected", BAD_INPUT, ids=[" ".join(a)[:60] for a, _ in BAD_INPUT])
@@ -84,6 +95,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, expected):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(expected.format(**where)), out.stderr
     assert not (Path(run_dir) / "ranks").exists()  # nothing launched
+    assert SECRET not in out.stdout + out.stderr and leaks(tmp_path, SECRET) == []
 
 
 def test_cli_empty_dataset_is_one_clear_line(tmp_path):

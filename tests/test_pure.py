@@ -175,6 +175,38 @@ def test_store_error_says_unreachable_with_the_drivers_words():
     assert "unreachable" not in store_error(locked, "sqlite:///x.db")
 
 
+@pytest.mark.parametrize("text, shown", [
+    ("http://user:S3c/retXY@127.0.0.1:9", "http://user:***@127.0.0.1:9"),  # '/' in the password
+    ("postgresql+psycopg://u:S3cr@tXY@127.0.0.1:1/db", "postgresql+psycopg://u:***@127.0.0.1:1/db"),  # '@'
+    ("postgresql+psycopg://u:S3cr%40tXY@h/db", "postgresql+psycopg://u:***@h/db"),  # percent-encoded
+    ("postgresql+psycopg://u@h/db?sslmode=require&password=S3cr&x=1",
+     "postgresql+psycopg://u@h/db?sslmode=require&password=***&x=1"),  # in the query
+    ("- tune.storage=mysql\\://u\\:S3cr@h/db", "- tune.storage=mysql\\://u\\:***@h/db"),  # Hydra's escaped colons
+    ("uri: 'https://u:S3cr@h:5000' and sqlite:///a/b.db", "uri: 'https://u:***@h:5000' and sqlite:///a/b.db"),
+    ("mysql+pymysql://me:${oc.env:PW}@h/x", "mysql+pymysql://me:${oc.env:PW}@h/x"),  # no secret: kept
+    ("http://127.0.0.1:5000/path", "http://127.0.0.1:5000/path"),
+])
+def test_every_form_of_a_url_password_is_masked(text, shown):
+    from orchestrator.stores import redact
+
+    assert redact(text) == shown
+
+
+def test_a_password_the_driver_would_misread_is_refused_without_showing_it():
+    from orchestrator.schema import ConfigError, TrackingConfig, TuneConfig
+
+    with pytest.raises(ConfigError, match=r"^tracking.uri: the password in http://user:\*\*\*@127.0.0.1:9 holds '/', "
+                                          r"where the driver ends the password; allowed: the password percent-encoded "
+                                          r"\(/ as %2F\)"):
+        TrackingConfig(uri="http://user:S3c/retXY@127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"^tune.storage: the password in postgresql\+psycopg://u:\*\*\*@h:1/db holds "
+                                          r"'@', .* \(@ as %40\)"):
+        TuneConfig(storage="postgresql+psycopg://u:S3cr@tXY@h:1/db")
+    TuneConfig(storage="postgresql+psycopg://u:S3cr%40tXY@h:1/db")  # encoded: read as written
+    TuneConfig(storage="postgresql+psycopg://u:S3c/r@h:1/db")  # SQLAlchemy reads a '/' in the password
+    TrackingConfig(uri="http://127.0.0.1:5000/a@b")  # an '@' in the path, no password
+
+
 def test_target_arguments_bind_to_the_signature():
     from orchestrator.schema import ConfigError, check_target
 
