@@ -3,7 +3,8 @@
 Errors are ours to print: a bad config is one line naming the field and the allowed values
 (exit 2); a failed job shows the failing rank's traceback (exit 1); Ctrl-C/SIGTERM end the whole
 job (exit 130/143); a job stopped at a checkpoint by trainer.checkpoint_signal exits 3, after
-requeueing its SLURM job where SLURM allows it (a requeued job resumes its own run: resume_requeued).
+requeueing its SLURM job where SLURM allows it (a requeued job resumes its own run: resume_requeued);
+a job whose loss diverged exits 4 (one line: the step, the loss, the last good checkpoint).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ register_configs()
 
 EXIT_CONFIG, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
 EXIT_CHECKPOINTED = 3  # stopped at a checkpoint on trainer.checkpoint_signal: not finished; requeued, or resume it
+EXIT_DIVERGED = 4  # the loss went non-finite or exploded: result.json DIVERGED
 
 
 class Terminated(KeyboardInterrupt):
@@ -69,7 +71,7 @@ def main(dcfg: DictConfig) -> None:
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
-    from .app import JobCheckpointed, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
+    from .app import JobCheckpointed, JobDiverged, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
     from .measure.results import JobResult
     from .rundir import RecordError, RunDirOwned, Status, remove_if_unused, result_path, write_json
     from .tune.study import StudyFailed
@@ -114,6 +116,9 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
     except RecordError as exc:  # before launch (config.yaml), or a study's outputs
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except JobDiverged as exc:
+        print(f"error: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        return EXIT_DIVERGED
     except JobFailed as exc:
         if exc.result.get("error", str(exc)) != str(exc):  # a traceback, said once below when it is one line
             print(redact(exc.result.get("error", str(exc))), file=sys.stderr)

@@ -19,7 +19,7 @@ from .launch import build_launch
 from .measure.results import JobResult, WindowFigures, job_window
 from .progress import JobProgress, console
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, checkpoint_request_path,
+from .rundir import (DIVERGED_AT, WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, checkpoint_request_path,
                      config_path, note_unreadable, own_run_dir, owner_tag, process_start, ranks_dir, read_job, read_json,
                      report_paths, result_path, write_atomic, write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
@@ -45,6 +45,11 @@ class NothingToResume(Exception):
 class RecordFailed(JobFailed):
     """A record of the job could not be written (a full disk): the MLflow run ends FAILED and the
     message is one line naming the file and the cause."""
+
+
+class JobDiverged(JobFailed):
+    """The loss went non-finite or exploded (runtime/step.py): result.json says DIVERGED, the
+    message is the rank's one line (step, loss, the last good checkpoint); the MLflow run ends FAILED."""
 
 
 class JobStopped(JobFailed):
@@ -222,6 +227,9 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
         if status == Status.KILLED:
             result["error"] = why
             raise JobStopped("stopped", result)
+        if status == Status.DIVERGED:
+            result["error"] = why
+            raise JobDiverged(why, result)
         if status == Status.FAILED:
             result["error"] = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
@@ -249,6 +257,8 @@ def _mlflow_status(result: Dict[str, Any]) -> str:
     again (requeued), else KILLED (stopped; a resume reopens it either way)."""
     if result["status"] == Status.CHECKPOINTED:
         return "SCHEDULED" if result.get("requeue") else Status.KILLED.value
+    if result["status"] == Status.DIVERGED:
+        return Status.FAILED.value
     return str(result["status"])
 
 
@@ -376,8 +386,8 @@ def _close_dead_attempt(run_dir: Path, previous: Dict[str, Any]) -> None:
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
-    """(status, why) of a watched job: FINISHED, KILLED (the monitor stopped it: a pruned trial)
-    or FAILED, with the reason a user reads first."""
+    """(status, why) of a watched job: FINISHED, KILLED (the monitor stopped it: a pruned trial),
+    DIVERGED or FAILED, with the reason a user reads first."""
     if outcome.ok and reported == expected:
         return Status.FINISHED, ""
     if outcome.stopped:
@@ -388,6 +398,8 @@ def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -
         return Status.FAILED, f"out of memory: {outcome.over_memory}"
     if outcome.failed_rank is not None:
         said = outcome.error.strip()
+        if said.startswith(DIVERGED_AT) and "\n" not in said:  # its loss or weights (runtime/step.py)
+            return Status.DIVERGED, f"rank {outcome.failed_rank} {said}"
         if said and "\n" not in said:  # the rank's own one line (a config it found wrong): the reason
             return Status.FAILED, f"rank {outcome.failed_rank} failed: {said}"
         return Status.FAILED, f"rank {outcome.failed_rank} failed"

@@ -35,6 +35,7 @@ class Status(str, Enum):
     FAILED = "FAILED"
     KILLED = "KILLED"  # interrupted (Ctrl-C, SIGTERM) or stopped by its monitor (a pruned trial)
     CHECKPOINTED = "CHECKPOINTED"  # stopped at a checkpoint on trainer.checkpoint_signal: requeued, or to resume
+    DIVERGED = "DIVERGED"  # the loss went non-finite or exploded (runtime/step.py: check_loss)
     INVALID = "INVALID"  # refused before launch
     NOT_RUN = "NOT RUN"  # a sweep job that wrote no result
     NOTHING_TO_RUN = "NOTHING TO RUN"  # a study call whose study already has its trials
@@ -42,6 +43,9 @@ class Status(str, Enum):
     __str__ = str.__str__  # the word itself in messages and f-strings
     __format__ = str.__format__
 
+
+# how a rank's one-line error of a diverged loss begins (runtime/step.py), which the parent reads
+DIVERGED_AT = "diverged at step"
 
 RANKS_DIR = "ranks"
 CONFIG_FILE = "config.yaml"

@@ -117,6 +117,28 @@ def test_cli_failed_job_shows_traceback(tmp_path, mlflow_uri):
     assert "error: job failed: rank 0 failed" in out.stderr
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["trainer.lr=1e30", "trainer.max_steps=30"],
+     r"error: rank 0 diverged at step \d+: the loss is \S+, over 1000 x the first logged loss \(\S+\); lower trainer.lr "
+     r"or turn off trainer.amp; no checkpoint was written before it \(run dir: \S+\)$"),
+    (["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=5", "+model.args.nan=true",
+      "trainer.checkpoint_every=2", "trainer.max_steps=30"],
+     r"error: rank 0 diverged at step 6: the loss is nan \(not finite\); lower trainer.lr or turn off trainer.amp; "
+     r"the last good checkpoint, step 2, is kept: \S+/checkpoints/step_00000002.pt \(run dir: \S+\)$"),
+], ids=["exploding", "nan"])
+def test_cli_a_diverged_run_ends_diverged_in_one_line(tmp_path, args, expected):
+    """A loss that explodes (lr=1e30) or turns NaN mid-run: result.json DIVERGED, exit 4, one line
+    naming the step, the loss and the last good checkpoint, which is kept."""
+    import re
+
+    out = run_cli([*args, "tracking.enabled=false", f"hydra.run.dir={tmp_path}"])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 4 and len(lines) == 1 and re.match(expected, lines[0]), out.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "DIVERGED"
+    kept = re.search(r"is kept: (\S+)", lines[0])
+    assert kept is None or Path(kept.group(1)).exists()
+
+
 def leaks(root, secret: str) -> list:
     """Every file under `root` that holds `secret`."""
     return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]

@@ -127,3 +127,18 @@ def test_a_tuner_never_launches_a_config_another_tuner_is_running(make_cfg, tmp_
     assert not (tmp_path / "a" / "trials" / "0001").exists()
     launched = [t for t in trials if "mlflow_run_id" in t.user_attrs]
     assert launched and all(t.params != running.params for t in launched)
+
+
+def test_a_trial_that_diverges_is_recorded_diverged_and_never_picked(make_cfg, tmp_path):
+    """One trial's learning rate makes its loss explode: it ends DIVERGED (trials.csv, summary.json,
+    its line), the study goes on, and the pick is the trial that trained."""
+    space = ["~tune.space.batch_size", "~tune.space.num_workers", "~tune.space.accumulation_steps",
+             "~tune.space.prefetch_factor", "~tune.space.pin_memory",
+             "+tune.space.lr={key: trainer.lr, type: categorical, choices: [0.01, 1e30]}"]
+    cfg = make_cfg(*SHORT, *space, "tune.sampler=grid", "tune.n_trials=2", f"tune.storage=sqlite:///{tmp_path}/optuna.db")
+    summary = run_study(cfg, tmp_path / "run", echo=False)
+    assert summary["states"].get("DIVERGED") == 1, summary["states"]
+    assert summary["best"]["values"] == {"trainer.lr": 0.01}
+    rows = (tmp_path / "run" / "trials.csv").read_text().splitlines()
+    diverged = [row for row in rows if ",DIVERGED," in row]
+    assert len(diverged) == 1 and "1e+30" in diverged[0] and "diverged at step" in diverged[0], rows

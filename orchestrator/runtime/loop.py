@@ -194,6 +194,7 @@ class Run:
     checkpointed: int = -1  # the step of the last checkpoint this rank wrote (none: -1)
     first_loss: float = math.nan
     last_loss: float = math.nan
+    logged_step: int = -1  # the last step whose loss was logged (and passed check_loss)
     hooks: List[Hook] = field(default_factory=list)
 
     @property
@@ -228,7 +229,8 @@ class Run:
         self.stop = partial is not None and self.on_window(partial)
 
     def log(self, loss: Any) -> None:
-        self.last_loss = check_loss(float(loss), self.step)
+        self.last_loss = check_loss(float(loss), self.step, self.first_loss, self.logged_step)
+        self.logged_step = self.step
         if math.isnan(self.first_loss):
             self.first_loss = self.last_loss
         self.events.write(LogEvent(type="log", step=self.step, epoch=self.epoch, loss=self.last_loss))

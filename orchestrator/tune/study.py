@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ..app import JobFailed, JobStopped, check_launch, run_job
+from ..app import JobDiverged, JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.results import Estimate, JobResult
 from ..measure.stats import MIN_WINDOWS, estimate, with_run_noise
@@ -443,7 +443,9 @@ class Tuner:
             study.tell(trial, state=TrialState.PRUNED)
         except JobFailed as exc:
             err = exc.result.get("error", str(exc))
-            rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
+            rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.result.get("mlflow_run_id")
+            if isinstance(exc, JobDiverged):  # failed, so never the pick; said as such in trials.csv and summary.json
+                trial.set_user_attr("diverged", True)
             rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
             trial.set_user_attr("error", rec.error[:500])
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
