@@ -289,8 +289,16 @@ def cli() -> None:
         os_error = _os_error(exc)
         if _started or os_error is None:
             raise
-        print(f"error: {run_dir_error(os_error, multirun=bool({'-m', '--multirun'} & set(sys.argv)))}", file=sys.stderr)
+        multirun = bool({"-m", "--multirun"} & set(sys.argv))
+        print(f"error: {run_dir_error(os_error, multirun=multirun, where=_hydra_dir(multirun))}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+
+
+def _hydra_dir(multirun: bool) -> str:
+    """The run (or sweep) dir Hydra was writing: the command's, else under conf/config.yaml's default."""
+    arg = re.compile(r"^hydra\.sweep\.dir=(.*)$") if multirun else RUN_DIR_ARG
+    given = [m.group(1) for m in map(arg.match, sys.argv[1:]) if m]
+    return given[-1] if given else ("outputs/multirun/" if multirun else "outputs/runs/")
 
 
 def _os_error(exc: BaseException) -> Optional[OSError]:
@@ -301,13 +309,19 @@ def _os_error(exc: BaseException) -> Optional[OSError]:
     return seen
 
 
-def run_dir_error(exc: OSError, multirun: bool = False) -> str:
+def run_dir_error(exc: OSError, multirun: bool = False, where: Optional[str] = None) -> str:
     """Hydra could not make the run dir, or write its .hydra/ record there (a read-only folder, a
-    file in the way): one line naming the option, before anything is launched."""
+    file in the way, a full disk): one line naming the option, before anything is launched. A
+    write that fails on a full disk names no file: `where` (the dir) then stands for it."""
+    from .rundir import DISK_FULL, FREE_THERE, free_space
+
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    where = exc.filename or "?"
+    where = exc.filename or where or "?"
     if isinstance(exc, (FileExistsError, NotADirectoryError)):
         problem = f"{where} is a file, not a directory"
+    elif exc.errno in DISK_FULL:  # the host's disk, not the option's value
+        return (f"{key}: cannot write {where} ({exc.strerror}; {free_space(Path(where))}{FREE_THERE}): the disk is full "
+                "or over a size limit; free some space, or give a directory on another disk")
     else:
         problem = f"cannot write {where} ({exc.strerror or exc})"
     return f"{key}: {problem}; allowed: a directory this user can create or write (or a new path)"

@@ -22,7 +22,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -106,7 +106,7 @@ def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any],
         meta = {**meta, "sharded": True}
     if rank != 0:
         return None
-    write_atomic(pt, lambda p: torch.save({**state, "meta": meta}, p))
+    write_atomic(pt, saver({**state, "meta": meta}))
     write_json(d / f"{name}.json", meta)
     write_atomic(d / "latest", name)
     for old in sorted(d.glob("step_*.pt"))[:-KEEP]:
@@ -114,6 +114,17 @@ def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any],
         old.with_suffix(".json").unlink(missing_ok=True)
         shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)
     return pt
+
+
+def saver(obj: Any) -> Callable[[Path], None]:
+    """A writer for rundir.write_atomic: torch.save of `obj` through a Python file, so that a full
+    disk surfaces as its OSError (ENOSPC), not as torch's own "unexpected pos" error."""
+
+    def save_to(path: Path) -> None:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+
+    return save_to
 
 
 def find_latest(run_dir: Path) -> Optional[Path]:

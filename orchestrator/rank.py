@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from .measure.results import RankResult
-from .rundir import (OWNER_ENV, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths,
+from .rundir import (OWNER_ENV, RecordError, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths,
                      ranks_dir, read_job, write_atomic, write_json)
 
 
@@ -80,9 +80,9 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         events.close()
     state = adapter.consolidated_state_dict(res.model) if cfg.trainer.save_model else None  # all ranks: may gather
     if state is not None:
-        import torch
+        from .checkpoint import saver
 
-        write_atomic(root / "model.pt", lambda p: torch.save(state, p))
+        write_atomic(root / "model.pt", saver(state))
     typed = RankResult.from_dict({
         "param_digest": res.param_digest,
         "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
@@ -109,13 +109,16 @@ def _fail(root: Path, rank: int, exc: BaseException) -> int:
 
     from .runtime.step import Diverged
 
-    ranks_dir(root).mkdir(parents=True, exist_ok=True)
-    # a config the rank found wrong (a dataset of 0 items): its one line, not a traceback
-    text = f"{exc}\n" if isinstance(exc, ConfigError) else traceback.format_exc()
+    # a config the rank found wrong (a dataset of 0 items), a record it could not write (a full
+    # disk): its one line, not a traceback
+    text = f"{exc}\n" if isinstance(exc, (ConfigError, RecordError)) else traceback.format_exc()
     if isinstance(exc, Diverged):  # one line, with the checkpoint a resume can trust
         text = f"{exc}; {_good_checkpoint(root, exc.last_good)}\n"
-    write_atomic(rank_paths(root, rank)["error"], text)
-    sys.stderr.write(text)
+    try:  # the parent reads it there, and says it once
+        ranks_dir(root).mkdir(parents=True, exist_ok=True)
+        write_atomic(rank_paths(root, rank)["error"], text)
+    except OSError:  # no room for it either: the parent finds it in the rank's output
+        sys.stderr.write(text)
     return 1
 
 

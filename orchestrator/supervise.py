@@ -21,7 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol
 import psutil
 
 from .launch import Launch
-from .rundir import OWNER_ENV, Event, owner_tag, rank_of, ranks_dir
+from .rundir import CANNOT_WRITE, OWNER_ENV, Event, owner_tag, rank_of, ranks_dir
 
 
 
@@ -134,8 +134,21 @@ def _first_error(run_dir: Path, output: str = "") -> tuple[Optional[int], str]:
             said += f"\nthen rank {rank_of(errs[0])} lost its peer: {lost[-1][:300]}"
         return rank, said
     if not errs:
-        return None, ""
+        return _unwritten(output)
     return rank_of(errs[0]), first
+
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\] ")
+
+
+def _unwritten(output: str) -> tuple[Optional[int], str]:
+    """A rank that could not write its error file (a full disk) printed its one line instead:
+    (its rank, that line), else (None, "")."""
+    for line in output.splitlines():
+        if CANNOT_WRITE in line:
+            m = RANK_PREFIX.match(line)
+            return (int(m.group(1)) if m else 0), line[m.end():] if m else line
+    return None, ""
 
 
 # A kept-alive pool's job is polled every 20 ms (its end is seen at once); what costs more than that

@@ -139,6 +139,25 @@ def test_cli_a_diverged_run_ends_diverged_in_one_line(tmp_path, args, expected):
     assert kept is None or Path(kept.group(1)).exists()
 
 
+@pytest.mark.parametrize("limit, args, code, expected", [
+    (100, [], 2, "error: hydra.run.dir: cannot write {run} (File too large; "),  # Hydra's first record
+    (30000, ["trainer.checkpoint_every=10"], 1,
+     "error: job failed: rank 0 failed: {run}/checkpoints/step_00000010.pt: cannot write (File too large; "),
+], ids=["at-start", "checkpoint"])
+def test_cli_a_full_disk_is_one_line_naming_the_file(tmp_path, limit, args, code, expected):
+    """A disk that fills (here: a file-size limit, EFBIG as ENOSPC) is one line naming the file and
+    the free space; no temporary file is left, and a run that started ends FAILED in result.json."""
+    run = tmp_path / "run"
+    out = run_cli(["trainer.max_steps=20", *args, "tracking.enabled=false", f"hydra.run.dir={run}"],
+                  file_size_limit=limit)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == code and len(lines) == 1 and lines[0].startswith(expected.format(run=run)), out.stderr
+    assert " free there)" in lines[0] and "Traceback" not in out.stdout + out.stderr
+    assert not list(tmp_path.rglob("*.tmp"))
+    if code == 1:
+        assert json.loads((run / "result.json").read_text())["status"] == "FAILED"
+
+
 def leaks(root, secret: str) -> list:
     """Every file under `root` that holds `secret`."""
     return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]

@@ -4,6 +4,7 @@ world-size check, the pool key, and the resume rules."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,31 @@ def test_a_password_the_driver_would_misread_is_refused_without_showing_it():
     TuneConfig(storage="postgresql+psycopg://u:S3cr%40tXY@h:1/db")  # encoded: read as written
     TuneConfig(storage="postgresql+psycopg://u:S3c/r@h:1/db")  # SQLAlchemy reads a '/' in the password
     TrackingConfig(uri="http://127.0.0.1:5000/a@b")  # an '@' in the path, no password
+
+
+def test_a_write_that_fills_the_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    """torch.save into a file says a full disk as a RuntimeError raised while handling the OSError:
+    the write is still a RecordError naming the file, the cause and the free space."""
+    import errno
+
+    from orchestrator.rundir import RecordError, write_atomic
+    from orchestrator.supervise import _first_error
+
+    def torch_like(path):
+        path.write_bytes(b"partial")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    with pytest.raises(RecordError) as info:
+        write_atomic(tmp_path / "step_00000010.pt", torch_like)
+    assert re.fullmatch(rf"{tmp_path}/step_00000010.pt: cannot write \(No space left on device; [\d.]+ [KMGT]?B free "
+                        r"there\)", str(info.value)), info.value
+    assert list(tmp_path.iterdir()) == []
+    # a rank that could not write its error file either: the parent finds its line in the output
+    said = f"[rank1] {info.value}"
+    assert _first_error(tmp_path, f"noise\n{said}\nmore") == (1, str(info.value))
 
 
 def test_target_arguments_bind_to_the_signature():

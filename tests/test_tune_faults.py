@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import checkpoint
 from orchestrator.schema import ConfigError, to_yaml
+from orchestrator.tune.rules import counted
 from orchestrator.tune.study import Tuner, run_study
 
 from .conftest import free_port
@@ -142,3 +143,41 @@ def test_a_trial_that_diverges_is_recorded_diverged_and_never_picked(make_cfg, t
     rows = (tmp_path / "run" / "trials.csv").read_text().splitlines()
     diverged = [row for row in rows if ",DIVERGED," in row]
     assert len(diverged) == 1 and "1e+30" in diverged[0] and "diverged at step" in diverged[0], rows
+
+
+def test_a_full_disk_stops_a_study_in_one_line_keeping_its_trials_and_candidates(make_cfg, tmp_path, monkeypatch):
+    """A write that fails for the host's disk says nothing of the config: the trial it hit is not
+    counted (a rerun measures it), a confirmation it hit keeps its candidate, the study stops with
+    one line saying so, its outputs are written, and a rerun finishes the count."""
+    from orchestrator.app import RecordFailed
+    from orchestrator.tune.study import StudyFailed
+
+    full = "/x/result.json: cannot write (No space left on device; 0 B free there)"
+    launch, launched = Tuner._launch, []
+
+    def second_fills_the_disk(self, cfg, run_dir, **kwargs):
+        launched.append(run_dir)
+        if len(launched) == 2 or "confirm" in str(run_dir):
+            raise RecordFailed(full, {"error": full})
+        return launch(self, cfg, run_dir, **kwargs)
+
+    monkeypatch.setattr(Tuner, "_launch", second_fills_the_disk)
+    common = [*SHORT, *SMALL, "tune.study_name=full-disk", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+              "tune.n_trials=2"]
+    with pytest.raises(StudyFailed) as info:
+        run_study(make_cfg(*common), tmp_path / "a", echo=False)
+    assert str(info.value) == (f"trial 1 could not write: {full}; the disk is the host's, not the config's: free some "
+                               "space and rerun with tune.study_name=full-disk to finish")
+    assert (tmp_path / "a" / "summary.json").exists()
+    study = load(f"sqlite:///{tmp_path}/optuna.db", "full-disk")
+    assert counted(study.trials) == 1 and study.trials[1].user_attrs["interrupted"]
+
+    tuner = Tuner(make_cfg(*common), tmp_path / "b", echo=False)
+    runs, failed = {0: [{"throughput": 1.0}]}, {}
+    with pytest.raises(StudyFailed, match=r"^the confirmation of trial 0 could not write: "):
+        tuner._confirm_run(study, study.trials[0], 1, None, 0, 2, runs, failed)
+    assert failed == {} and runs == {0: [{"throughput": 1.0}]}  # still a candidate
+
+    monkeypatch.setattr(Tuner, "_launch", launch)
+    summary = run_study(make_cfg(*common), tmp_path / "c", echo=False)
+    assert counted(load(f"sqlite:///{tmp_path}/optuna.db", "full-disk").trials) == 2 and summary["best"] is not None

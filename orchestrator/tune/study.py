@@ -24,7 +24,7 @@ from ..app import JobDiverged, JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.results import Estimate, JobResult
 from ..measure.stats import MIN_WINDOWS, estimate, with_run_noise
-from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
+from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json, said_disk_full
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
 from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
@@ -442,6 +442,7 @@ class Tuner:
             self._pruned(trial, rec, pruned)
             study.tell(trial, state=TrialState.PRUNED)
         except JobFailed as exc:
+            self._stop_if_disk_full(exc, f"trial {trial.number}", study, trial)
             err = exc.result.get("error", str(exc))
             rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.result.get("mlflow_run_id")
             if isinstance(exc, JobDiverged):  # failed, so never the pick; said as such in trials.csv and summary.json
@@ -635,11 +636,25 @@ class Tuner:
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
                 run_name=f"confirm trial {tr.number}"), CONFIRM_ROUND: r})
         except JobFailed as exc:
+            self._stop_if_disk_full(exc, f"the confirmation of trial {tr.number}")
             failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
             runs.pop(tr.number, None)  # its earlier runs do not make it a contender again
             self._say(f"[tune] confirmation of trial {tr.number} failed: {why}; a config that fails when run again "
                       "is not the pick")
         self._show(lambda p: p.ended(best_words(study, self.t)))
+
+    def _stop_if_disk_full(self, exc: JobFailed, what: str, study: Any = None, trial: Any = None) -> None:
+        """A run that could not write for the host's disk (full, a quota, a size limit) says nothing
+        of its config: the study stops in one line (StudyFailed), the trial is not counted and a
+        candidate stays one (a rerun measures or confirms it again), and the outputs are written
+        as far as the disk allows."""
+        if not said_disk_full(str(exc)):
+            return
+        if trial is not None:
+            trial.set_user_attr("interrupted", True)  # not counted, and run again by the rerun
+            study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        raise StudyFailed(f"{what} could not write: {str(exc).splitlines()[0][:300]}; the disk is the host's, not the "
+                          f"config's: free some space and rerun with tune.study_name={self.name} to finish") from None
 
     def _launch(self, cfg: Config, run_dir: Path, **kwargs: Any) -> Dict[str, Any]:
         """run_job on the study's ranks and tracker (a trial or a confirmation run); its seconds,
