@@ -120,8 +120,11 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print(f"error: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
         return EXIT_DIVERGED
     except JobFailed as exc:
-        if exc.result.get("error", str(exc)) != str(exc):  # a traceback, said once below when it is one line
-            print(redact(exc.result.get("error", str(exc))), file=sys.stderr)
+        from .supervise import TRACEBACK_IN
+
+        error = exc.result.get("error", str(exc))
+        if error != str(exc) and TRACEBACK_IN not in str(exc):  # what the launcher said, when no rank said why
+            print(redact(error), file=sys.stderr)
         print(f"error: job failed: {redact(str(exc))} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
@@ -216,17 +219,14 @@ RESUME_ARG = re.compile(r"^\+{0,2}trainer\.resume=(.*)$")
 
 def resume_in_place(argv: List[str]) -> List[str]:
     """A resume runs in the run dir it continues: point Hydra there (no new, empty run dir) and
-    keep Hydra from rewriting the run's own .hydra/ record. Values that do not resolve are left
-    for the config check, which names the field."""
+    keep Hydra from rewriting the run's own .hydra/ record. A value that does not resolve raises
+    ValueError naming the field, before Hydra makes any run dir."""
     values = [m.group(1) for m in map(RESUME_ARG.match, argv) if m]
     if not values or values[-1] in ("", "null", "None") or {"-m", "--multirun"} & set(argv):
         return argv
     from .checkpoint import resolve_resume
 
-    try:
-        run_dir = resolve_resume(values[-1])
-    except ValueError:
-        return argv
+    run_dir = resolve_resume(values[-1])
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir="))]
     return [*kept, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
 
@@ -255,6 +255,22 @@ def resume_requeued(argv: List[str], environ: Optional[dict] = None) -> List[str
     return [*argv, f"trainer.resume={run_dir}"]
 
 
+def odd_override(argv: List[str]) -> Optional[str]:
+    """The one line for an override Hydra would take wrongly: no key (`=5`: a 39-line traceback
+    of Hydra's), or no value (`key=`: an empty string, which a field then reads as if unset);
+    None when every override has both."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg or arg.startswith("~"):
+            continue  # a flag (-m, --cfg job), a group default (`backend`), a deletion
+        key, _, value = arg.partition("=")
+        if not key.lstrip("+"):
+            return f"malformed override '{arg}': no key before '='; expected <key>=<value>, e.g. data.batch_size=64"
+        if value == "":
+            return (f"{key.lstrip('+')}: empty value in '{arg}'; allowed: a value, null (`{key}=null`: unset), "
+                    f"'' quoted for an empty string (\"{key}=''\"), or leave the override out")
+    return None
+
+
 NODE_RANK_ARG = re.compile(r"^\+{0,2}parallelism\.node_rank=(\d+)$")
 
 
@@ -278,7 +294,15 @@ def cli() -> None:
     # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    sys.argv = [sys.argv[0], *resume_in_place(resume_requeued(sys.argv[1:]))]
+    odd = odd_override(sys.argv[1:])
+    if odd is not None:
+        print(f"error: {redact(odd)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    try:
+        sys.argv = [sys.argv[0], *resume_in_place(resume_requeued(sys.argv[1:]))]
+    except ValueError as exc:  # a resume of nothing: refused before any run dir is made
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     refuse_if_owned(sys.argv[1:])
     try:
         main()

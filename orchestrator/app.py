@@ -26,7 +26,7 @@ from .runtime.dist import check_devices, check_shard_modules
 from .runtime.loop import check_model
 from .schema import Config, ConfigError, Launcher, flatten, load_config, to_yaml
 from .stores import store_error
-from .supervise import FreshRanks, Outcome, Ranks
+from .supervise import TRACEBACK_IN, FreshRanks, Outcome, Ranks, traceback_line
 from .tracking import Tracker
 
 
@@ -89,6 +89,9 @@ class LiveLog:
         self.windows: Dict[int, Dict[int, Event]] = {}  # window ordinal -> rank -> event
         self.seen: Dict[int, int] = {}  # rank -> windows seen
         self.loader: Dict[str, float] = {}  # the loader autotune's current settings, logged with each window
+        # a resume redoes the steps after its checkpoint, to the same losses (the same RNG and data
+        # order): the earlier attempt's points there stand, none is logged twice
+        self.logged_until = -1
 
     def __call__(self, batch: List[tuple[int, Event]]) -> None:
         points: List[tuple[str, float, int]] = []
@@ -103,7 +106,8 @@ class LiveLog:
                                "loader/prefetch_factor": float(ev["effective_prefetch"])}  # type: ignore[typeddict-item]
                 points += [(k, v, step) for k, v in self.loader.items()]
             elif kind == "log":
-                points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
+                if step > self.logged_until:
+                    points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
                 if rank == 0 and self.progress is not None:
                     self.progress.update(step, loss=float(ev["loss"]))  # type: ignore[typeddict-item]
             elif kind == "balance":
@@ -197,6 +201,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     try:
         write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
         live = LiveLog(tracker, world, progress, monitor)
+        if resumed is not None:
+            live.logged_until = tracker.last_step("loss")
         try:
             watch_kwargs = dict(timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
                                 memory_cap_mb=cfg.trainer.memory_cap_mb)
@@ -365,9 +371,13 @@ def resume_target(cfg: Config, run_dir: Path) -> tuple:
 
 
 def open_run_dir(run_dir: Path, resumed: Optional[Dict[str, Any]]) -> None:
-    """Once the job is checked: make the run dir, or for a resume archive the earlier attempt."""
+    """Once the job is checked: make the run dir, or for a resume archive the earlier attempt. A
+    new start in a run dir an earlier job used archives that job's rank files too: its error file
+    would be read as this job's (and end it)."""
     if resumed is None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if ranks_dir(run_dir).exists():
+            _archive_attempt(run_dir)
         return
     print(f"[orchestrator] resuming {run_dir} from step {resumed['step']}")
     _archive_attempt(run_dir)
@@ -402,6 +412,10 @@ def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -
             return Status.DIVERGED, f"rank {outcome.failed_rank} {said}"
         if said and "\n" not in said:  # the rank's own one line (a config it found wrong): the reason
             return Status.FAILED, f"rank {outcome.failed_rank} failed: {said}"
+        where = traceback_line(said)
+        if where is not None:  # the user's code raised: the traceback stays in the rank's file
+            return Status.FAILED, (f"rank {outcome.failed_rank} failed {where} ({TRACEBACK_IN}"
+                                   f"ranks/rank{outcome.failed_rank}.err)")
         return Status.FAILED, f"rank {outcome.failed_rank} failed"
     if outcome.ok:
         return Status.FAILED, f"only {reported} of {expected} ranks reported a result"

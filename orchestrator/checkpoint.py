@@ -200,6 +200,7 @@ MAY_CHANGE = (
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
     "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance", "parallelism.balance_tolerance",
+    "parallelism.oversubscribe",
 )
 
 

@@ -65,3 +65,9 @@ def cut_collate(items: list, pad_id: int = 0, keep: int = 64) -> dict:
     from tasks.sequences import pad_collate
 
     return pad_collate([{"input_ids": it["input_ids"][:keep]} for it in items], pad_id)
+
+
+def needs_real_tensors(width: int = 8) -> nn.Module:
+    """A factory that reads a tensor's value as it builds: it cannot build on the meta device."""
+    scale = torch.ones(1).mul(width).item()
+    return nn.Linear(16, int(scale))

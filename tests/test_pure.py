@@ -271,6 +271,20 @@ def test_a_model_config_is_checked_once_per_process(make_cfg):
             check_model(bad)
 
 
+def test_a_model_its_arguments_cannot_build_is_refused_before_launch(make_cfg):
+    """The meta build fails for the arguments (a negative size, a string for a number): one line
+    naming model.args; a factory that fails for the meta device itself is left to the ranks."""
+    from orchestrator.runtime.loop import check_model
+    from orchestrator.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.args: tests.custom_task.Net\(width=-5\) cannot be built: "
+                                          r"RuntimeError: Trying to create tensor with negative dimension -5"):
+        check_model(make_cfg("model=custom", "model._target_=tests.custom_task.Net", "+model.args.width=-5"))
+    with pytest.raises(ConfigError, match=r"^model.args: tests.custom_task.Net\(width='abc'\) cannot be built: TypeError"):
+        check_model(make_cfg("model=custom", "model._target_=tests.custom_task.Net", "+model.args.width=abc"))
+    check_model(make_cfg("model=custom", "model._target_=tests.custom_task.needs_real_tensors"))
+
+
 def test_checking_a_model_with_an_embedding_does_not_import_dynamo():
     """check_model builds on the meta device; an embedding's normal_ init ran through torch._refs
     there, whose first call imports torch._dynamo: 1.5-2.9 s of the tuner's time before its first

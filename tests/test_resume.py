@@ -198,6 +198,21 @@ def test_resume_rejects_bad_input(make_cfg, tmp_path):
         run_job(make_cfg(f"trainer.resume={tmp_path / 'two'}"), tmp_path / "c", echo=False)
 
 
+def test_a_resume_logs_no_loss_point_twice(make_cfg, tmp_path):
+    """The steps a resume redoes (after its checkpoint, up to where the failed attempt got) were
+    logged by that attempt: MLflow's loss history holds each step once."""
+    from orchestrator.app import JobFailed, run_job
+
+    args = ["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=9", "trainer.max_steps=12",
+            "trainer.checkpoint_every=5"]
+    with pytest.raises(JobFailed):
+        run_job(make_cfg(*args), tmp_path, echo=False)  # logs steps 1-8, checkpoints step 5, fails at 9
+    result = run_job(make_cfg(*args, f"trainer.resume={tmp_path}"), tmp_path, echo=False)  # steps 6-12: 7 forwards
+    history = MlflowClient(make_cfg().tracking.uri).get_metric_history(result["mlflow_run_id"], "loss")
+    steps = [m.step for m in history]
+    assert sorted(steps) == list(range(1, 13)), steps
+
+
 def test_a_checkpoint_without_its_json_sidecar_is_read_from_the_pt(make_cfg, tmp_path):
     """The .pt holds the metadata too: a lost or damaged sidecar does not hide an intact checkpoint."""
     from orchestrator.app import resume_point
