@@ -181,3 +181,26 @@ def test_a_full_disk_stops_a_study_in_one_line_keeping_its_trials_and_candidates
     monkeypatch.setattr(Tuner, "_launch", launch)
     summary = run_study(make_cfg(*common), tmp_path / "c", echo=False)
     assert counted(load(f"sqlite:///{tmp_path}/optuna.db", "full-disk").trials) == 2 and summary["best"] is not None
+
+
+def test_an_interrupted_study_says_its_pick_is_not_final_and_how_to_finish(make_cfg, tmp_path, monkeypatch, capsys):
+    """Ctrl-C at trial 2 of 3: summary.json, best.yaml and the printed pick say the study was
+    interrupted, how many trials the pick stands on, and the command that finishes it."""
+    run_trial = Tuner._run_trial
+
+    def interrupt_the_second(self, study, trial, parent):
+        if trial.number == 1:
+            raise KeyboardInterrupt
+        return run_trial(self, study, trial, parent)
+
+    monkeypatch.setattr(Tuner, "_run_trial", interrupt_the_second)
+    cfg = make_cfg(*SHORT, *SMALL, "tune.study_name=cut", f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.n_trials=3")
+    with pytest.raises(KeyboardInterrupt):
+        run_study(cfg, tmp_path / "run", echo=True)
+    said = ("interrupted with 1 of tune.n_trials=3 trials counted: the pick below stands on those alone; rerun the "
+            "same command with tune.study_name=cut to finish")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped"]["why"] == said and summary["stopped"]["counted"] == 1
+    assert f"# Note: the study was {said}" in (tmp_path / "run" / "tuned" / "best.yaml").read_text()
+    out = capsys.readouterr().out
+    assert f"[tune] stopped early: {said}" in out and "[tune] best so far (not final: 1 of 3 trials): trial 0" in out

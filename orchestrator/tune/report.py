@@ -176,7 +176,10 @@ def interval_words(f: Dict[str, Any], name: str, unit: float = 1.0, fmt: str = "
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
-    return ([notes["global_batch"]["note"]] if notes.get("global_batch") else []) + [e["note"] for e in notes["edges"]]
+    stopped = notes.get("stopped") or {}
+    unfinished = [f"the study was {stopped['why']}"] if "counted" in stopped else []  # a pick that is not final
+    return (unfinished + ([notes["global_batch"]["note"]] if notes.get("global_batch") else [])
+            + [e["note"] for e in notes["edges"]])
 
 
 def _overhead(trials: List[Any]) -> Dict[str, float]:
@@ -313,5 +316,7 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     if summary["global_batch"]:
         print(f"[tune] global batch: {summary['global_batch']['note']}")
     if summary.get("best"):
-        print(f"[tune] best: trial {summary['best']['number']}: {summary['rerun_overrides']}")
+        unfinished = (summary.get("stopped") or {}).get("counted")
+        best = "best" if unfinished is None else f"best so far (not final: {unfinished} of {t.n_trials} trials)"
+        print(f"[tune] {best}: trial {summary['best']['number']}: {summary['rerun_overrides']}")
         print(f"[tune] rerun it: {summary['rerun']}")

@@ -292,6 +292,8 @@ class Tuner:
                 self.progress.stop()
             if self.pool is not None:
                 self.pool.release()  # its ranks end while the report is written
+            if status != Status.FINISHED:  # its pick is not final: said with it
+                self.stopped = self._unfinished(study, status)
             try:
                 summary = self._finish(study, parent, status)
             except RecordError as exc:  # a full disk: the study's MLflow run ends FAILED, the error is one line
@@ -308,6 +310,16 @@ class Tuner:
                 if self.pool is not None:
                     self.pool.close()
         return summary
+
+    def _unfinished(self, study: Any, status: str) -> Dict[str, Any]:
+        """A study that ended before its count and confirmation (interrupted, or stopped by a
+        failure): how many trials its pick stands on, and how to finish it."""
+        done, by = counted(study.get_trials(deepcopy=False)), "interrupted" if status == Status.KILLED else "failed"
+        left = (f"{done} of tune.n_trials={self.t.n_trials} trials counted" if done < self.t.n_trials
+                else "its confirmation not done")
+        return {"by": by, "counted": done, "n_trials": self.t.n_trials,
+                "why": f"{by} with {left}: the pick below stands on those alone; rerun the same command with "
+                       f"tune.study_name={self.name} to finish"}
 
     def _say_study(self) -> None:
         n = self.t.n_trials
