@@ -4,6 +4,7 @@ runs again, two tuners never launch one config at once."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -204,3 +205,43 @@ def test_an_interrupted_study_says_its_pick_is_not_final_and_how_to_finish(make_
     assert f"# Note: the study was {said}" in (tmp_path / "run" / "tuned" / "best.yaml").read_text()
     out = capsys.readouterr().out
     assert f"[tune] stopped early: {said}" in out and "[tune] best so far (not final: 1 of 3 trials): trial 0" in out
+
+
+def test_tuners_sharing_a_study_confirm_once_and_report_one_pick(make_cfg, tmp_path, monkeypatch):
+    """Two tuners of one study reach the confirmation while a third still runs a trial: the first
+    to take the study's confirm lock waits for that trial, confirms; the other waits for it and
+    finds nothing due: one confirmation, one pick."""
+    import threading
+    import time as clock
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    cfg = make_cfg(*SHORT, *SMALL, "tune.study_name=shared", f"tune.storage={storage}", "tune.confirm_top=2")
+    study = Tuner(cfg, tmp_path / "x", echo=False)._study()
+    for thr in (100.0, 101.0):  # two candidates within each other's noise
+        study.add_trial(optuna.trial.create_trial(value=1.5, params={}, distributions={}, user_attrs={
+            "values": {"thr": thr}, "utilization": 0.5, "throughput": thr, "throughput_lo": thr - 10,
+            "throughput_hi": thr + 10, "utilization_lo": 0.48, "utilization_hi": 0.52}))
+    running = study.ask()  # a third tuner's trial, still running (its owner: a live process, not this one)
+    running.set_user_attr("owner", f"{socket.gethostname()}:{os.getppid()}")
+    confirming: list = []
+
+    def confirm(self, study, parent):
+        from orchestrator.tune.rules import confirm_candidates
+
+        if self._confirmation_due(study):
+            confirming.append(running.number in {t.number for t in study.get_trials(
+                states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL))})
+            clock.sleep(1.0)
+            study.set_user_attr("confirmed", {str(t.number): {} for t in confirm_candidates(study, self.t)})
+
+    monkeypatch.setattr(Tuner, "_confirm_candidates", confirm)
+    monkeypatch.setattr("orchestrator.tune.study.WAIT_FOR_TRIALS_S", 0.1)
+    tuners = [Tuner(cfg, tmp_path / name, echo=False) for name in ("a", "b")]
+    threads = [threading.Thread(target=t._confirm, args=(t._study(), None)) for t in tuners]
+    for th in threads:
+        th.start()
+    clock.sleep(1.0)
+    study.tell(running, state=optuna.trial.TrialState.FAIL)  # the third tuner's trial ends
+    for th in threads:
+        th.join(timeout=30)
+    assert confirming == [True]  # once, after the running trial ended

@@ -24,7 +24,7 @@ from ..app import JobDiverged, JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.results import Estimate, JobResult
 from ..measure.stats import MIN_WINDOWS, estimate, with_run_noise
-from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json, said_disk_full
+from ..rundir import RecordError, Status, own_run_dir, owner_tag, process_tag, read_json, said_disk_full
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
 from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
@@ -51,6 +51,13 @@ METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem
            "tokens_per_s", "padding_frac")
 # what shapes a batch (its keys: an attention_mask or not); the loader knobs do not
 BATCH_SHAPERS = ("data._target_", "data.args", "data.collate_fn", "data.batch_key")
+
+
+WAIT_FOR_TRIALS_S = 1.0  # how often a tuner about to confirm looks whether the other tuners' trials ended
+
+
+def _trials_words(numbers: List[int]) -> str:
+    return f"trial{'s' if len(numbers) != 1 else ''} {', '.join(map(str, numbers))}"
 
 
 class StudyFailed(RuntimeError):
@@ -584,6 +591,36 @@ class Tuner:
         trial.set_user_attr("prune_reason", rec.error)
 
     def _confirm(self, study: Any, parent: Optional[str]) -> None:
+        """The confirmation, by one tuner process of the study: under the study's confirm lock,
+        once no other tuner runs a trial (their trials are candidates too); a tuner that gets the
+        lock after another confirmed finds nothing due and reports the same pick."""
+        with study_lock(self.storage, f"{self.name}.confirm"):
+            self._wait_for_trials(study)
+            self._confirm_candidates(study, parent)
+
+    def _wait_for_trials(self, study: Any) -> None:
+        """Until no other tuner runs a trial of the study (a dead tuner's are reclaimed; this
+        process runs none now), or for at most tune.trial_timeout_s (a tuner on another host that
+        died cannot be seen to)."""
+        said, until, me = False, time.monotonic() + self.t.trial_timeout_s, process_tag()
+        while True:
+            with study_lock(self.storage, self.name):
+                self._reclaim_orphans(study)
+                running = [tr for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,))
+                           if tr.user_attrs.get("owner") != me]
+            if not running:
+                return
+            if time.monotonic() > until:
+                self._say(f"[tune] {_trials_words([tr.number for tr in running])} still running after "
+                          f"tune.trial_timeout_s={self.t.trial_timeout_s:g}: confirming without them")
+                return
+            if not said:
+                self._say(f"[tune] waiting for {_trials_words([tr.number for tr in running])} of another tuner "
+                          "before the confirmation")
+                said = True
+            time.sleep(WAIT_FOR_TRIALS_S)
+
+    def _confirm_candidates(self, study: Any, parent: Optional[str]) -> None:
         """Re-measure the best candidates (report.confirm_candidates) in CONFIRM_ROUNDS interleaved
         rounds with CONFIRM_LONGER x longer windows and minimum time, and store their combined
         figures in the study (`confirmed`): the pick is made from those, not from the single short
