@@ -3,7 +3,8 @@
 Errors are ours to print: a bad config is one line naming the field and the allowed values
 (exit 2); a failed job shows the failing rank's traceback (exit 1); Ctrl-C/SIGTERM end the whole
 job (exit 130/143); a job stopped at a checkpoint by trainer.checkpoint_signal exits 3, after
-requeueing its SLURM job where SLURM allows it (a requeued job resumes its own run: resume_requeued).
+requeueing its SLURM job where SLURM allows it (a requeued job resumes its own run: resume_requeued);
+a job whose loss diverged exits 4 (one line: the step, the loss, the last good checkpoint).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ register_configs()
 
 EXIT_CONFIG, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 2, 1, 130, 143
 EXIT_CHECKPOINTED = 3  # stopped at a checkpoint on trainer.checkpoint_signal: not finished; requeued, or resume it
+EXIT_DIVERGED = 4  # the loss went non-finite or exploded: result.json DIVERGED
 
 
 class Terminated(KeyboardInterrupt):
@@ -69,7 +71,7 @@ def main(dcfg: DictConfig) -> None:
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
     """Run one job and print its outcome; returns the exit code."""
-    from .app import JobCheckpointed, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
+    from .app import JobCheckpointed, JobDiverged, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
     from .measure.results import JobResult
     from .rundir import RecordError, RunDirOwned, Status, remove_if_unused, result_path, write_json
     from .tune.study import StudyFailed
@@ -114,9 +116,15 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
     except RecordError as exc:  # before launch (config.yaml), or a study's outputs
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except JobDiverged as exc:
+        print(f"error: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        return EXIT_DIVERGED
     except JobFailed as exc:
-        if exc.result.get("error", str(exc)) != str(exc):  # a traceback, said once below when it is one line
-            print(redact(exc.result.get("error", str(exc))), file=sys.stderr)
+        from .supervise import TRACEBACK_IN
+
+        error = exc.result.get("error", str(exc))
+        if error != str(exc) and TRACEBACK_IN not in str(exc):  # what the launcher said, when no rank said why
+            print(redact(error), file=sys.stderr)
         print(f"error: job failed: {redact(str(exc))} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
@@ -217,17 +225,14 @@ RESUME_ARG = re.compile(r"^\+{0,2}trainer\.resume=(.*)$")
 
 def resume_in_place(argv: List[str]) -> List[str]:
     """A resume runs in the run dir it continues: point Hydra there (no new, empty run dir) and
-    keep Hydra from rewriting the run's own .hydra/ record. Values that do not resolve are left
-    for the config check, which names the field."""
+    keep Hydra from rewriting the run's own .hydra/ record. A value that does not resolve raises
+    ValueError naming the field, before Hydra makes any run dir."""
     values = [m.group(1) for m in map(RESUME_ARG.match, argv) if m]
     if not values or values[-1] in ("", "null", "None") or {"-m", "--multirun"} & set(argv):
         return argv
     from .checkpoint import resolve_resume
 
-    try:
-        run_dir = resolve_resume(values[-1])
-    except ValueError:
-        return argv
+    run_dir = resolve_resume(values[-1])
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir="))]
     return [*kept, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
 
@@ -256,6 +261,22 @@ def resume_requeued(argv: List[str], environ: Optional[dict] = None) -> List[str
     return [*argv, f"trainer.resume={run_dir}"]
 
 
+def odd_override(argv: List[str]) -> Optional[str]:
+    """The one line for an override Hydra would take wrongly: no key (`=5`: a 39-line traceback
+    of Hydra's), or no value (`key=`: an empty string, which a field then reads as if unset);
+    None when every override has both."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg or arg.startswith("~"):
+            continue  # a flag (-m, --cfg job), a group default (`backend`), a deletion
+        key, _, value = arg.partition("=")
+        if not key.lstrip("+"):
+            return f"malformed override '{arg}': no key before '='; expected <key>=<value>, e.g. data.batch_size=64"
+        if value == "":
+            return (f"{key.lstrip('+')}: empty value in '{arg}'; allowed: a value, null (`{key}=null`: unset), "
+                    f"'' quoted for an empty string (\"{key}=''\"), or leave the override out")
+    return None
+
+
 NODE_RANK_ARG = re.compile(r"^\+{0,2}parallelism\.node_rank=(\d+)$")
 
 
@@ -279,7 +300,15 @@ def cli() -> None:
     # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    sys.argv = [sys.argv[0], *resume_in_place(resume_requeued(sys.argv[1:]))]
+    odd = odd_override(sys.argv[1:])
+    if odd is not None:
+        print(f"error: {redact(odd)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    try:
+        sys.argv = [sys.argv[0], *resume_in_place(resume_requeued(sys.argv[1:]))]
+    except ValueError as exc:  # a resume of nothing: refused before any run dir is made
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     refuse_if_owned(sys.argv[1:])
     try:
         main()
@@ -294,8 +323,16 @@ def cli() -> None:
             sys.exit(EXIT_CONFIG)
         if _started or os_error is None:
             raise
-        print(f"error: {run_dir_error(os_error, multirun=bool({'-m', '--multirun'} & set(sys.argv)))}", file=sys.stderr)
+        multirun = bool({"-m", "--multirun"} & set(sys.argv))
+        print(f"error: {run_dir_error(os_error, multirun=multirun, where=_hydra_dir(multirun))}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+
+
+def _hydra_dir(multirun: bool) -> str:
+    """The run (or sweep) dir Hydra was writing: the command's, else under conf/config.yaml's default."""
+    arg = re.compile(r"^hydra\.sweep\.dir=(.*)$") if multirun else RUN_DIR_ARG
+    given = [m.group(1) for m in map(arg.match, sys.argv[1:]) if m]
+    return given[-1] if given else ("outputs/multirun/" if multirun else "outputs/runs/")
 
 
 def _os_error(exc: BaseException) -> Optional[OSError]:
@@ -306,13 +343,19 @@ def _os_error(exc: BaseException) -> Optional[OSError]:
     return seen
 
 
-def run_dir_error(exc: OSError, multirun: bool = False) -> str:
+def run_dir_error(exc: OSError, multirun: bool = False, where: Optional[str] = None) -> str:
     """Hydra could not make the run dir, or write its .hydra/ record there (a read-only folder, a
-    file in the way): one line naming the option, before anything is launched."""
+    file in the way, a full disk): one line naming the option, before anything is launched. A
+    write that fails on a full disk names no file: `where` (the dir) then stands for it."""
+    from .rundir import DISK_FULL, FREE_THERE, free_space
+
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    where = exc.filename or "?"
+    where = exc.filename or where or "?"
     if isinstance(exc, (FileExistsError, NotADirectoryError)):
         problem = f"{where} is a file, not a directory"
+    elif exc.errno in DISK_FULL:  # the host's disk, not the option's value
+        return (f"{key}: cannot write {where} ({exc.strerror}; {free_space(Path(where))}{FREE_THERE}): the disk is full "
+                "or over a size limit; free some space, or give a directory on another disk")
     else:
         problem = f"cannot write {where} ({exc.strerror or exc})"
     return f"{key}: {problem}; allowed: a directory this user can create or write (or a new path)"

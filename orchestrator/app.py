@@ -19,14 +19,14 @@ from .launch import build_launch
 from .measure.results import JobResult, WindowFigures, job_window
 from .progress import JobProgress, console
 from .merge import load_rank_results, measurement_warning, merge, summary_rows
-from .rundir import (WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, checkpoint_request_path,
+from .rundir import (DIVERGED_AT, WINDOW_KEYS, Event, RecordError, RunOwner, Status, attempt_dir, checkpoint_request_path,
                      config_path, note_unreadable, own_run_dir, owner_tag, process_start, ranks_dir, read_job, read_json,
                      report_paths, result_path, write_atomic, write_job, write_json)
 from .runtime.dist import check_devices, check_shard_modules
 from .runtime.loop import check_model
 from .schema import Config, ConfigError, Launcher, flatten, load_config, to_yaml
 from .stores import store_error
-from .supervise import FreshRanks, Outcome, Ranks
+from .supervise import TRACEBACK_IN, FreshRanks, Outcome, Ranks, traceback_line
 from .tracking import Tracker, eval_points
 
 
@@ -45,6 +45,11 @@ class NothingToResume(Exception):
 class RecordFailed(JobFailed):
     """A record of the job could not be written (a full disk): the MLflow run ends FAILED and the
     message is one line naming the file and the cause."""
+
+
+class JobDiverged(JobFailed):
+    """The loss went non-finite or exploded (runtime/step.py): result.json says DIVERGED, the
+    message is the rank's one line (step, loss, the last good checkpoint); the MLflow run ends FAILED."""
 
 
 class JobStopped(JobFailed):
@@ -85,6 +90,9 @@ class LiveLog:
         self.seen: Dict[int, int] = {}  # rank -> windows seen
         self.loader: Dict[str, float] = {}  # the loader autotune's current settings, logged with each window
         self.measured = [0.0, 0.0]  # samples and seconds of the job's measured windows so far
+        # a resume redoes the steps after its checkpoint, to the same losses (the same RNG and data
+        # order): the earlier attempt's points there stand, none is logged twice
+        self.logged_until = -1
 
     def __call__(self, batch: List[tuple[int, Event]]) -> None:
         points: List[tuple[str, float, int]] = []
@@ -99,7 +107,8 @@ class LiveLog:
                                "loader/prefetch_factor": float(ev["effective_prefetch"])}  # type: ignore[typeddict-item]
                 points += [(k, v, step) for k, v in self.loader.items()]
             elif kind == "log":
-                points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
+                if step > self.logged_until:
+                    points.append(("loss" if rank == 0 else f"rank{rank}/loss", ev["loss"], step))  # type: ignore[arg-type]
                 if rank == 0 and self.progress is not None:
                     self.progress.update(step, loss=float(ev["loss"]))  # type: ignore[typeddict-item]
             elif kind == "eval":  # rank 0's evaluation over the validation set: val/loss, val/<metric>
@@ -208,6 +217,8 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
     try:
         write_job(run_dir, run_id)  # the job spec the ranks read (the MLflow run id goes into checkpoints)
         live = LiveLog(tracker, world, progress, monitor)
+        if resumed is not None:
+            live.logged_until = tracker.last_step("loss")
         try:
             watch_kwargs = dict(timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
                                 memory_cap_mb=cfg.trainer.memory_cap_mb)
@@ -238,6 +249,9 @@ def _run_owned(cfg: Config, run_dir: Path, resumed: Optional[Dict[str, Any]], ow
         if status == Status.KILLED:
             result["error"] = why
             raise JobStopped("stopped", result)
+        if status == Status.DIVERGED:
+            result["error"] = why
+            raise JobDiverged(why, result)
         if status == Status.FAILED:
             result["error"] = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
             raise JobFailed(why, result)
@@ -265,6 +279,8 @@ def _mlflow_status(result: Dict[str, Any]) -> str:
     again (requeued), else KILLED (stopped; a resume reopens it either way)."""
     if result["status"] == Status.CHECKPOINTED:
         return "SCHEDULED" if result.get("requeue") else Status.KILLED.value
+    if result["status"] == Status.DIVERGED:
+        return Status.FAILED.value
     return str(result["status"])
 
 
@@ -371,9 +387,13 @@ def resume_target(cfg: Config, run_dir: Path) -> tuple:
 
 
 def open_run_dir(run_dir: Path, resumed: Optional[Dict[str, Any]]) -> None:
-    """Once the job is checked: make the run dir, or for a resume archive the earlier attempt."""
+    """Once the job is checked: make the run dir, or for a resume archive the earlier attempt. A
+    new start in a run dir an earlier job used archives that job's rank files too: its error file
+    would be read as this job's (and end it)."""
     if resumed is None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if ranks_dir(run_dir).exists():
+            _archive_attempt(run_dir)
         return
     print(f"[orchestrator] resuming {run_dir} from step {resumed['step']}")
     _archive_attempt(run_dir)
@@ -392,8 +412,8 @@ def _close_dead_attempt(run_dir: Path, previous: Dict[str, Any]) -> None:
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
-    """(status, why) of a watched job: FINISHED, KILLED (the monitor stopped it: a pruned trial)
-    or FAILED, with the reason a user reads first."""
+    """(status, why) of a watched job: FINISHED, KILLED (the monitor stopped it: a pruned trial),
+    DIVERGED or FAILED, with the reason a user reads first."""
     if outcome.ok and reported == expected:
         return Status.FINISHED, ""
     if outcome.stopped:
@@ -404,8 +424,14 @@ def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -
         return Status.FAILED, f"out of memory: {outcome.over_memory}"
     if outcome.failed_rank is not None:
         said = outcome.error.strip()
+        if said.startswith(DIVERGED_AT) and "\n" not in said:  # its loss or weights (runtime/step.py)
+            return Status.DIVERGED, f"rank {outcome.failed_rank} {said}"
         if said and "\n" not in said:  # the rank's own one line (a config it found wrong): the reason
             return Status.FAILED, f"rank {outcome.failed_rank} failed: {said}"
+        where = traceback_line(said)
+        if where is not None:  # the user's code raised: the traceback stays in the rank's file
+            return Status.FAILED, (f"rank {outcome.failed_rank} failed {where} ({TRACEBACK_IN}"
+                                   f"ranks/rank{outcome.failed_rank}.err)")
         return Status.FAILED, f"rank {outcome.failed_rank} failed"
     if outcome.ok:
         return Status.FAILED, f"only {reported} of {expected} ranks reported a result"

@@ -22,7 +22,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -106,7 +106,7 @@ def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any],
         meta = {**meta, "sharded": True}
     if rank != 0:
         return None
-    write_atomic(pt, lambda p: torch.save({**state, "meta": meta}, p))
+    write_atomic(pt, saver({**state, "meta": meta}))
     write_json(d / f"{name}.json", meta)
     write_atomic(d / "latest", name)
     for old in sorted(d.glob("step_*.pt"))[:-KEEP]:
@@ -114,6 +114,17 @@ def save(run_dir: Path, step: int, state: Dict[str, Any], meta: Dict[str, Any],
         old.with_suffix(".json").unlink(missing_ok=True)
         shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)
     return pt
+
+
+def saver(obj: Any) -> Callable[[Path], None]:
+    """A writer for rundir.write_atomic: torch.save of `obj` through a Python file, so that a full
+    disk surfaces as its OSError (ENOSPC), not as torch's own "unexpected pos" error."""
+
+    def save_to(path: Path) -> None:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+
+    return save_to
 
 
 def find_latest(run_dir: Path) -> Optional[Path]:
@@ -124,21 +135,33 @@ def find_latest(run_dir: Path) -> Optional[Path]:
     if pointer.exists() and pointer.read_text().strip() in names:  # the pointer first, then older ones
         names.remove(pointer.read_text().strip())
         names.append(pointer.read_text().strip())
-    for name in reversed(names):
-        path = d / f"{name}.pt"
-        try:
-            ck = torch.load(path, map_location="cpu", weights_only=False)
-            json.loads(path.with_suffix(".json").read_text())
-            if ck["meta"].get("sharded") and not _sharded_complete(path.with_suffix(".dcp")):
-                continue
-            return path
-        except Exception:
-            continue  # half-written or damaged: never picked
-    return None
+    return next((d / f"{name}.pt" for name in reversed(names) if _whole(d / f"{name}.pt")), None)
+
+
+def _whole(path: Path) -> bool:
+    """The checkpoint loads, with its metadata, and a sharded one has every part. What it holds is
+    what counts: its `.json` sidecar (the metadata again, for a quick read) may be missing."""
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        return isinstance(ck["meta"]["step"], int) and (not ck["meta"].get("sharded")
+                                                        or _sharded_complete(path.with_suffix(".dcp")))
+    except Exception:
+        return False  # half-written or damaged: never picked
+
+
+def good_before(run_dir: Path, step: int) -> Optional[Path]:
+    """The newest whole checkpoint of `run_dir` written before `step` (a step whose loss passed:
+    the weights it holds gave a good loss after it); None if there is none."""
+    older = [p for p in (run_dir / DIR).glob("step_*.pt") if int(p.stem.split("_")[1]) < step]
+    return next((p for p in sorted(older, reverse=True) if _whole(p)), None)
 
 
 def meta_of(path: Path) -> Dict[str, Any]:
-    return json.loads(path.with_suffix(".json").read_text())
+    """The checkpoint's metadata: its `.json` sidecar, else the `.pt` itself."""
+    try:
+        return json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return load(path)["meta"]
 
 
 def load(path: Path) -> Dict[str, Any]:
@@ -178,6 +201,7 @@ MAY_CHANGE = (
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
     "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance", "parallelism.balance_tolerance",
+    "parallelism.oversubscribe",
 )
 
 

@@ -135,4 +135,22 @@ def build_launch(cfg: Config, run_dir: Path, environ: Optional[Mapping[str, str]
     environ = os.environ if environ is None else environ
     cpu_count = cpu_count if cpu_count is not None else os.cpu_count()
     target = ["--pool", str(pool_dir)] if pool_dir is not None else [str(run_dir)]
-    return BUILDERS[cfg.backend.name](cfg, target, environ, cpu_count, **kwargs)
+    launch = BUILDERS[cfg.backend.name](cfg, target, environ, cpu_count, **kwargs)
+    _check_cores(cfg, launch.local_ranks, cpu_count)
+    return launch
+
+
+RANKS_PER_CORE = 4  # more ranks than this per CPU core of this machine: refused unless parallelism.oversubscribe
+
+
+def _check_cores(cfg: Config, local_ranks: int, cpu_count: Optional[int]) -> None:
+    """Ranks started on this machine far beyond its cores (64 on 2) only thrash: one ConfigError
+    line, unless parallelism.oversubscribe=true says it is meant. Ranks SLURM or a host list place
+    elsewhere are theirs to count."""
+    p = cfg.parallelism
+    if p.oversubscribe or p.launcher is Launcher.slurm or p.hosts or p.hostfile or not cpu_count:
+        return
+    if local_ranks > RANKS_PER_CORE * cpu_count:
+        raise ConfigError(f"parallelism.nproc_per_node: {local_ranks} ranks on this machine's {cpu_count} CPU core(s) "
+                          f"(more than {RANKS_PER_CORE} a core); allowed: at most {RANKS_PER_CORE * cpu_count} here, or "
+                          f"parallelism.oversubscribe=true to start them anyway")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from .measure.results import RankResult
-from .rundir import (OWNER_ENV, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths,
+from .rundir import (OWNER_ENV, RecordError, config_path, pool_job_path, pool_owner_path, pool_stop_path, process_gone, rank_paths,
                      ranks_dir, read_job, write_atomic, write_json)
 
 
@@ -80,9 +80,9 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
         events.close()
     state = adapter.consolidated_state_dict(res.model) if cfg.trainer.save_model else None  # all ranks: may gather
     if state is not None:
-        import torch
+        from .checkpoint import saver
 
-        write_atomic(root / "model.pt", lambda p: torch.save(state, p))
+        write_atomic(root / "model.pt", saver(state))
     typed = RankResult.from_dict({
         "param_digest": res.param_digest,
         "rank": rank, "local_rank": adapter.local_rank, "world_size": adapter.world_size,
@@ -107,12 +107,29 @@ def _fail(root: Path, rank: int, exc: BaseException) -> int:
         return 130
     from .schema import ConfigError
 
-    ranks_dir(root).mkdir(parents=True, exist_ok=True)
-    # a config the rank found wrong (a dataset of 0 items): its one line, not a traceback
-    text = f"{exc}\n" if isinstance(exc, ConfigError) else traceback.format_exc()
-    write_atomic(rank_paths(root, rank)["error"], text)
-    sys.stderr.write(text)
+    from .runtime.step import Diverged
+
+    # a config the rank found wrong (a dataset of 0 items), a record it could not write (a full
+    # disk): its one line, not a traceback
+    text = f"{exc}\n" if isinstance(exc, (ConfigError, RecordError)) else traceback.format_exc()
+    if isinstance(exc, Diverged):  # one line, with the checkpoint a resume can trust
+        text = f"{exc}; {_good_checkpoint(root, exc.last_good)}\n"
+    try:  # the parent reads it there, and says it once
+        ranks_dir(root).mkdir(parents=True, exist_ok=True)
+        write_atomic(rank_paths(root, rank)["error"], text)
+    except OSError:  # no room for it either: the parent finds it in the rank's output
+        sys.stderr.write(text)
     return 1
+
+
+def _good_checkpoint(root: Path, last_good: int) -> str:
+    """Which checkpoint of a diverged run holds weights that gave a good loss (kept on disk)."""
+    from .checkpoint import good_before
+
+    kept = good_before(root, last_good) if last_good >= 0 else None
+    if kept is None:
+        return "no checkpoint was written before it"
+    return f"the last good checkpoint, step {int(kept.stem.split('_')[1])}, is kept: {kept}"
 
 
 def _prefix_if_torchrun(rank: int) -> None:
@@ -251,12 +268,16 @@ def _warm_imports() -> None:
 def survivable(exc: BaseException, world_size: int) -> bool:
     """A failed job after which a kept-alive rank takes the next one: it ran out of memory
     (CUDA's allocator, the host's, or trainer.memory_cap_mb's check of the rank and its loader
-    workers together) and no peer waits for it in a collective it left (a world of one rank). The
+    workers together) or diverged, and no peer waits for it in a collective it left (a world of one rank). The
     job's tensors and loader workers go with its frames (train() ends the workers; the pool then
     collects and trims); fresh ranks would cost the next trial a launch and the imports (about 7 s
     on 2 cores). A process that passes the cap alone is ended by the supervisor (over_memory)."""
     if world_size != 1:
         return False
+    from .runtime.step import Diverged
+
+    if isinstance(exc, Diverged):  # the job's weights went wrong, not the process
+        return True
     torch = sys.modules.get("torch")
     cuda_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     return isinstance(exc, MemoryError) or (cuda_oom is not None and isinstance(exc, cuda_oom))

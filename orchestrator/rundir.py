@@ -19,9 +19,11 @@ measure/results.py, which every floor reads).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import time
 from enum import Enum
 from pathlib import Path
@@ -35,6 +37,7 @@ class Status(str, Enum):
     FAILED = "FAILED"
     KILLED = "KILLED"  # interrupted (Ctrl-C, SIGTERM) or stopped by its monitor (a pruned trial)
     CHECKPOINTED = "CHECKPOINTED"  # stopped at a checkpoint on trainer.checkpoint_signal: requeued, or to resume
+    DIVERGED = "DIVERGED"  # the loss went non-finite or exploded (runtime/step.py: check_loss)
     INVALID = "INVALID"  # refused before launch
     NOT_RUN = "NOT RUN"  # a sweep job that wrote no result
     NOTHING_TO_RUN = "NOTHING TO RUN"  # a study call whose study already has its trials
@@ -42,6 +45,9 @@ class Status(str, Enum):
     __str__ = str.__str__  # the word itself in messages and f-strings
     __format__ = str.__format__
 
+
+# how a rank's one-line error of a diverged loss begins (runtime/step.py), which the parent reads
+DIVERGED_AT = "diverged at step"
 
 RANKS_DIR = "ranks"
 CONFIG_FILE = "config.yaml"
@@ -172,16 +178,64 @@ def rank_of(path: Path) -> int:
     return int(m.group(1))
 
 
+# how a record that could not be written is said (RecordError), which the parent finds in a rank's output
+CANNOT_WRITE = ": cannot write ("
+# the host's disk, not the job: full, over the user's quota, or over a file-size limit (ulimit -f)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+FREE_THERE = " free there"  # how RecordError says the free space when the disk is full
+
+
+def said_disk_full(text: str) -> bool:
+    """`text` (an error, a rank's line) says a record could not be written for the host's disk."""
+    return CANNOT_WRITE in text and FREE_THERE in text
+
+
+def free_space(path: Path) -> str:
+    """The free space of the filesystem that holds `path` (or its nearest existing parent), in
+    words ("0 B", "12.5 MB")."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = float(shutil.disk_usage(path).free)
+    except OSError:
+        return "?"
+    if free < 1024:
+        return f"{free:.0f} B"
+    for unit in ("KB", "MB", "GB", "TB"):
+        free /= 1024
+        if free < 1024 or unit == "TB":
+            break
+    return f"{free:.1f} {unit}"
+
+
 class RecordError(OSError):
     """A record could not be written (a full disk, no permission): one line naming the file and
-    the cause. The file is as it was before the write (absent, or its previous content)."""
+    the cause, with the free space where the disk is full (the host's fault, not the job's). The
+    file is as it was before the write (absent, or its previous content)."""
 
     def __init__(self, path: Path, exc: OSError) -> None:
-        super().__init__(exc.errno, f"{path}: cannot write ({exc.strerror or exc})")
+        why = exc.strerror or str(exc)
+        if exc.errno in DISK_FULL:
+            why += f"; {free_space(path)}{FREE_THERE}"
+        super().__init__(exc.errno, f"{path}{CANNOT_WRITE}{why})")
         self.path = path
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+def _os_error(exc: BaseException) -> OSError:
+    """The OSError behind a failed write: `exc`, or one in its chain (torch.save into a file
+    raises a RuntimeError in the OSError's handling), else one made of its first line."""
+    seen: Optional[BaseException] = exc
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    if seen is not None:
+        return seen
+    return OSError(errno.EIO, (str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
 def write_atomic(path: Path, data: Union[str, bytes, Callable[[Path], Any]]) -> Path:
@@ -203,9 +257,9 @@ def write_atomic(path: Path, data: Union[str, bytes, Callable[[Path], Any]]) -> 
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - a writer function may say an I/O error its own way
         tmp.unlink(missing_ok=True)
-        raise RecordError(path, exc) from None
+        raise RecordError(path, _os_error(exc)) from None
     return path
 
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .stores import redact
+from .stores import misread_password, redact
 
 
 class ConfigError(ValueError):
@@ -297,6 +297,7 @@ class ParallelismConfig:
     shard_size: int = 0  # fsdp: ranks a model is sharded over (HSDP: replicated across groups); 0: all ranks
     balance: Balance = Balance.even  # speed: split the global batch by the ranks' measured speeds
     balance_tolerance: float = 0.1  # speed: re-balance when the shares the speeds call for differ more
+    oversubscribe: bool = False  # start nproc_per_node ranks even beyond 4 a CPU core of this machine (launch.py)
 
     def __post_init__(self) -> None:
         _require(self.shard_size >= 0, f"parallelism.shard_size: must be >= 0 (0 = all ranks), got {self.shard_size}")
@@ -310,6 +311,8 @@ class ParallelismConfig:
             f"parallelism.node_rank: must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), got {self.node_rank}",
         )
         _require(0 <= self.master_port <= 65535, f"parallelism.master_port: must be 0..65535, got {self.master_port}")
+        _require(bool(self.master_addr.strip()), "parallelism.master_addr: empty; allowed: a host name or address "
+                                                 "(127.0.0.1 unless set)")
         _require(
             self.master_port != 0 or self.nnodes == 1 or self.launcher is Launcher.slurm,
             "parallelism.master_port: set a fixed port when nnodes > 1 (every node must agree on it)",
@@ -582,6 +585,8 @@ class TuneConfig:
         _require(self.max_workers_cap is None or self.max_workers_cap >= 0,
                  f"tune.max_workers_cap: must be null or >= 0, got {self.max_workers_cap}")
         _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
+        misread = misread_password(self.storage)
+        _require(misread is None, f"tune.storage: {misread}")
         for name, p in self.space.items():
             where = f"tune.space.{name}"
             if p.type is ParamType.categorical:
@@ -589,6 +594,9 @@ class TuneConfig:
                 continue
             _require(p.choices is None, f"{where}.choices: only for type=categorical; allowed types: {_allowed(ParamType)}")
             _require(p.low is not None, f"{where}.low: required for type={p.type.value}")
+            for bound in ("low", "high"):
+                value = getattr(p, bound)
+                _require(value is None or math.isfinite(value), f"{where}.{bound}: must be a finite number, got {value}")
             if p.high is None:
                 _require(p.key == "data.num_workers", f"{where}.high: required (null is only for data.num_workers)")
                 continue
@@ -628,6 +636,8 @@ class TrackingConfig:
             "(MLflow's file store is gone: use sqlite:///outputs/mlflow.db)",
         )
         _require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
+        misread = misread_password(self.uri)
+        _require(misread is None, f"tracking.uri: {misread}")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Tuple
 
 SQLITE = "sqlite:///"
 JOURNAL = "journal:///"
@@ -35,15 +35,77 @@ def resolve_uri(uri: str, base: Optional[Path] = None) -> str:
     return uri
 
 
-# `scheme://user:password@` in any text, the colons possibly escaped as Hydra logs overrides; an
-# OmegaConf `${oc.env:VAR}` in the password's place is no secret and is kept (it says where it comes from)
-_PASSWORD = re.compile(r"(\\?://[^/@:\s'\"\\]*\\?:)(?!\$\{)([^/@\s'\"]+)(@)")
+# a URL in any text: a scheme, `://` (its colon possibly escaped, as Hydra logs overrides), and
+# everything up to a space or a quote
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*\\?://[^\s'\"]*")
+# a password given in the query (`?password=...`: SQLAlchemy hands it to the driver as a keyword)
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd)=)([^&\s'\"]*)", re.I)
+
+
+def _password_span(rest: str) -> Optional[Tuple[int, int]]:
+    """Where the password lies in `rest` (a URL after its `://`): from the first colon of the
+    userinfo to the LAST `@`. Wider than any driver reads it (SQLAlchemy's make_url ends it at the
+    first `@`, urllib at the first `/`), so that a password holding `@` or `/` is masked whole.
+    None: no password, or an OmegaConf `${oc.env:VAR}` in its place (no secret; it says where the
+    password comes from)."""
+    at = rest.rfind("@")
+    if at <= 0:
+        return None
+    userinfo = rest[:at]
+    colon = userinfo.find(":", userinfo.find("}") + 1 if userinfo.startswith("${") else 0)
+    if colon < 0 or userinfo.startswith("${", colon + 1):
+        return None
+    return colon + 1, at
+
+
+def mask_url(url: str) -> str:
+    """`url` with its password masked as `***`, wherever a driver would take one: the userinfo
+    (percent-encoded or not, holding `/` or `@` or not) and a `password=` in the query."""
+    head, sep, rest = url.partition("://")
+    span = _password_span(rest)
+    if span is not None:
+        rest = rest[:span[0]] + "***" + rest[span[1]:]
+    return head + sep + _QUERY_PASSWORD.sub(r"\1***", rest)
 
 
 def redact(text: str) -> str:
     """`text` (a URL, a message, a command line, a file's content) with the password of every URL
-    in it masked as `***`: for messages, logs, MLflow params and every file written."""
-    return _PASSWORD.sub(r"\1***\3", text)
+    in it masked as `***`: for messages, logs, MLflow params and every file written. The one
+    place passwords are masked."""
+    return _URL.sub(lambda m: mask_url(m.group(0)), text)
+
+
+def misread_password(uri: str) -> Optional[str]:
+    """Why the driver of `uri` would read a password other than the one written in it (a `@` or
+    `/` left unescaped: SQLAlchemy's make_url, as every RDB store parses it, ends the password at
+    its first `@`; urllib, as the MLflow client parses http URLs, ends the host at the first `/`);
+    None when it reads it as written. The answer names the characters, never the password."""
+    from urllib.parse import unquote, urlsplit
+
+    span = _password_span(uri.partition("://")[2])
+    if span is None or uri.startswith((SQLITE, JOURNAL)):
+        return None
+    written = uri.partition("://")[2][span[0]:span[1]]
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        if uri.startswith(("http://", "https://")):
+            parts = urlsplit(uri)
+            if parts.password is None and parts.netloc.rpartition(":")[2].isdigit():
+                return None  # host:port/path@...: an `@` in the path, no password
+            read = parts.password
+        else:
+            read, written = make_url(uri).password, unquote(written)
+    except (ValueError, ArgumentError):  # no URL the driver takes at all: its own check says so
+        return None
+    if read == written:
+        return None
+    odd = [c for c in "@/?#" if c in written]
+    said = " and ".join(repr(c) for c in odd) or "a character"
+    encoded = f" ({', '.join(f'{c} as %{ord(c):02X}' for c in odd)})" if odd else ""
+    return (f"the password in {redact(uri)} holds {said}, where the driver ends the password; allowed: "
+            f"the password percent-encoded{encoded}, or given through the environment (docs/distributed.md, Passwords)")
 
 
 def redact_files(paths: Iterable[Path]) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol
 import psutil
 
 from .launch import Launch
-from .rundir import OWNER_ENV, Event, owner_tag, rank_of, ranks_dir
+from .rundir import CANNOT_WRITE, OWNER_ENV, Event, owner_tag, rank_of, ranks_dir
 
 
 
@@ -134,8 +134,50 @@ def _first_error(run_dir: Path, output: str = "") -> tuple[Optional[int], str]:
             said += f"\nthen rank {rank_of(errs[0])} lost its peer: {lost[-1][:300]}"
         return rank, said
     if not errs:
-        return None, ""
+        return _unwritten(output)
     return rank_of(errs[0]), first
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
+TRACEBACK_IN = "traceback in "  # how a job's one line points to the rank's file that holds its traceback
+
+
+def _library(path: str) -> bool:
+    """A frame of Python's own library, an installed package or the orchestrator: not the user's."""
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    here = str(Path(__file__).resolve().parent)
+    return (path.startswith((*roots, here)) or "site-packages" in path or "dist-packages" in path
+            or path.startswith("<"))
+
+
+def traceback_line(text: str) -> Optional[str]:
+    """A rank's traceback said in one line: `in <function> (<file>:<line>): <the error>`, the
+    function the deepest frame of the user's code (else the deepest frame); None when `text` holds
+    no traceback. Of chained exceptions, the last one raised."""
+    if "Traceback (most recent call last):" not in text:
+        return None
+    block = text.rsplit("Traceback (most recent call last):", 1)[1]
+    frames = [m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
+    said = [line for line in block.splitlines() if line.strip() and not line[:1].isspace()]
+    if not frames or not said:
+        return None
+    path, line, func = next((f for f in reversed(frames) if not _library(f[0])), frames[-1])
+    return f"in {func} ({path}:{line}): {said[-1].strip()[:300]}"
+
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\] ")
+
+
+def _unwritten(output: str) -> tuple[Optional[int], str]:
+    """A rank that could not write its error file (a full disk) printed its one line instead:
+    (its rank, that line), else (None, "")."""
+    for line in output.splitlines():
+        if CANNOT_WRITE in line:
+            m = RANK_PREFIX.match(line)
+            return (int(m.group(1)) if m else 0), line[m.end():] if m else line
+    return None, ""
 
 
 # A kept-alive pool's job is polled every 20 ms (its end is seen at once); what costs more than that
@@ -159,8 +201,33 @@ def over_memory(proc: subprocess.Popen, cap_mb: float) -> str:
         except psutil.NoSuchProcess:
             continue
         if rss > cap_mb:
-            return f"process {p.pid} used {rss:.0f} MB > trainer.memory_cap_mb={cap_mb:g}"
+            return f"{_whose(p)} used {rss:.0f} MB > trainer.memory_cap_mb={cap_mb:g}"
     return ""
+
+
+RANK_VARS = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def _whose(p: psutil.Process) -> str:
+    """A process of the job in words: `rank 1 (pid 123)`, `a loader worker of rank 1 (pid 124)`,
+    or `the launcher (pid 120)`, the rank read from its (or its parent rank's) environment (a
+    rank started alone, with none: rank 0)."""
+    seen: Optional[psutil.Process] = p
+    for depth in range(4):
+        if seen is None:
+            break
+        try:
+            env, alone = seen.environ(), "orchestrator.rank" in seen.cmdline()
+        except (psutil.Error, OSError):
+            break
+        rank = next((env[v] for v in RANK_VARS if v in env), "0" if alone else None)
+        if rank is not None:
+            return f"{'rank' if depth == 0 else 'a loader worker of rank'} {rank} (pid {p.pid})"
+        try:
+            seen = seen.parent()
+        except psutil.Error:
+            break
+    return f"the launcher (pid {p.pid})"
 
 
 _PR_SET_PDEATHSIG = 1

@@ -6,6 +6,7 @@ run left RUNNING.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -127,6 +128,10 @@ class Tracker:
                 raise ConfigError(f"tracking.uri: no MLflow server answers at {self.shown} ({reason})") from None
         from mlflow.tracking import MlflowClient
 
+        # MLflow's INFO lines as it creates or upgrades a database's tables ("Creating initial MLflow
+        # database tables...", "Updating database tables"): not the user's business, and on a store
+        # that then fails they came before the one line that says why
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         try:
             # The first use of a fresh SQLite file creates MLflow's tables: one process at a time.
             with store_lock(self.uri):
@@ -250,6 +255,16 @@ class Tracker:
         self.run_id = run_id
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         return run_id
+
+    def last_step(self, key: str) -> int:
+        """The last step of the metric `key` this run holds (-1: none, or no tracking): where a
+        resumed run's earlier attempt got to."""
+        if not self.run_id or self.client is None:
+            return -1
+        try:
+            return max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+        except Exception:  # tracking trouble: the points are logged again rather than lost
+            return -1
 
     def close_dead_runs(self, where: str, why: str, unowned: bool = False) -> List[str]:
         """End FAILED, with the tag `closed_note`, the RUNNING runs matching the MLflow filter `where`

@@ -21,13 +21,14 @@ def _rank() -> int:
 class FailingLinear(nn.Linear):
     """nn.Linear that raises on `fail_rank` at its `fail_at`-th forward (or hangs, with `hang`; or
     sends itself `signal`, e.g. 9: a rank killed with no traceback, as by the OOM killer; or, with
-    `oom`, raises torch.OutOfMemoryError as CUDA's allocator does)."""
+    `oom`, raises torch.OutOfMemoryError as CUDA's allocator does; or, with `nan`, returns NaN from
+    then on, as a diverged model does)."""
 
     def __init__(self, in_features: int = 1000, out_features: int = 10, fail_rank: int = 0, fail_at: int = 3,
-                 hang: bool = False, signal: int = 0, oom: bool = False) -> None:
+                 hang: bool = False, signal: int = 0, oom: bool = False, nan: bool = False) -> None:
         super().__init__(in_features, out_features)
         self.fail_rank, self.fail_at, self.hang, self.signal, self.calls = fail_rank, fail_at, hang, signal, 0
-        self.oom = oom
+        self.oom, self.nan = oom, nan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -36,6 +37,8 @@ class FailingLinear(nn.Linear):
                 time.sleep(3600)
             if self.signal:
                 os.kill(os.getpid(), signals.Signals(self.signal))
+            if self.nan:
+                return super().forward(x) * float("nan")
             if self.oom:
                 raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {self.fail_rank} at forward {self.calls})")
             raise RuntimeError(f"injected failure on rank {self.fail_rank} at forward {self.calls}")

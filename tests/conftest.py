@@ -121,6 +121,19 @@ def job_processes(run_dir: Path) -> list:
     return out
 
 
-def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 180, env: dict | None = None,
+            file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m orchestrator args`; `file_size_limit`: no file it (or its ranks) writes may grow
+    past that many bytes (RLIMIT_FSIZE, SIGXFSZ ignored: a write past it fails with EFBIG), a full
+    disk as a test can make one."""
     return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, **(env or {})},
+                          preexec_fn=None if file_size_limit is None else lambda: _limit_file_size(file_size_limit))
+
+
+def _limit_file_size(limit: int) -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

@@ -73,3 +73,9 @@ def slow_accuracy(output: torch.Tensor, batch: tuple, sleep_s: float = 0.02) -> 
 
     time.sleep(sleep_s)
     return (output.argmax(dim=-1) == batch[1]).float().mean()
+
+
+def needs_real_tensors(width: int = 8) -> nn.Module:
+    """A factory that reads a tensor's value as it builds: it cannot build on the meta device."""
+    scale = torch.ones(1).mul(width).item()
+    return nn.Linear(16, int(scale))

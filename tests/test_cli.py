@@ -68,7 +68,34 @@ BAD_INPUT = [
      "error: parallelism.hostfile: {run}/nowhere.txt does not exist; allowed: a file of 'host slots=N' lines"),
     (["hydra.run.dir={file}"], "error: hydra.run.dir: {file} is a file, not a directory; allowed:"),
     (["hydra.run.dir={ro}"], "error: hydra.run.dir: cannot write {ro}/"),
+    # a password in every URL form: masked on the line and in every file (SECRET below)
+    (["tracking.uri=http://user:S3c/retXY@127.0.0.1:9"],
+     "error: tracking.uri: the password in http://user:***@127.0.0.1:9 holds '/', where the driver ends the password; "
+     "allowed: the password percent-encoded (/ as %2F)"),
+    (["mode=tune", "tune.storage=postgresql+psycopg://u:S3cr@tXY@127.0.0.1:1/db"],
+     "error: tune.storage: the password in postgresql+psycopg://u:***@127.0.0.1:1/db holds '@'"),
+    (["mode=tune", "tune.storage=postgresql+psycopg://u@127.0.0.1:1/db?password=S3crQ"],
+     "error: tune.storage: malformed override 'tune.storage=postgresql+psycopg://u@127.0.0.1:1/db?password=***'"),
+    (["mode=tune", "tune.storage='postgresql+psycopg://u:S3cr%40tXY@127.0.0.1:1/db?password=S3crQ'"],
+     "error: tune.storage: cannot use postgresql+psycopg://u:***@127.0.0.1:1/db?password=*** (psycopg.OperationalError)"),
+    # the model's arguments, built on the meta device before launch
+    (["model.args.in_features=-5"], "error: model.args: tasks.models.Linear(in_features=-5, out_features=10) cannot be "
+                                    "built: RuntimeError: Trying to create tensor with negative dimension -5"),
+    (["model.args.in_features=abc"], "error: model.args: tasks.models.Linear(in_features='abc', out_features=10) cannot "
+                                     "be built: TypeError: "),
+    # odd overrides: no key, no value (refused before Hydra makes a run dir: NO_RUN_DIR)
+    (["=5"], "error: malformed override '=5': no key before '='; expected <key>=<value>"),
+    (["parallelism.master_addr="], "error: parallelism.master_addr: empty value in 'parallelism.master_addr='; "
+                                   "allowed: a value, null"),
+    (["parallelism.master_addr=''"], "error: parallelism.master_addr: empty; allowed: a host name or address"),
+    (["backend=ddp", "parallelism.nproc_per_node=4096"],
+     "error: parallelism.nproc_per_node: 4096 ranks on this machine's "),
+    (["mode=tune", "tune.space.accumulation_steps.low=nan"],
+     "error: tune.space.accumulation_steps.low: must be a finite number, got nan"),
+    (["trainer.resume={run}/nowhere"], "error: trainer.resume: '{run}/nowhere' is not a run directory"),
 ]
+NO_RUN_DIR = ("=5", "parallelism.master_addr=", "trainer.resume={run}/nowhere")
+SECRET = "S3c"  # in every password above
 
 
 @pytest.mark.parametrize("args, expected", BAD_INPUT, ids=[" ".join(a)[:60] for a, _ in BAD_INPUT])
@@ -77,13 +104,16 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, expected):
     (tmp_path / "a-file").write_text("")
     if any("{ro}" in a for a in args):
         where["ro"] = _read_only_dir(tmp_path)
-    args = [a.format(**where) for a in args]
+    raw, args = args, [a.format(**where) for a in args]
     run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")), where["run"])
     out = run_cli(args + [f"hydra.run.dir={run_dir}", "tracking.enabled=false"])
     assert out.returncode == 2, (args, out.stderr)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(expected.format(**where)), out.stderr
     assert not (Path(run_dir) / "ranks").exists()  # nothing launched
+    if set(NO_RUN_DIR) & set(raw):
+        assert not Path(run_dir).exists()  # refused before Hydra made it
+    assert SECRET not in out.stdout + out.stderr and leaks(tmp_path, SECRET) == []
 
 
 def test_cli_empty_dataset_is_one_clear_line(tmp_path):
@@ -97,12 +127,68 @@ def test_cli_empty_dataset_is_one_clear_line(tmp_path):
                                "returned a dataset of 0 items"), lines
 
 
-def test_cli_failed_job_shows_traceback(tmp_path, mlflow_uri):
-    out = run_cli(["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=2", "trainer.max_steps=5",
-                   f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}"])
-    assert out.returncode == 1
-    assert "Traceback" in out.stderr and "RuntimeError: injected failure on rank 0" in out.stderr
-    assert "error: job failed: rank 0 failed" in out.stderr
+@pytest.mark.parametrize("args, expected", [
+    (["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=2"],
+     r"error: job failed: rank 0 failed in forward \(\S+/tasks/faults.py:\d+\): RuntimeError: injected failure on rank 0 "
+     r"at forward 2 \(traceback in ranks/rank0.err\) \(run dir: \S+\)$"),
+    (["model.loss=model"], r"error: job failed: rank 0 failed: model.loss=model: the batch is a list of 2 item\(s\) and the "
+                           r"model is called as model\(\*batch\), but Linear.forward\(x\) does not take 2 argument\(s\); "),
+    (["data.batch_size=8192"], r"error: job failed: rank 0 failed: data.batch_size: 8192 is more than the dataset's 4096 "
+                               r"items give each of the 1 rank\(s\) with data.drop_last=True; allowed: at most 4096"),
+], ids=["user-code", "model-loss", "batch-over-dataset"])
+def test_cli_a_rank_failure_is_one_line_naming_the_rank(tmp_path, mlflow_uri, args, expected):
+    """What fails in the rank (the user's code, a batch the loss cannot take, a dataset smaller
+    than a batch) is one line naming the rank, the function and the error, printed once; a
+    traceback stays in the rank's file."""
+    import re
+
+    out = run_cli([*args, "trainer.max_steps=5", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}"])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 1 and re.match(expected, lines[0]), out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    if "traceback in" in lines[0]:
+        assert "RuntimeError: injected failure" in (tmp_path / "ranks" / "rank0.err").read_text()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["trainer.lr=1e30", "trainer.max_steps=30"],
+     r"error: rank 0 diverged at step \d+: the loss is \S+, over 1000 x the first logged loss \(\S+\); lower trainer.lr "
+     r"or turn off trainer.amp; no checkpoint was written before it \(run dir: \S+\)$"),
+    (["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=5", "+model.args.nan=true",
+      "trainer.checkpoint_every=2", "trainer.max_steps=30", "trainer.noise_scale=false"],  # one forward a step
+     r"error: rank 0 diverged at step 6: the loss is nan \(not finite\); lower trainer.lr or turn off trainer.amp; "
+     r"the last good checkpoint, step 2, is kept: \S+/checkpoints/step_00000002.pt \(run dir: \S+\)$"),
+], ids=["exploding", "nan"])
+def test_cli_a_diverged_run_ends_diverged_in_one_line(tmp_path, args, expected):
+    """A loss that explodes (lr=1e30) or turns NaN mid-run: result.json DIVERGED, exit 4, one line
+    naming the step, the loss and the last good checkpoint, which is kept."""
+    import re
+
+    out = run_cli([*args, "tracking.enabled=false", f"hydra.run.dir={tmp_path}"])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 4 and len(lines) == 1 and re.match(expected, lines[0]), out.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "DIVERGED"
+    kept = re.search(r"is kept: (\S+)", lines[0])
+    assert kept is None or Path(kept.group(1)).exists()
+
+
+@pytest.mark.parametrize("limit, args, code, expected", [
+    (100, [], 2, "error: hydra.run.dir: cannot write {run} (File too large; "),  # Hydra's first record
+    (30000, ["trainer.checkpoint_every=10"], 1,
+     "error: job failed: rank 0 failed: {run}/checkpoints/step_00000010.pt: cannot write (File too large; "),
+], ids=["at-start", "checkpoint"])
+def test_cli_a_full_disk_is_one_line_naming_the_file(tmp_path, limit, args, code, expected):
+    """A disk that fills (here: a file-size limit, EFBIG as ENOSPC) is one line naming the file and
+    the free space; no temporary file is left, and a run that started ends FAILED in result.json."""
+    run = tmp_path / "run"
+    out = run_cli(["trainer.max_steps=20", *args, "tracking.enabled=false", f"hydra.run.dir={run}"],
+                  file_size_limit=limit)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == code and len(lines) == 1 and lines[0].startswith(expected.format(run=run)), out.stderr
+    assert " free there)" in lines[0] and "Traceback" not in out.stdout + out.stderr
+    assert not list(tmp_path.rglob("*.tmp"))
+    if code == 1:
+        assert json.loads((run / "result.json").read_text())["status"] == "FAILED"
 
 
 def leaks(root, secret: str) -> list:

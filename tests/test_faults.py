@@ -236,3 +236,31 @@ def test_a_killed_tuners_ranks_end_and_its_rerun_closes_what_it_left(tmp_path, m
     finally:
         stop(first)
         kill_all(tmp_path / "first")
+
+
+def test_a_new_start_in_a_used_run_dir_does_not_read_the_last_jobs_error(make_cfg, tmp_path):
+    """A job that failed left ranks/rank0.err; the next job started in that run dir (not a resume)
+    finishes, and the failed job's rank files are kept under attempts/1/."""
+    from orchestrator.app import JobFailed, run_job
+
+    with pytest.raises(JobFailed):
+        run_job(make_cfg("model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=2", "trainer.max_steps=5"),
+                tmp_path, echo=False)
+    result = run_job(make_cfg("trainer.max_steps=5"), tmp_path, echo=False)
+    assert result["status"] == "FINISHED", result.get("error")
+    assert "injected failure" in (tmp_path / "attempts" / "1" / "ranks" / "rank0.err").read_text()
+    assert not (tmp_path / "ranks" / "rank0.err").exists()
+
+
+def test_the_memory_cap_names_the_rank_that_passed_it(make_cfg, tmp_path):
+    from orchestrator.app import JobFailed, run_job
+
+    with pytest.raises(JobFailed) as info:
+        run_job(make_cfg("trainer.memory_cap_mb=60", "trainer.max_steps=200"), tmp_path, echo=False)
+    assert str(info.value).startswith("out of memory: rank 0 (pid "), info.value
+
+
+def test_a_fresh_tracking_store_prints_nothing_on_stderr(tmp_path):
+    """MLflow's INFO lines as it creates its tables are not the user's business."""
+    out = run_cli(["trainer.max_steps=3", f"tracking.uri=sqlite:///{tmp_path}/fresh.db", f"hydra.run.dir={tmp_path / 'r'}"])
+    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr

@@ -4,6 +4,7 @@ world-size check, the pool key, and the resume rules."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +176,63 @@ def test_store_error_says_unreachable_with_the_drivers_words():
     assert "unreachable" not in store_error(locked, "sqlite:///x.db")
 
 
+@pytest.mark.parametrize("text, shown", [
+    ("http://user:S3c/retXY@127.0.0.1:9", "http://user:***@127.0.0.1:9"),  # '/' in the password
+    ("postgresql+psycopg://u:S3cr@tXY@127.0.0.1:1/db", "postgresql+psycopg://u:***@127.0.0.1:1/db"),  # '@'
+    ("postgresql+psycopg://u:S3cr%40tXY@h/db", "postgresql+psycopg://u:***@h/db"),  # percent-encoded
+    ("postgresql+psycopg://u@h/db?sslmode=require&password=S3cr&x=1",
+     "postgresql+psycopg://u@h/db?sslmode=require&password=***&x=1"),  # in the query
+    ("- tune.storage=mysql\\://u\\:S3cr@h/db", "- tune.storage=mysql\\://u\\:***@h/db"),  # Hydra's escaped colons
+    ("uri: 'https://u:S3cr@h:5000' and sqlite:///a/b.db", "uri: 'https://u:***@h:5000' and sqlite:///a/b.db"),
+    ("mysql+pymysql://me:${oc.env:PW}@h/x", "mysql+pymysql://me:${oc.env:PW}@h/x"),  # no secret: kept
+    ("http://127.0.0.1:5000/path", "http://127.0.0.1:5000/path"),
+])
+def test_every_form_of_a_url_password_is_masked(text, shown):
+    from orchestrator.stores import redact
+
+    assert redact(text) == shown
+
+
+def test_a_password_the_driver_would_misread_is_refused_without_showing_it():
+    from orchestrator.schema import ConfigError, TrackingConfig, TuneConfig
+
+    with pytest.raises(ConfigError, match=r"^tracking.uri: the password in http://user:\*\*\*@127.0.0.1:9 holds '/', "
+                                          r"where the driver ends the password; allowed: the password percent-encoded "
+                                          r"\(/ as %2F\)"):
+        TrackingConfig(uri="http://user:S3c/retXY@127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"^tune.storage: the password in postgresql\+psycopg://u:\*\*\*@h:1/db holds "
+                                          r"'@', .* \(@ as %40\)"):
+        TuneConfig(storage="postgresql+psycopg://u:S3cr@tXY@h:1/db")
+    TuneConfig(storage="postgresql+psycopg://u:S3cr%40tXY@h:1/db")  # encoded: read as written
+    TuneConfig(storage="postgresql+psycopg://u:S3c/r@h:1/db")  # SQLAlchemy reads a '/' in the password
+    TrackingConfig(uri="http://127.0.0.1:5000/a@b")  # an '@' in the path, no password
+
+
+def test_a_write_that_fills_the_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    """torch.save into a file says a full disk as a RuntimeError raised while handling the OSError:
+    the write is still a RecordError naming the file, the cause and the free space."""
+    import errno
+
+    from orchestrator.rundir import RecordError, write_atomic
+    from orchestrator.supervise import _first_error
+
+    def torch_like(path):
+        path.write_bytes(b"partial")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    with pytest.raises(RecordError) as info:
+        write_atomic(tmp_path / "step_00000010.pt", torch_like)
+    assert re.fullmatch(rf"{tmp_path}/step_00000010.pt: cannot write \(No space left on device; [\d.]+ [KMGT]?B free "
+                        r"there\)", str(info.value)), info.value
+    assert list(tmp_path.iterdir()) == []
+    # a rank that could not write its error file either: the parent finds its line in the output
+    said = f"[rank1] {info.value}"
+    assert _first_error(tmp_path, f"noise\n{said}\nmore") == (1, str(info.value))
+
+
 def test_target_arguments_bind_to_the_signature():
     from orchestrator.schema import ConfigError, check_target
 
@@ -211,6 +269,20 @@ def test_a_model_config_is_checked_once_per_process(make_cfg):
     for _ in range(2):
         with pytest.raises(ConfigError, match="not a torch.nn.Module"):
             check_model(bad)
+
+
+def test_a_model_its_arguments_cannot_build_is_refused_before_launch(make_cfg):
+    """The meta build fails for the arguments (a negative size, a string for a number): one line
+    naming model.args; a factory that fails for the meta device itself is left to the ranks."""
+    from orchestrator.runtime.loop import check_model
+    from orchestrator.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.args: tests.custom_task.Net\(width=-5\) cannot be built: "
+                                          r"RuntimeError: Trying to create tensor with negative dimension -5"):
+        check_model(make_cfg("model=custom", "model._target_=tests.custom_task.Net", "+model.args.width=-5"))
+    with pytest.raises(ConfigError, match=r"^model.args: tests.custom_task.Net\(width='abc'\) cannot be built: TypeError"):
+        check_model(make_cfg("model=custom", "model._target_=tests.custom_task.Net", "+model.args.width=abc"))
+    check_model(make_cfg("model=custom", "model._target_=tests.custom_task.needs_real_tensors"))
 
 
 def test_checking_a_model_with_an_embedding_does_not_import_dynamo():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,6 +198,35 @@ def test_resume_rejects_bad_input(make_cfg, tmp_path):
         run_job(make_cfg(f"trainer.resume={tmp_path / 'two'}"), tmp_path / "c", echo=False)
 
 
+def test_a_resume_logs_no_loss_point_twice(make_cfg, tmp_path):
+    """The steps a resume redoes (after its checkpoint, up to where the failed attempt got) were
+    logged by that attempt: MLflow's loss history holds each step once."""
+    from orchestrator.app import JobFailed, run_job
+
+    args = ["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=9", "trainer.max_steps=12",
+            "trainer.checkpoint_every=5"]
+    with pytest.raises(JobFailed):
+        run_job(make_cfg(*args), tmp_path, echo=False)  # logs steps 1-8, checkpoints step 5, fails at 9
+    result = run_job(make_cfg(*args, f"trainer.resume={tmp_path}"), tmp_path, echo=False)  # steps 6-12: 7 forwards
+    history = MlflowClient(make_cfg().tracking.uri).get_metric_history(result["mlflow_run_id"], "loss")
+    steps = [m.step for m in history]
+    assert sorted(steps) == list(range(1, 13)), steps
+
+
+def test_a_checkpoint_without_its_json_sidecar_is_read_from_the_pt(make_cfg, tmp_path):
+    """The .pt holds the metadata too: a lost or damaged sidecar does not hide an intact checkpoint."""
+    from orchestrator.app import resume_point
+
+    checkpoint.save(tmp_path / "run", 5, {}, {"step": 5, "world_size": 1})
+    checkpoint.save(tmp_path / "run", 10, {}, {"step": 10, "world_size": 1})
+    (tmp_path / "run" / "checkpoints" / "step_00000010.json").unlink()
+    (tmp_path / "run" / "checkpoints" / "step_00000005.json").write_text("{trunc")
+    assert checkpoint.find_latest(tmp_path / "run").name == "step_00000010.pt"
+    run_dir, meta = resume_point(make_cfg(f"trainer.resume={tmp_path / 'run'}"))
+    assert run_dir == (tmp_path / "run").resolve() and meta["step"] == 10
+    assert checkpoint.good_before(tmp_path / "run", 10).name == "step_00000005.pt"
+
+
 @pytest.mark.slow
 def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     args = ["mode=tune", "tune.n_trials=4", "tune.study_name=interrupt-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
@@ -251,19 +281,24 @@ def test_resume_skips_an_unreadable_record(make_cfg, tmp_path, capsys):
     assert len(notes) == 1 and "unreadable" in notes[0] and str(run_dir.resolve() / "result.json") in notes[0]
 
 
-def test_non_finite_weights_are_never_checkpointed(make_cfg, tmp_path):
-    """The weights diverge between logged steps (checkpoint_every < log_every): the run fails at
-    the first checkpoint that would hold NaN/inf, and the finite checkpoints before it are kept."""
-    from orchestrator.app import JobFailed, run_job
+def test_a_diverging_run_checkpoints_only_checked_weights(make_cfg, tmp_path):
+    """The weights diverge between logged steps (checkpoint_every < log_every): a checkpointed
+    step's loss is checked too, so the run ends DIVERGED before a checkpoint of exploded weights,
+    and names the last good one, which is kept."""
+    from orchestrator.app import JobDiverged, run_job
 
-    cfg = make_cfg("experiment=linear_regression", "trainer.lr=1e6", "trainer.log_every=100",
-                   "trainer.checkpoint_every=1", "trainer.max_steps=12")
-    with pytest.raises(JobFailed) as info:
+    cfg = make_cfg("experiment=linear_regression", "trainer.lr=10", "trainer.log_every=100",
+                   "trainer.checkpoint_every=1", "trainer.max_steps=30")
+    with pytest.raises(JobDiverged) as info:
         run_job(cfg, tmp_path, echo=False)
-    assert "weights are not finite" in info.value.result["error"]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "DIVERGED" and result["error"] == str(info.value)
+    assert re.match(r"^rank 0 diverged at step (\d+): the loss is \S+, over 1000 x the first logged loss .*; "
+                    r"the last good checkpoint, step \d+, is kept: \S+step_\d+\.pt$", str(info.value)), info.value
     kept = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
     assert kept and all(torch.isfinite(v).all() for p in kept for v in checkpoint.load(p)["model"].values())
-    assert checkpoint.find_latest(tmp_path) == kept[-1]
+    good = re.search(r"kept: (\S+)", str(info.value)).group(1)
+    assert Path(good).exists() and Path(good) in kept
 
 
 def test_checkpoint_signal_stops_at_a_checkpoint(make_cfg, tmp_path, monkeypatch):

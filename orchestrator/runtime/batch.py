@@ -141,6 +141,8 @@ class Feed:
         if isinstance(batch, Mapping):
             self._check_forward(batch, model)
             self.masked = isinstance(batch.get(MASK_KEY), torch.Tensor)
+        elif self.criterion is None and self.custom is None and isinstance(batch, (tuple, list)):
+            self._check_positional(batch, model)
         if self.tokens_needed and not self.masked:
             raise ConfigError(no_tokens(batch))
         self.size(batch)
@@ -167,6 +169,22 @@ class Feed:
         if unknown:
             raise ConfigError(f"data: the batch is {describe(batch)}; the model is called as model(**batch) and "
                               f"{type(inner).__name__}.forward({', '.join(params)}) takes no {', '.join(unknown)}")
+
+    def _check_positional(self, batch: Any, model: nn.Module) -> None:
+        """model.loss=model with a tuple batch: model(*batch) must take its items."""
+        inner = getattr(model, "module", model)  # DataParallel / DDP
+        try:
+            signature = inspect.signature(inner.forward)
+        except (TypeError, ValueError):
+            return
+        try:
+            signature.bind(*batch)
+        except TypeError:
+            raise ConfigError(f"{self.loss_name}: the batch is {describe(batch)} and the model is called as "
+                              f"model(*batch), but {type(inner).__name__}.forward({', '.join(signature.parameters)}) "
+                              f"does not take {len(batch)} argument(s); for (input, target) batches set "
+                              f"model.loss=cross_entropy or mse, or a {{_target_: ...}} callable (output, batch) -> loss"
+                              ) from None
 
     def size(self, batch: Any) -> int:
         """Samples in the batch: the leading dimension of data.batch_key, or of its first tensor."""

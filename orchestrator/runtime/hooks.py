@@ -33,6 +33,7 @@ from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer
 from .data import item_bytes
 from .dist import Adapter, unwrap
+from .step import Diverged
 
 
 class Hook:
@@ -135,8 +136,7 @@ class CheckpointHook(Hook):
         # written, so a resume always finds the last finite checkpoint (rotation keeps the newest)
         adapter, step = run.adapter, run.step
         if not weights_finite(run.model, adapter):
-            raise FloatingPointError(f"the weights are not finite (NaN or inf) at step {step}: not checkpointed, the "
-                                     "last finite checkpoint is kept; lower trainer.lr or turn off trainer.amp")
+            raise Diverged(step, "the weights are not finite (NaN or inf), not checkpointed", run.logged_step)
         state = {"scaler": run.scaler.state_dict() if run.scaler is not None else None,
                  "rng": checkpoint.rng_state(), "loader_generator": run.epoch_generator}
         if not adapter.sharded_state:

@@ -83,9 +83,11 @@ class _SkipRandomFills(TorchFunctionMode):
 
 def check_model(cfg: Config) -> None:
     """Before launch: model._target_ must build an nn.Module. Built on the meta device (no memory);
-    a factory that cannot build there is left to the ranks. Raises ConfigError. Once per model
-    config and process: a study checks before each of its launches, and on the meta device a
-    layer's init still costs (the zoo's 10M-parameter embedding: 0.12 s a build, 25 builds a study)."""
+    a factory that fails there for its arguments (a negative size, a string for a number) is one
+    ConfigError line naming model.args; one that fails for the meta device itself (it says so:
+    "meta" in its error, or NotImplementedError) is left to the ranks. Once per model config and
+    process: a study checks before each of its launches, and on the meta device a layer's init
+    still costs (the zoo's 10M-parameter embedding: 0.12 s a build, 25 builds a study)."""
     key = json.dumps([cfg.model._target_, cfg.model.args], sort_keys=True, default=str)
     if key in _MODELS_CHECKED:
         return
@@ -94,8 +96,12 @@ def check_model(cfg: Config) -> None:
             build_model(cfg)
     except ConfigError:
         raise
-    except Exception:
-        pass
+    except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
+        said = (str(exc).strip().splitlines() or [""])[0]
+        if not isinstance(exc, NotImplementedError) and "meta" not in said.lower():
+            args = ", ".join(f"{k}={v!r}" for k, v in cfg.model.args.items())
+            raise ConfigError(f"model.args: {cfg.model._target_}({args}) cannot be built: {type(exc).__name__}: "
+                              f"{said[:300]}") from None
     _MODELS_CHECKED.add(key)
 
 
@@ -202,6 +208,7 @@ class Run:
     sum_train_loss: bool = False  # trainer.target_loss on the training loss: the Stepper sums every step's loss
     loss_sum: Any = 0.0  # ... into this (a tensor once summed), over loss_steps steps
     loss_steps: int = 0
+    logged_step: int = -1  # the last step whose loss was logged (and passed check_loss)
     hooks: List[Hook] = field(default_factory=list)
     noise: Optional[Any] = None  # runtime/noise.NoiseProbe: the gradient noise scale's collection
 
@@ -237,7 +244,8 @@ class Run:
         self.stop = partial is not None and self.on_window(partial)
 
     def log(self, loss: Any) -> None:
-        self.last_loss = check_loss(float(loss), self.step)
+        self.last_loss = check_loss(float(loss), self.step, self.first_loss, self.logged_step)
+        self.logged_step = self.step
         if math.isnan(self.first_loss):
             self.first_loss = self.last_loss
         self.events.write(LogEvent(type="log", step=self.step, epoch=self.epoch, loss=self.last_loss))
@@ -320,10 +328,11 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     ck = checkpoint.load(resume) if resume is not None else None
     cfg = loader_config(cfg, ck)  # a resumed autotuned run continues with its checkpoint's loader settings
     loader = build_loader(cfg, dataset, adapter)
-    if len(loader) == 0:
-        raise ValueError(
-            f"data: the dataset ({len(dataset)} items) gives no batch of data.batch_size={cfg.data.batch_size} "  # type: ignore[arg-type]
-            f"per rank (world size {adapter.world_size}); lower the batch size or enlarge the dataset"
+    if len(loader) == 0:  # the dataset is the user's code, built here: one line from the rank
+        raise ConfigError(
+            f"data.batch_size: {cfg.data.batch_size} is more than the dataset's {len(dataset)} items give each of "  # type: ignore[arg-type]
+            f"the {adapter.world_size} rank(s) with data.drop_last={cfg.data.drop_last}; allowed: at most "
+            f"{len(dataset) // adapter.world_size}, or a larger dataset"  # type: ignore[arg-type]
         )
     model = (model or build_model(cfg)).to(device)
     if ck is not None and not adapter.sharded_state:  # before wrapping: DDP and Horovod then broadcast it

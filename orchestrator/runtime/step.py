@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER
+from ..rundir import DIVERGED_AT
 from .batch import Feed, to_device
 from .flops import StepCounter
 
@@ -27,6 +28,7 @@ class Stepper:
     def __init__(self, run: Any) -> None:
         t = run.cfg.trainer
         self.accum, self.clip, self.log_every = t.accumulation_steps, t.grad_clip, t.log_every
+        self.checkpoint_every = t.checkpoint_every  # checkpointed steps are logged: a checkpoint follows a checked loss
         self.feed = Feed(run.cfg)
         self.criterion = self.feed.criterion
         self.move = run.device.type != "cpu"
@@ -55,7 +57,8 @@ class Stepper:
         if counting:
             self.counter.__enter__()  # type: ignore[union-attr]
         micro = min(self.accum, run.n_batches - b)  # the epoch's last step takes the remainder
-        logged = (step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
+        logged = ((step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
+                  or (self.checkpoint_every > 0 and (step + 1) % self.checkpoint_every == 0))
         summed = logged or self.sum_losses
         samples = 0
         step_loss = 0.0
@@ -159,7 +162,26 @@ def weigh(balancer: Any, loss: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return loss if w == 1.0 else loss * w
 
 
-def check_loss(loss: float, step: int) -> float:
+# a loss over this x max(|the first logged loss|, 1) has exploded: far past any noise of training,
+# so a run that merely gets worse is never cut short
+EXPLODES_AT = 1e3
+
+
+class Diverged(FloatingPointError):
+    """The run diverged (its loss or its weights are not finite, or the loss exploded): training on
+    cannot recover, so it ends DIVERGED with one line. `last_good`: the last logged step whose loss
+    passed (-1: none); a checkpoint written before it is the last good one."""
+
+    def __init__(self, step: int, said: str, last_good: int) -> None:
+        super().__init__(f"{DIVERGED_AT} {step}: {said}; lower trainer.lr or turn off trainer.amp")
+        self.step, self.last_good = step, last_good
+
+
+def check_loss(loss: float, step: int, first: float = math.nan, last_good: int = -1) -> float:
+    """`loss`, unless it is not finite or over EXPLODES_AT x max(|first|, 1): Diverged."""
     if not math.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss} at step {step}; lower trainer.lr or turn off trainer.amp")
+        raise Diverged(step, f"the loss is {loss} (not finite)", last_good)
+    if math.isfinite(first) and loss > EXPLODES_AT * max(abs(first), 1.0):
+        raise Diverged(step, f"the loss is {loss:.4g}, over {EXPLODES_AT:g} x the first logged loss ({first:.4g})",
+                       last_good)
     return loss

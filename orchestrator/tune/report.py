@@ -37,6 +37,11 @@ CONFIRMED_COLUMNS = ("utilization", "throughput", "throughput_lo", "throughput_h
                      "runs", "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi")
 
 
+def state_word(trial: Any) -> str:
+    """A trial's state as reported: Optuna's word, or DIVERGED for a failed trial whose loss diverged."""
+    return "DIVERGED" if trial.user_attrs.get("diverged") else trial.state.name
+
+
 def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
     """Dotted `key: value` pairs as the nested mapping an override file holds."""
     from omegaconf import OmegaConf
@@ -70,7 +75,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
         vals = a.get("values", {})
         score = tr.values[0] if tr.values else ""
         row = conf.get(str(tr.number), {})
-        w.writerow([tr.number, tr.state.name, a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
+        w.writerow([tr.number, state_word(tr), a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
                     *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
                     score, a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""), a.get("error", "")])
     write_atomic(csv_path, rows.getvalue())
@@ -80,7 +85,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
                                "pareto_front": [], **notes}
     for tr in trials:
-        summary["states"][tr.state.name] = summary["states"].get(tr.state.name, 0) + 1
+        summary["states"][state_word(tr)] = summary["states"].get(state_word(tr), 0) + 1
     baseline = next((tr for tr in completed(study) if tr.user_attrs.get("baseline")), None)
     if baseline is not None:
         summary["baseline"] = {"number": baseline.number, "values": baseline.user_attrs["values"],
@@ -216,8 +221,10 @@ def interval_words(f: Dict[str, Any], name: str, unit: float = 1.0, fmt: str = "
 
 
 def _header_notes(notes: Dict[str, Any]) -> List[str]:
-    return (([notes["global_batch"]["note"]] if notes.get("global_batch") else []) + [e["note"] for e in notes["edges"]]
-            + time_to_target_lines(notes.get("time_to_target") or {}))
+    stopped = notes.get("stopped") or {}
+    unfinished = [f"the study was {stopped['why']}"] if "counted" in stopped else []  # a pick that is not final
+    return (unfinished + ([notes["global_batch"]["note"]] if notes.get("global_batch") else [])
+            + [e["note"] for e in notes["edges"]] + time_to_target_lines(notes.get("time_to_target") or {}))
 
 
 def _overhead(trials: List[Any]) -> Dict[str, float]:
@@ -363,7 +370,9 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
     for line in time_to_target_lines(summary.get("time_to_target") or {}):
         print(f"[tune] {line}")
     if summary.get("best"):
-        print(f"[tune] best: trial {summary['best']['number']}: {summary['rerun_overrides']}")
+        unfinished = (summary.get("stopped") or {}).get("counted")
+        best = "best" if unfinished is None else f"best so far (not final: {unfinished} of {t.n_trials} trials)"
+        print(f"[tune] {best}: trial {summary['best']['number']}: {summary['rerun_overrides']}")
         print(f"[tune] rerun it: {summary['rerun']}")
 
 

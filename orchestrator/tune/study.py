@@ -20,11 +20,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ..app import JobFailed, JobStopped, check_launch, run_job
+from ..app import JobDiverged, JobFailed, JobStopped, check_launch, run_job
 from ..measure.plan import steady_warmup_steps
 from ..measure.results import Estimate, JobResult
 from ..measure.stats import MIN_WINDOWS, estimate, with_run_noise
-from ..rundir import RecordError, Status, own_run_dir, owner_tag, read_json
+from ..rundir import RecordError, Status, own_run_dir, owner_tag, process_tag, read_json, said_disk_full
 from ..schema import Config, ConfigError, Objective, PrunerName, SamplerName
 from ..slurm import resolve as resolve_allocation
 from ..stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
@@ -54,6 +54,13 @@ METRICS = ("utilization", "throughput", "data_wait_frac", "comm_frac", "peak_mem
            "tokens_per_s", "padding_frac")
 # what shapes a batch (its keys: an attention_mask or not); the loader knobs do not
 BATCH_SHAPERS = ("data._target_", "data.args", "data.collate_fn", "data.batch_key")
+
+
+WAIT_FOR_TRIALS_S = 1.0  # how often a tuner about to confirm looks whether the other tuners' trials ended
+
+
+def _trials_words(numbers: List[int]) -> str:
+    return f"trial{'s' if len(numbers) != 1 else ''} {', '.join(map(str, numbers))}"
 
 
 class StudyFailed(RuntimeError):
@@ -310,6 +317,8 @@ class Tuner:
                 self.progress.stop()
             if self.pool is not None:
                 self.pool.release()  # its ranks end while the report is written
+            if status != Status.FINISHED:  # its pick is not final: said with it
+                self.stopped = self._unfinished(study, status)
             try:
                 summary = self._finish(study, parent, status)
             except RecordError as exc:  # a full disk: the study's MLflow run ends FAILED, the error is one line
@@ -326,6 +335,16 @@ class Tuner:
                 if self.pool is not None:
                     self.pool.close()
         return summary
+
+    def _unfinished(self, study: Any, status: str) -> Dict[str, Any]:
+        """A study that ended before its count and confirmation (interrupted, or stopped by a
+        failure): how many trials its pick stands on, and how to finish it."""
+        done, by = counted(study.get_trials(deepcopy=False)), "interrupted" if status == Status.KILLED else "failed"
+        left = (f"{done} of tune.n_trials={self.t.n_trials} trials counted" if done < self.t.n_trials
+                else "its confirmation not done")
+        return {"by": by, "counted": done, "n_trials": self.t.n_trials,
+                "why": f"{by} with {left}: the pick below stands on those alone; rerun the same command with "
+                       f"tune.study_name={self.name} to finish"}
 
     def _say_study(self) -> None:
         n = self.t.n_trials
@@ -464,8 +483,11 @@ class Tuner:
             self._pruned(trial, rec, pruned)
             study.tell(trial, state=TrialState.PRUNED)
         except JobFailed as exc:
+            self._stop_if_disk_full(exc, f"trial {trial.number}", study, trial)
             err = exc.result.get("error", str(exc))
-            rec.state, rec.mlflow_run_id = "FAIL", exc.result.get("mlflow_run_id")
+            rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.result.get("mlflow_run_id")
+            if isinstance(exc, JobDiverged):  # failed, so never the pick; said as such in trials.csv and summary.json
+                trial.set_user_attr("diverged", True)
             rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
             trial.set_user_attr("error", rec.error[:500])
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
@@ -597,6 +619,36 @@ class Tuner:
         trial.set_user_attr("prune_reason", rec.error)
 
     def _confirm(self, study: Any, parent: Optional[str]) -> None:
+        """The confirmation, by one tuner process of the study: under the study's confirm lock,
+        once no other tuner runs a trial (their trials are candidates too); a tuner that gets the
+        lock after another confirmed finds nothing due and reports the same pick."""
+        with study_lock(self.storage, f"{self.name}.confirm"):
+            self._wait_for_trials(study)
+            self._confirm_candidates(study, parent)
+
+    def _wait_for_trials(self, study: Any) -> None:
+        """Until no other tuner runs a trial of the study (a dead tuner's are reclaimed; this
+        process runs none now), or for at most tune.trial_timeout_s (a tuner on another host that
+        died cannot be seen to)."""
+        said, until, me = False, time.monotonic() + self.t.trial_timeout_s, process_tag()
+        while True:
+            with study_lock(self.storage, self.name):
+                self._reclaim_orphans(study)
+                running = [tr for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,))
+                           if tr.user_attrs.get("owner") != me]
+            if not running:
+                return
+            if time.monotonic() > until:
+                self._say(f"[tune] {_trials_words([tr.number for tr in running])} still running after "
+                          f"tune.trial_timeout_s={self.t.trial_timeout_s:g}: confirming without them")
+                return
+            if not said:
+                self._say(f"[tune] waiting for {_trials_words([tr.number for tr in running])} of another tuner "
+                          "before the confirmation")
+                said = True
+            time.sleep(WAIT_FOR_TRIALS_S)
+
+    def _confirm_candidates(self, study: Any, parent: Optional[str]) -> None:
         """Re-measure the best candidates (report.confirm_candidates) in CONFIRM_ROUNDS interleaved
         rounds with CONFIRM_LONGER x longer windows and minimum time, and store their combined
         figures in the study (`confirmed`): the pick is made from those, not from the single short
@@ -663,11 +715,25 @@ class Tuner:
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
                 run_name=f"confirm trial {tr.number}"), CONFIRM_ROUND: r})
         except JobFailed as exc:
+            self._stop_if_disk_full(exc, f"the confirmation of trial {tr.number}")
             failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
             runs.pop(tr.number, None)  # its earlier runs do not make it a contender again
             self._say(f"[tune] confirmation of trial {tr.number} failed: {why}; a config that fails when run again "
                       "is not the pick")
         self._show(lambda p: p.ended(best_words(study, self.t)))
+
+    def _stop_if_disk_full(self, exc: JobFailed, what: str, study: Any = None, trial: Any = None) -> None:
+        """A run that could not write for the host's disk (full, a quota, a size limit) says nothing
+        of its config: the study stops in one line (StudyFailed), the trial is not counted and a
+        candidate stays one (a rerun measures or confirms it again), and the outputs are written
+        as far as the disk allows."""
+        if not said_disk_full(str(exc)):
+            return
+        if trial is not None:
+            trial.set_user_attr("interrupted", True)  # not counted, and run again by the rerun
+            study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        raise StudyFailed(f"{what} could not write: {str(exc).splitlines()[0][:300]}; the disk is the host's, not the "
+                          f"config's: free some space and rerun with tune.study_name={self.name} to finish") from None
 
     def _launch(self, cfg: Config, run_dir: Path, **kwargs: Any) -> Dict[str, Any]:
         """run_job on the study's ranks and tracker (a trial or a confirmation run); its seconds,
