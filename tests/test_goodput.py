@@ -254,7 +254,7 @@ def test_goodput_ranks_and_prunes_by_what_a_sample_is_worth(make_cfg, tmp_path):
         trial = study.ask()
         trial.set_user_attr("global_batch", batch)
         f = record_trial(study, trial, {"throughput": thr, "throughput_lo": 0.9 * thr, "throughput_hi": 1.1 * thr,
-                                        "utilization": 0.5}, {"b_simple": 16.0}, 16, refresh=True)
+                                        "utilization": 0.5}, {"b_simple": 16.0}, 16)
         for k, v in {**f, "values": {BATCH_KEY: batch}}.items():
             trial.set_user_attr(k, v)
         study.tell(trial, f["goodput"])

@@ -231,29 +231,18 @@ def _line(number: int, fig: Dict[str, Any], user: Optional[Dict[str, Any]], m: i
 GOODPUT_ATTRS = ("efficiency", "goodput", "goodput_lo", "goodput_hi")
 
 
-def record_trial(study: Any, trial: Any, metrics: Dict[str, Any], noise: Any, m0: int,
-                 refresh: bool) -> Dict[str, Any]:
+def record_trial(study: Any, trial: Any, metrics: Dict[str, Any], noise: Any, m0: int) -> Dict[str, Any]:
     """A measured trial's noise scale (its run's `noise_scale`, when it measured one) pooled into
     the study's (user attribute `noise_scale`), and `metrics` with its goodput at that scale, also
-    set on the trial (GOODPUT_ATTRS). With `refresh` every completed trial's goodput follows a
-    pooled scale that moved: the goodput objective ranks, confirms and stops early by it."""
-    measured = measured_b(noise) is not None
-    if measured:
+    set on the trial (GOODPUT_ATTRS). Finished trials are not updated (Optuna refuses it): whatever
+    ranks them reads their goodput at the study's scale of the moment (`judged`)."""
+    if measured_b(noise) is not None:
         trial.set_user_attr("noise_scale", noise)
         done = [tr for tr in study.get_trials(deepcopy=False)
                 if tr.state.name == "COMPLETE" or tr.number == trial.number]
         study.set_user_attr("noise_scale", pooled_noise(done))
-    b = study_b(study)
-    out = with_goodput(metrics, trial.user_attrs.get("global_batch"), m0, b)
+    out = with_goodput(metrics, trial.user_attrs.get("global_batch"), m0, study_b(study))
     for k in GOODPUT_ATTRS:
         if k in out:
             trial.set_user_attr(k, out[k])
-    if refresh and measured:
-        for tr in study.get_trials(deepcopy=False):
-            if tr.state.name != "COMPLETE" or tr.number == trial.number:
-                continue
-            f = with_goodput(tr.user_attrs, tr.user_attrs.get("global_batch"), m0, b)
-            for k in GOODPUT_ATTRS:
-                if k in f and f[k] != tr.user_attrs.get(k):
-                    study._storage.set_trial_user_attr(tr._trial_id, k, f[k])
     return out

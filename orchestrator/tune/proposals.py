@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..jobmodel import BASE_NOISE, JobModel, Prediction, runs_of
 from ..schema import Config, Objective, SamplerName, TuneConfig
 from .edges import apply_extensions, edges_of, next_step, workers_cap
-from .goodput import efficiency, study_b
+from .goodput import efficiency, scale_of, study_b
 from .memory import first_over
 from .rules import best_trials, counted, improves, out_of_memory
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, PREFETCH_KEY, WORKERS_KEY, SearchSpace
@@ -237,8 +237,10 @@ class Proposals:
                 if per is None:
                     return False
                 done = [{**f, "throughput": f["tokens_per_s"] / per} for f in done if f.get("tokens_per_s") is not None]
-            if self.t.objective is Objective.goodput:  # the best goodput, against predicted goodput
-                done = [{**f, "throughput": f["goodput"]} for f in done if f.get("goodput") is not None]
+            if self.t.objective is Objective.goodput:  # the best goodput (at the study's noise scale now), against predicted goodput
+                m0, b = scale_of(study)
+                done = [{**f, "throughput": f["throughput"] * efficiency(f.get("global_batch") or m0, m0, b)}
+                        for f in done] if m0 else []
             pick = self._next(preds, done)
             if pick is None:
                 return False

@@ -805,7 +805,7 @@ class Tuner:
 
     def _goodput(self, study: Any, trial: Any, rec: TrialRecord, noise: Any) -> None:
         """The trial's noise scale pooled into the study's, its goodput on it and in `rec.metrics`."""
-        rec.metrics = record_trial(study, trial, rec.metrics, noise, global_batch(self.cfg), refresh=True)
+        rec.metrics = record_trial(study, trial, rec.metrics, noise, global_batch(self.cfg))
 
     def _judged(self, study: Any, conf: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         """Confirmed figures with their goodput at the study's noise scale."""
