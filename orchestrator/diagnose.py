@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .jobmodel import JobModel, Run
-from .schema import BackendName, Config
+from .measure.noise import efficiency
+from .schema import BackendName, Config, OptimizerName
 
 INPUT_BOUND = 0.30
 COMM_BOUND = 0.30
@@ -86,10 +87,22 @@ def _default_handoff(batch_bytes: int, batch_size: int) -> Dict[str, Any]:
     return handoff_s(batch_bytes, batch_size)
 
 
-def _global_note(cfg: Config, factor: int) -> str:
+def _global_note(cfg: Config, factor: int, job: Dict[str, Any]) -> str:
+    """What a larger global batch costs in samples to the same loss: at the run's measured gradient
+    noise scale B each sample is worth E = (B + M0) / (B + M) of one at the user's M0 (a move pays
+    only when it raises samples/s by more than 1/E), with the learning rate the linear rule gives."""
     g = cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size
-    return (f"the global batch grows from {g} to {g * factor} (different optimization math: scale trainer.lr, or "
-            "tune with tune.global_batch to hold it)")
+    grows = f"the global batch grows from {g} to {g * factor}"
+    b = (job.get("noise_scale") or {}).get("b_simple")
+    if b is None or not math.isfinite(b):
+        return (f"{grows} (different optimization math: scale trainer.lr, or keep the global batch with "
+                "trainer.accumulation_steps; the tuner holds it by default)")
+    e = efficiency(g * factor, g, b)
+    adam = cfg.trainer.optimizer is not OptimizerName.sgd
+    lr = cfg.trainer.lr * (math.sqrt(factor) if adam else factor)
+    return (f"{grows}: at this run's gradient noise scale ({b:.0f} samples) each sample is worth {e:.2f} of one now, "
+            f"so it trains sooner only if samples/s grow more than {1 / e:.2f}x, with trainer.lr scaled to "
+            f"{lr:.3g} ({'sqrt, for Adam' if adam else 'linear'})")
 
 
 def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
@@ -136,10 +149,10 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
                               f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per "
                               f"4x the samples divides it by 4 per sample, and unlike accumulation the larger batch also "
                               f"runs larger kernels and pays the per-step overheads once per 4x the samples (peak memory "
-                              f"is {_pct(mem_share)} of {dev}); {_global_note(cfg, 4)}"))
+                              f"is {_pct(mem_share)} of {dev}); {_global_note(cfg, 4, job)}"))
         moves.append(Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
                           f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
-                          f"samples divides it by 4 per sample, at the same memory; {_global_note(cfg, 4)}"))
+                          f"samples divides it by 4 per sample, at the same memory; {_global_note(cfg, 4, job)}"))
         if cfg.backend.name is BackendName.horovod and not cfg.backend.fp16_compression:
             moves.append(Move({"backend.fp16_compression": True}, "half the bytes on the wire, the same model math up to "
                                                                   "fp16 rounding of the gradients"))
@@ -155,7 +168,7 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
     if mem_share and mem_share < 0.5:
         moves.append(Move({"data.batch_size": d.batch_size * 2},
                           f"peak memory is {_pct(mem_share)} of {dev}, so twice the batch fits; larger batches run "
-                          f"more efficient kernels and pay per-step overheads half as often; {_global_note(cfg, 2)}"))
+                          f"more efficient kernels and pay per-step overheads half as often; {_global_note(cfg, 2, job)}"))
     return Diagnosis("compute-bound", f"compute + optimizer take {_pct(busy)} of the step; input {_pct(inp)}, "
                                       f"communication {_pct(comm)}", moves,
                      ["the device is the limit: a faster model (fused ops, torch.compile) or more ranks"])
@@ -195,7 +208,7 @@ def _fsdp_comm_moves(cfg: Config, comm: float, step: float) -> List[Move]:
                           f"1/{cfg.world_size}"))
     moves.append(Move({"data.batch_size": d.batch_size * 4},
                       f"fsdp all-gathers the whole model for every micro-batch whatever its size, so a 4x batch "
-                      f"pays it a quarter as often per sample (activations grow 4x); {_global_note(cfg, 4)}"))
+                      f"pays it a quarter as often per sample (activations grow 4x); {_global_note(cfg, 4, job)}"))
     return moves
 
 
@@ -236,13 +249,13 @@ def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, 
         bigger.why = (f"building a batch takes only {_ms(wait)} in the training process, less than the "
                       f"{_ms(cost['seconds'])} a worker hand-off costs here ({cost['source']}), so workers would make "
                       f"this job slower; the per-batch overhead dominates and a 4x batch amortizes it; "
-                      f"{_global_note(cfg, 4)}")
+                      f"{_global_note(cfg, 4, job)}")
         diag.moves.append(bigger)
         return
     if wait <= 1.5 * cost["seconds"]:  # the wait is the hand-off itself: more workers cannot lower it
         bigger.why = (f"the step waits {_ms(wait)} per batch, about what one worker hand-off costs here "
                       f"({_ms(cost['seconds'])}, {cost['source']}): more workers cannot lower it, a 4x batch pays it a "
-                      f"quarter as often per sample; {_global_note(cfg, 4)}")
+                      f"quarter as often per sample; {_global_note(cfg, 4, job)}")
         diag.moves.append(bigger)
         diag.notes.append(f"or try data.num_workers=0 if building a batch in process takes less than "
                           f"{_ms(cost['seconds'])}")
@@ -259,7 +272,7 @@ def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, 
             return
     if (d.prefetch_factor or 2) < 4:
         diag.moves.append(Move({"data.prefetch_factor": 4}, "a deeper queue per worker absorbs slow batches"))
-    bigger.why = f"per-batch overheads amortize; {_global_note(cfg, 4)}"
+    bigger.why = f"per-batch overheads amortize; {_global_note(cfg, 4, job)}"
     diag.moves.append(bigger)
 
 

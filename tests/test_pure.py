@@ -390,3 +390,19 @@ def test_a_process_start_for_file_times_reads_the_clock_of_now(monkeypatch):
     assert abs(process_start() - started) < 1.5 and process_start() <= time.time()  # btime: whole seconds
     monkeypatch.setattr(psutil.Process, "create_time", lambda self: started + 12.0)
     assert abs(process_start() - started) < 1.5
+
+
+def test_a_larger_global_batch_is_weighed_by_the_runs_noise_scale(make_cfg):
+    """The diagnosis' note on a move that grows the global batch: at the run's measured noise scale
+    B each sample is worth (B + M0) / (B + M) of one now (96 + 32) / (96 + 128) = 0.57, so samples/s
+    must grow 1.75x for it to train sooner; the rate by the linear rule (sqrt for AdamW)."""
+    from orchestrator.diagnose import _global_note
+
+    cfg = make_cfg("data.batch_size=32", "trainer.lr=0.01")
+    note = _global_note(cfg, 4, {"noise_scale": {"b_simple": 96.0}})
+    assert "grows from 32 to 128" in note and "worth 0.57 of one now" in note and "more than 1.75x" in note
+    assert note.endswith("trainer.lr scaled to 0.04 (linear)")
+    adam = _global_note(make_cfg("data.batch_size=32", "trainer.lr=0.01", "trainer.optimizer=adamw"), 4,
+                        {"noise_scale": {"b_simple": 96.0}})
+    assert adam.endswith("trainer.lr scaled to 0.02 (sqrt, for Adam)")
+    assert "the tuner holds it by default" in _global_note(cfg, 4, {"noise_scale": {"b_simple": None}})

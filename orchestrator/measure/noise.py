@@ -102,3 +102,15 @@ class NoiseEstimator:
         lo, hi = fieller([b[1] / b[2] for b in full], [b[0] / b[2] for b in full])
         out.lo, out.hi = (None if lo is None else max(lo, 0.0)), hi
         return out
+
+
+def efficiency(m: float, m0: float, b_noise: Optional[float]) -> float:
+    """E(M) = (B + M0) / (B + M): what a sample at global batch `m` is worth against one at `m0`
+    (B the gradient noise scale; Pollux's statistical efficiency). Without a noise scale, the worst
+    case: a larger batch buys nothing (B = 0: M0/M), a smaller one nothing either (B infinite: 1)."""
+    if m == m0:
+        return 1.0
+    if b_noise is None:
+        return min(1.0, m0 / m)
+    b = max(0.0, float(b_noise))
+    return (b + m0) / (b + m)

@@ -27,6 +27,7 @@ import math
 import statistics
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..measure.noise import efficiency
 from ..schema import Config, LrScaling, Objective, OptimizerName, TuneConfig
 
 LR_KEY = "trainer.lr"
@@ -47,18 +48,6 @@ def rule_of(cfg: Config) -> LrScaling:
     if rule is not LrScaling.auto:
         return rule
     return LrScaling.linear if cfg.trainer.optimizer in SGD_FAMILY else LrScaling.sqrt
-
-
-def efficiency(m: float, m0: float, b_noise: Optional[float]) -> float:
-    """E(M) = (B + M0) / (B + M): what a sample at global batch `m` is worth against one at `m0`.
-    Without a noise scale, the worst case: a larger batch buys nothing (B = 0: M0/M), a smaller
-    one nothing either (B infinite: 1)."""
-    if m == m0:
-        return 1.0
-    if b_noise is None:
-        return min(1.0, m0 / m)
-    b = max(0.0, float(b_noise))
-    return (b + m0) / (b + m)
 
 
 def scaled_lr(lr0: float, m0: float, m: float, rule: LrScaling, b_noise: Optional[float],
