@@ -27,7 +27,7 @@ STAMP=.venv/.orchestrator-deps
 WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import orchestrator, hydra, mlflow, optuna" >/dev/null 2>&1; then
   echo "setup: installing the project and its dependencies"
-  "$PY" -m pip install -q -e ".[test,postgres,slurm]"
+  "$PY" -m pip install -q -e ".[test,postgres,slurm,dashboard]"
   echo "$WANT" > "$STAMP"
 fi
 

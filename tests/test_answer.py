@@ -4,6 +4,8 @@ optuna-dashboard) see of a study is the product's pick, in the objective's units
 from __future__ import annotations
 
 import json
+import sys
+
 import optuna
 import pytest
 
@@ -83,6 +85,41 @@ def test_the_pick_is_recorded_where_optunas_best_is_another_trial(make_cfg):
     assert study.user_attrs["pick_trial"] == 1 and pick["config"] == {"data.batch_size": 64}
     assert "Optuna's best_trial, trial 0" in study.user_attrs["pick_note"]
     assert "within 0.95 of the fastest" in pick["rule"]
+
+
+def test_optuna_dashboards_notes_name_the_pick_and_why_its_best_trial_differs(make_cfg, monkeypatch):
+    """optuna-dashboard shows Optuna's best_trial (trial 0) as its "Best Trial": the study's note names
+    the pick (trial 1) in user units, its figures, the rule and why trial 0 is not it; trial 1's note
+    says it is the pick. A note the user wrote is kept; recording again replaces only the product's."""
+    from optuna_dashboard import get_note, save_note
+
+    t = make_cfg("mode=tune").tune
+    study = optuna.create_study(direction="maximize")
+    for values, util, thr in (({"data.batch_size": 32, "data.num_workers": 0}, 0.40, 100.0),
+                              ({"data.batch_size": 64, "data.num_workers": 2, "trainer.accumulation_steps": 2},
+                               0.30, 200.0)):
+        study.add_trial(optuna.trial.create_trial(
+            value=utilization_score(util, thr, 100.0, t.throughput_floor),
+            user_attrs={"values": values, "utilization": util, "throughput": thr, "lr": 0.01}))
+    save_note(study, "my own words")
+    for _ in range(2):
+        record_pick(study, best_trials(study, t), t)
+    note = get_note(study)
+    assert note.startswith("### The product's pick: trial 1\n")
+    assert "batch size 64, 2 DataLoader workers, accumulation 2, learning rate 0.01" in note
+    assert "utilization 30.0%, samples/s 200.0" in note and "within 0.95 of the fastest" in note
+    assert "\"Best Trial\", trial 0, is not the pick" in note
+    assert note.count("### The product's pick") == 1 and note.endswith("---\n\nmy own words")
+    trial = optuna.Trial(study, study.trials[1]._trial_id)
+    assert get_note(trial).startswith("### This trial is the study's pick\n") and "batch size 64" in get_note(trial)
+    assert get_note(optuna.Trial(study, study.trials[0]._trial_id)) == ""
+
+    # without optuna-dashboard the pick is recorded all the same, and no note is written
+    monkeypatch.setitem(sys.modules, "optuna_dashboard", None)
+    bare = optuna.create_study(direction="maximize")
+    bare.add_trial(study.trials[1])
+    assert record_pick(bare, best_trials(bare, t), t)["trial"] == 0
+    assert not [k for k in bare._storage.get_study_system_attrs(bare._study_id) if k.startswith("dashboard:")]
 
 
 def test_the_utilization_score_is_in_utilizations_unit():

@@ -6,7 +6,9 @@ Optuna's `best_trial` is the highest value told during the study; a utilization 
 scored against the best throughput seen when it ended, and the pick is made afterwards from the
 confirmation runs (rules.best_trials), so the two may differ. The study attribute `pick` is the
 answer (its trial, its confirmed figures, its config); `pick_note` says so in a line wherever
-Optuna's best disagrees."""
+Optuna's best disagrees. optuna-dashboard, where installed, shows the same in its notes: the study's
+note names the pick and why its "Best Trial" is another trial, the pick's trial note says it is the
+pick."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ import warnings
 from typing import Any, Dict, List
 
 from ..schema import Objective, TuneConfig
+from .goodput import LR_KEY as LR
 from .rules import confirmed, figures
+from .space import ACCUM_KEY as ACCUM
+from .space import BATCH_KEY as BATCH
+from .space import WORKERS_KEY as WORKERS
 
 # Optuna's metric names, one per objective value (the value's unit)
 METRIC_NAMES = {
@@ -85,7 +91,78 @@ def record_pick(study: Any, best: List[Any], t: TuneConfig) -> Dict[str, Any]:
     study.set_user_attr("pick", pick)
     study.set_user_attr("pick_trial", b.number)
     study.set_user_attr("pick_note", note)
+    dashboard_notes(study, b, pick, optuna_best)
     return pick
+
+
+# the lines the dashboard notes begin with: a note starting so is the product's, replaced when the
+# pick is recorded again; a note of the user's own is kept below it
+PICK_HEAD = "### The product's pick: trial"
+PICKED_HEAD = "### This trial is the study's pick"
+KEPT = "\n\n---\n\n"
+
+
+def dashboard_notes(study: Any, pick_trial: Any, pick: Dict[str, Any], optuna_best: Any) -> None:
+    """The pick in optuna-dashboard's notes (Markdown in the study's system attributes, shown on the
+    study's page and the trial's): optuna-dashboard's "Best Trial" is Optuna's best_trial, which may
+    be another trial. Nothing when optuna-dashboard is not installed."""
+    try:
+        import optuna_dashboard
+    except ImportError:
+        return
+    import optuna
+
+    text = pick_markdown(pick, optuna_best)
+    _save_keeping(optuna_dashboard, study, text)
+    # save_note takes a live Trial; a plain sampler's does nothing to the finished trial it opens
+    plain = optuna.Study(study.study_name, study._storage, sampler=optuna.samplers.RandomSampler())
+    trial = optuna.Trial(plain, pick_trial._trial_id)
+    _save_keeping(optuna_dashboard, trial, f"{PICKED_HEAD}\n\n" + text.split("\n", 2)[2])
+
+
+def _save_keeping(dashboard: Any, target: Any, text: str) -> None:
+    """Save the note, keeping below it what a user wrote in the note before (the product's own
+    earlier note is replaced)."""
+    old = dashboard.get_note(target)
+    if old.startswith((PICK_HEAD, PICKED_HEAD)):
+        old = old.split(KEPT, 1)[1] if KEPT in old else ""
+    dashboard.save_note(target, text + (KEPT + old if old.strip() else ""))
+
+
+def pick_markdown(pick: Dict[str, Any], optuna_best: Any) -> str:
+    """The pick in a few Markdown lines: its config in user units, its figures, the rule, and why
+    Optuna's best_trial is another trial where it is."""
+    config, f = pick["config"], pick["figures"]
+    knobs = [f"batch size {config[BATCH]}" if config.get(BATCH) is not None else "",
+             f"{config[WORKERS]} DataLoader workers" if config.get(WORKERS) is not None else "",
+             f"accumulation {config[ACCUM]}" if config.get(ACCUM) is not None else "",
+             f"learning rate {config.get(LR, f.get('lr')):.3g}" if config.get(LR, f.get("lr")) is not None else ""]
+    measured = "confirmed" if pick["confirmed"] else "its trial's, not re-measured"
+    lines = [f"{PICK_HEAD} {pick['trial']}", "",
+             f"- config: {', '.join(k for k in knobs if k)}",
+             f"- figures ({measured}): {figure_words(f)}",
+             f"- rule: {pick['rule']}"]
+    if optuna_best is not None and optuna_best != pick["trial"]:
+        lines.append(f"- the dashboard's \"Best Trial\", trial {optuna_best}, is not the pick: it is Optuna's "
+                     "best_trial, the highest value told while the study ran; the pick is judged afterwards, "
+                     "by the rule above")
+    lines.append("- rerun it from `tuned/best.yaml` in the study's output folder")
+    return "\n".join(lines)
+
+
+def figure_words(f: Dict[str, Any]) -> str:
+    """Utilization, samples/s and tokens/s in user units, each with its interval where measured."""
+    def one(key: str, label: str, unit: str = "", scale: float = 1.0, fmt: str = ".1f") -> str:
+        if not isinstance(f.get(key), (int, float)):
+            return ""
+        lo, hi = f.get(f"{key}_lo"), f.get(f"{key}_hi")
+        both = isinstance(lo, (int, float)) and isinstance(hi, (int, float))
+        span = f" ({scale * lo:{fmt}}-{scale * hi:{fmt}}{unit})" if both else ""
+        return f"{label} {scale * f[key]:{fmt}}{unit}{span}"
+
+    words = [one("utilization", "utilization", "%", 100), one("throughput", "samples/s"),
+             one("tokens_per_s", "real tokens/s", fmt=".0f")]
+    return ", ".join(w for w in words if w) or "none measured"
 
 
 def rule_words(t: TuneConfig) -> str:
