@@ -34,6 +34,9 @@ def test_the_optuna_study_tells_the_pick_in_user_units(make_cfg, tmp_path):
     assert f"trial {pick['number']}" in study.user_attrs["pick_note"]
     if study.best_trial.number != pick["number"]:
         assert "Optuna's best_trial" in study.user_attrs["pick_note"]
+    from optuna_dashboard import get_note  # optuna-dashboard's note says the same
+
+    assert get_note(study).startswith(f"### The product's pick: trial {pick['number']}\n")
     done = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE]
     assert done
     # MLflow says the same: the pick's row tagged, its confirmed figure under one name on its row and

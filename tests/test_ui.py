@@ -1,18 +1,25 @@
 """End to end in a browser: `scripts/ui.sh` serves the MLflow UI over a store holding a run and a
-study; headless Chromium sees the runs, the study's nested trials and an image artifact."""
+study; headless Chromium sees the runs, the study's nested trials and an image artifact. And
+optuna-dashboard's own server over a study's storage: the objective named, the pick in the notes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
+from typing import Iterator
 
 import pytest
 
 from orchestrator.app import run_job
 from orchestrator.tune.study import run_study
 
-from .conftest import ROOT
+from .conftest import ROOT, free_port
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -129,3 +136,68 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000
     shutil.copy(shot, tmp_path / "ui_artifact.png")
+
+
+@contextlib.contextmanager
+def optuna_dashboard(storage: str, log_path) -> Iterator[str]:
+    """optuna-dashboard's own server (its command, as docs/tuning.md gives it) on a free loopback
+    port over `storage`; yields its URL once it answers, and stops it afterwards."""
+    cli = os.path.join(os.path.dirname(sys.executable), "optuna-dashboard")
+    if not os.path.exists(cli):
+        pytest.fail("optuna-dashboard is missing: scripts/setup.sh installs the project's test and dashboard extras")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([cli, storage, "--port", str(port), "--host", "127.0.0.1"], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: proc.poll() is None and urllib.request.urlopen(url + "/api/meta", timeout=2).status == 200,
+                 timeout=60, what=f"optuna-dashboard on {url}")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_optuna_dashboard_shows_the_pick_and_the_named_objective(make_cfg, tmp_path, browser):
+    """A user opening the study in optuna-dashboard sees the objective by its name (not "Objective
+    0"), the product's pick in the study's note (the Note page, beside the study's page whose "Best
+    Trial" is Optuna's best_trial) and in the pick's own trial note."""
+    import optuna
+
+    from orchestrator.tune.answer import METRIC_NAMES
+
+    from .test_tune import SHORT
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    cfg = make_cfg(*SHORT, "tune.n_trials=2", f"tune.storage={storage}", "tune.space.num_workers.high=0",
+                   "tune.space.accumulation_steps.high=1")
+    summary = run_study(cfg, tmp_path / "study", echo=False)
+    pick = summary["best"]["number"]
+    study = optuna.load_study(study_name=summary["study_name"], storage=storage)
+    page = lambda: browser.find_element("tag name", "body").text  # noqa: E731
+    with optuna_dashboard(storage, tmp_path / "dashboard.log") as url:
+        browser.get(f"{url}/dashboard/studies/{study._study_id}")
+        name = METRIC_NAMES[cfg.tune.objective][0]
+        wait_for(lambda: name in page() and "Best Trial (number=" in page(), browser=browser,
+                 what=f"the objective's name {name!r} on the study's page")
+        assert "Objective 0" not in page()
+
+        browser.get(f"{url}/dashboard/studies/{study._study_id}/note")
+        wait_for(lambda: f"The product's pick: trial {pick}" in page(), browser=browser, what="the study's note")
+        assert f"batch size {summary['best']['values']['data.batch_size']}, 0 DataLoader workers" in page()
+        assert "within 0.95 of the fastest samples/s" in page()
+        differs = study.best_trial.number != pick
+        assert (f"\"Best Trial\", trial {study.best_trial.number}, is not the pick" in page()) == differs
+        shot = tmp_path / "optuna_dashboard_note.png"
+        browser.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+
+        browser.get(f"{url}/dashboard/studies/{study._study_id}/trials?numbers={pick}")
+        wait_for(lambda: f"Trial {pick} (trial_id=" in page() and "This trial is the study's pick" in page(),
+                 browser=browser, what="the pick's trial note")
