@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -145,7 +146,8 @@ def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tm
                                          f"tune.seed={seed}", f"tune.storage=sqlite:///{here}/optuna.db",
                                          *space_of(name), *POLICIES[policy]]),
                             here / "studies" / policy, echo=False)
-        picked = list(summary.get("rerun_overrides") or [])
+        picked = summary.get("rerun_overrides") or []
+        picked = shlex.split(picked) if isinstance(picked, str) else list(picked)
         run = [*base, *picked]
         gb = global_batch(compose_cfg(run))
         res = job([*run, *cap, f"trainer.eval_every={evals_every(budget, args.evals_per_epoch, gb, user_gb)}"],
