@@ -9,6 +9,7 @@ import sys
 import optuna
 import pytest
 
+from orchestrator.schema import Objective
 from orchestrator.tune.answer import METRIC_NAMES, record_pick
 from orchestrator.tune.rules import best_trials, utilization_score
 from orchestrator.tune.study import run_study
@@ -243,3 +244,18 @@ def test_lines_held_by_a_trial_that_raised_are_said_and_the_study_speaks_again(m
         tuner.run()
     out = capsys.readouterr().out
     assert "[tune] after trial 0: a proposal" in out and "[tune] MLflow:" in out  # nothing swallowed after it
+
+
+@pytest.mark.parametrize("objective", [o.value for o in Objective])
+def test_every_objective_has_its_rule_in_words(make_cfg, objective):
+    """The pick's rule is said for every objective (a goodput study's pick raised KeyError), and
+    says which figures judged it."""
+    from orchestrator.tune.answer import rule_words
+
+    words = rule_words(make_cfg(f"tune.objective={objective}").tune)
+    assert words and "\n" not in words
+    if objective != "both":
+        assert words.endswith("judged on the confirmed figures")
+        assert rule_words(make_cfg(f"tune.objective={objective}", "tune.confirm_top=0").tune).endswith(
+            "judged on each trial's own figures")
+

@@ -165,15 +165,21 @@ def figure_words(f: Dict[str, Any]) -> str:
     return ", ".join(w for w in words if w) or "none measured"
 
 
+RULES = {Objective.throughput: "the most samples/s", Objective.mfu: "the highest mfu",
+         Objective.tokens: "the most real tokens/s",
+         Objective.goodput: "the most goodput (samples/s x what a sample is worth at its global batch, at the "
+                            "study's gradient noise scale)"}
+
+
 def rule_words(t: TuneConfig) -> str:
     """The objective's rule in a line."""
+    judged = ", judged on the confirmed figures" if t.confirm_top else ", judged on each trial's own figures"
     if t.objective is Objective.utilization:
         return (f"the busiest config (highest utilization) among those within {t.throughput_floor:g} of the fastest "
-                "samples/s, judged on the confirmed figures")
+                f"samples/s{judged}")
     if t.objective is Objective.both:
         return "the Pareto front of utilization and samples/s; the pick is its highest utilization"
-    return {Objective.throughput: "the most samples/s", Objective.mfu: "the highest mfu",
-            Objective.tokens: "the most real tokens/s"}[t.objective] + ", judged on the confirmed figures"
+    return RULES[t.objective] + judged
 
 
 def _optuna_best(study: Any) -> Any:
