@@ -24,7 +24,7 @@ from orchestrator.merge import load_rank_results
 
 from .conftest import ROOT, free_port, job_processes
 
-# seed 000's model on a small dataset: 8 samples per rank per micro-step
+# the default job's linear model on a small dataset: 8 samples per rank per micro-step
 WORKLOAD = ["data.args.size=256", "data.batch_size=8", "trainer.lr=0.1", "trainer.momentum=0.9",
             "trainer.max_steps=6", "trainer.epochs=3"]
 
