@@ -157,8 +157,8 @@ class JobModel:
     def fitted(self) -> List[Run]:
         """The runs the training process's cost is fitted to: those with loader workers when there
         are any. Without workers the loop loads in between steps, and its compute comes back to
-        threads that went to sleep during the load and to cold caches (in one storage_1 study on a
-        loaded machine: 18x the same step's time with 8 workers); fitted together, that difference
+        threads that went to sleep during the load and to cold caches (on a loaded machine it can
+        take many times the same step's time with workers); fitted together, that difference
         passes for a per-step cost and every prediction follows it."""
         with_workers = [r for r in self.runs if r.workers > 0]
         return with_workers or self.runs
