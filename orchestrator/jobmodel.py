@@ -1,45 +1,27 @@
 """A measured model of the job's throughput over batch size, loader workers and accumulation.
 
-Every run measures, per item it delivers (runtime/meter.py, `input_cost`): the loader's CPU time
-(its workers', or with no workers the data phase's own), the data phase's wall time, and the
-training process's time outside the data wait (its compute, communication and optimizer). From one
-or more such runs this module fits, per rank:
+Every run measures, per item delivered (runtime/meter.py, `input_cost`), the loader's CPU time,
+the data phase's wall time and the training process's time outside the data wait. From one or
+more runs this module fits, per rank: load_cpu (a loader's CPU seconds per item), load_wait (its
+seconds per item without a CPU: storage, network), consume (the training process's seconds per
+item at batch b and accumulation a, beta + alpha / b + gamma / (a b) by non-negative least
+squares), consume_cpu (the CPU it burns meanwhile) and handoff (a batch's hand-off from a worker:
+costs.py's round trip, or the least data wait per batch a run with workers saw). It predicts a
+config's per-rank item rate as the slowest of these (Plumber, MLSys 2022; tf.data's AUTOTUNE):
 
-  load_cpu    CPU seconds a loader spends on an item (reads, decoding, transforms, collate)
-  load_wait   seconds a loader waits per item without using a CPU (storage, network, sleeps)
-  consume     the training process's seconds per item at batch b and accumulation a:
-              beta + alpha / b + gamma / (a b)  (per item, per micro-batch, per optimizer step:
-              all-reduce and optimizer), non-negative least squares over the runs
-  consume_cpu the CPU it burns meanwhile (threads x that, as measured)
-  handoff     what handing one batch from a worker to the training process costs (costs.py's
-              round trip, or the least data wait per batch a run with workers saw)
-
-and predicts the per-rank item rate of any config as the slowest of three rates (Plumber,
-MLSys 2022: the pipeline's rate is bounded by each stage's parallelism and by the host's CPU
-budget; tf.data's AUTOTUNE sizes parallelism the same way):
-
-  workers = 0   1 / (load_cpu + load_wait + consume0)           the loop does both in turn (consume0:
-                                                                  fitted to the runs without workers
-                                                                  when they outnumber its terms, else
-                                                                  k0 consume, k0 their compute's time
-                                                                  over the same with workers)
+  workers = 0   1 / (load_cpu + load_wait + consume0)           the loop does both in turn
   producers     w / (load_cpu + load_wait)                       w workers in parallel
   consumer      1 / (consume + handoff / b)
-  cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and the training
-                                                                  process share the rank's cores
+  cpu budget    cores / (load_cpu + consume_cpu + handoff / b)   workers and trainer share the cores
 
-A run whose workers and training process kept the cores full measured a training process that
-waited for cores its workers held: its consume is bounded by consume_cpu / threads, so that wait
-is counted once (in the cpu budget), not again as a slow consumer; and a run whose step waited
-under HANDOFF_MARGIN hand-offs per batch kept up with its workers and shows no loader wait.
-
-combined as a soft minimum (two rates close to each other lose a little to queueing), and anchored
-to the runs: each prediction is scaled by the measured / modelled rate of the nearest run, so a
-measured config is predicted as measured and its neighbours carry its correction. A loader
-that waits (storage) gets workers beyond the cores, as many as its wait asks for; one that computes
-gets what the cores leave to it. Each prediction has a relative uncertainty: the runs' own noise,
-the fit's residuals, and how far the config lies from what was measured (in doublings of batch,
-of workers, and whether the loader's wait, or a run without workers, was ever seen).
+(consume0: fitted to the runs without workers when they outnumber its terms, else consume scaled by
+their compute's time over the same with workers). A run that kept the cores full counts its wait
+for cores once, in the cpu budget; a step that waited under HANDOFF_MARGIN hand-offs per batch kept
+up with its workers. The rates combine as a soft minimum (close rates lose a little to queueing),
+anchored to the runs: each prediction is scaled by the measured / modelled rate of the nearest run.
+A loader that waits gets workers beyond the cores; one that computes gets what the cores leave.
+Each prediction has a relative uncertainty: the runs' noise, the fit's residuals, and how far the
+config lies from what was measured.
 """
 
 from __future__ import annotations
@@ -158,9 +140,9 @@ class JobModel:
     def _kept_up(self, r: Run) -> Run:
         """The run, without the loader wait `Run.of` inferred when the step waited no longer per batch
         than about a hand-off: that wait is the hand-off itself, which more workers do not shorten.
-        In the zoo's compute task, b8 w2 waited 17% of its step, 1.5 ms a batch, where a hand-off
-        costs 1.4 ms; read as workers running flat out it put 2 ms of loader wait on every item
-        (its loader CPU was 0.15 ms), and every larger batch was predicted below the floor."""
+        A hand-off costs about 1.4 ms on 2 cores; read as workers running flat out, such a wait
+        would put a loader wait per item many times the loader's CPU on every item, and every
+        larger batch would be predicted below the floor."""
         if r.workers > 0 and r.load_wait is not None and r.data_wait * r.batch < HANDOFF_MARGIN * self.handoff(r.batch):
             return replace(r, load_wait=None)
         return r
@@ -175,8 +157,8 @@ class JobModel:
     def fitted(self) -> List[Run]:
         """The runs the training process's cost is fitted to: those with loader workers when there
         are any. Without workers the loop loads in between steps, and its compute comes back to
-        threads that went to sleep during the load and to cold caches (in one storage_1 study on a
-        loaded machine: 18x the same step's time with 8 workers); fitted together, that difference
+        threads that went to sleep during the load and to cold caches (on a loaded machine it can
+        take many times the same step's time with workers); fitted together, that difference
         passes for a per-step cost and every prediction follows it."""
         with_workers = [r for r in self.runs if r.workers > 0]
         return with_workers or self.runs
@@ -198,11 +180,11 @@ class JobModel:
             return
         coef, residual, spare = self._fit(inproc)
         if len({(r.batch, r.accum) for r in inproc}) >= 2 and spare:
-            # the loop's own shape over batch and accumulation: the memory_cap zoo task's four
-            # runs without workers were predicted from one run with 2 workers times a factor, so
-            # every batch and accumulation without workers read alike. Only with more runs than
-            # terms: three terms through three runs that each read +-15% fit their noise exactly
-            # (a fresh process's first trial 30% low bent the fit to "smaller batches are slower")
+            # the loop's own shape over batch and accumulation: without it, runs without workers
+            # are predicted from a run with workers times a factor, so every batch and accumulation
+            # without workers reads alike. Only with more runs than terms: three terms through
+            # three runs that each read +-15% fit their noise exactly (a fresh process's first
+            # trial, up to 30% low, would bend the fit to "smaller batches are slower")
             self.inproc_coef, self.inproc_residual = coef, residual
             return
         factors = [r.consume / self.consume(r.batch, r.accum) for r in inproc if self.consume(r.batch, r.accum) > 0]
@@ -255,10 +237,9 @@ class JobModel:
         """The loader's wait per item: the least of what the runs with workers imply and what a run
         without workers measured directly. A run with workers whose step waited is read as its
         workers running flat out, and all of that wait goes to the loader; where the wait came from
-        elsewhere (8 workers on 2 cores: the zoo's storage_0p1 waited at b64 w8 with storage at
-        0.1 ms an item) that reads 1.4-2.7 ms an item, against the 0.16 ms its run without workers
-        measured, and every config with fewer workers was predicted 5x under its steady rate and
-        held back (b64 w2, the grid's second best, `predicted_below`). Too low a wait only has its
+        elsewhere (8 workers contending for 2 cores) that reads about ten times the wait a run
+        without workers measures, and every config with fewer workers would be predicted several
+        times under its steady rate and held back (`predicted_below`). Too low a wait only has its
         config measured, where the run corrects it; too high a one is never looked at again."""
         workers = self._loader("load_wait")
         seen = [r.load_wait for r in self.runs if r.workers == 0 and r.load_wait is not None]
@@ -305,8 +286,7 @@ class JobModel:
         of workers + 1, half for accumulation): a measured config is predicted as measured, and its
         neighbours carry the same correction. Unanchored, the stages' soft minimum can read a run
         below its own measurement (two close rates lose 16% to it), and then its neighbours fall
-        under the floor of the very run they resemble: the zoo's storage_0p1 held back b64 w8 a1,
-        its steady grid's best, as predicted below b64 w8 a2's floor in 2 of 3 studies."""
+        under the floor of the very run they resemble, and a grid's best could be held back."""
         if not self.anchors:
             return 1.0
 

@@ -253,10 +253,9 @@ def _warm_imports() -> None:
     """What the first job would import, imported before it starts (a pool's ranks do it while
     they wait for it: the tuner starts them before its first trial is ready): the training loop;
     torch._dynamo, which the first optimizer imports (about 2 s on 2 cores); and scipy.special,
-    which the first estimate imports (measure.stats.t95). That one came inside the measured span,
-    at the first measured window's stop check: 0.4 s of "other" in a 4 s trial, so the first
-    trial on fresh ranks (the user's config, a tuner's trial 0) read up to 24% idler than on its
-    later runs (the zoo's compute, comm_ddp and memory_cap, 2026-12-04)."""
+    which the first estimate imports (measure.stats.t95). Imported at the first measured window's
+    stop check, inside the measured span, it would add about 0.4 s of "other" to the first job on
+    fresh ranks (the user's config, a tuner's trial 0) and read it idler than its later runs."""
     import torch._dynamo  # noqa: F401
 
     from .measure.stats import t95
@@ -286,8 +285,8 @@ def survivable(exc: BaseException, world_size: int) -> bool:
 def _release_freed_memory(cuda_cache: bool = False) -> None:
     """Hand the heap's freed pages back to the OS (glibc's malloc_trim) between a pool's jobs: on
     CPU a job's peak memory is its process's resident size, and without this the next job starts
-    at the last one's high-water (the zoo's memory_cap: batch 128 read 648 MB after batch 256, 463 MB
-    on fresh ranks), and its peak, the memory-bound verdict and the memory cap read that.
+    at the last one's high-water (a batch-128 job after a batch-256 one reads about 40% more than on
+    fresh ranks), and its peak, the memory-bound verdict and the memory cap read that.
     `cuda_cache`: after a job that ran out of memory, CUDA's cached blocks (its fragments) too."""
     torch = sys.modules.get("torch")
     if cuda_cache and torch is not None and torch.cuda.is_initialized():

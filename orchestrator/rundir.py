@@ -351,9 +351,9 @@ def _ticks_since_boot(pid: Optional[int] = None) -> Optional[int]:
 def start_stamp(pid: Optional[int] = None) -> str:
     """Who the process is besides its pid (pids are reused): on Linux `b<ticks>`, its start in clock
     ticks since boot, which never changes; elsewhere its start since the epoch. psutil's epoch
-    start is the boot time plus those ticks, and the boot time moves when the clock is slewed: on
-    this project's VM it read 12 s later after 17 minutes, so a live owner's tag stopped matching
-    within 1 s and its ranks ended themselves (a zoo grid run, 2026-12-03)."""
+    start is the boot time plus those ticks, and the boot time moves when the clock is slewed (by
+    seconds within minutes on a VM), so a tag from it would stop matching a live owner and its
+    ranks would end themselves."""
     ticks = _ticks_since_boot(pid)
     return f"b{ticks}" if ticks is not None else f"{process_start(pid):.2f}"
 

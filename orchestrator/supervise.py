@@ -181,10 +181,10 @@ def _unwritten(output: str) -> tuple[Optional[int], str]:
 
 
 # A kept-alive pool's job is polled every 20 ms (its end is seen at once); what costs more than that
-# poll is done less often, since the supervisor's CPU is taken from the job it measures. On 2 cores a
-# pool's polling took 15-17% of a core with trainer.memory_cap_mb (psutil walks /proc for the job's
-# processes, about 5 ms a check) and 5% without; 4-5% now. The ranks' event files and tracebacks cost
-# a glob and a read each.
+# poll is done less often, since the supervisor's CPU is taken from the job it measures: a memory
+# check walks /proc for the job's processes (psutil, about 5 ms on 2 cores), and polled every 20 ms it
+# would take 15-17% of a core; at these intervals a pool's polling takes 4-5%. The ranks' event files
+# and tracebacks cost a glob and a read each.
 MEMORY_POLL_S = 0.25
 FILES_POLL_S = 0.1
 

@@ -28,8 +28,8 @@ class _TensorPairs(Dataset):
 
 def random_classification(size: int = 4096, features: int = 1000, classes: int = 10, teacher: bool = True,
                           seed: int = 0) -> Dataset:
-    """Seed 000's data (1000 features, 10 classes). With `teacher`, labels come from a fixed random
-    linear map so the task is learnable; without, labels are noise as in the seed."""
+    """The default job's data (1000 features, 10 classes). With `teacher`, labels come from a fixed random
+    linear map so the task is learnable; without, labels are noise."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(size, features, generator=g)
     if teacher:
@@ -41,7 +41,7 @@ def random_classification(size: int = 4096, features: int = 1000, classes: int =
 
 
 class DummyDataset(_TensorPairs):
-    """Seed 001's `DummyDataset`: 10 random features, 2 random classes (not learnable)."""
+    """`DummyDataset`: 10 random features, 2 random classes (not learnable)."""
 
     def __init__(self, size: int = 1000, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -50,8 +50,8 @@ class DummyDataset(_TensorPairs):
 
 def random_regression(size: int = 1024, features: int = 10, targets: int = 10, teacher: bool = True,
                       noise: float = 0.01, seed: int = 0) -> Dataset:
-    """Seed 002's regression (10 -> 10, MSE). With `teacher`, targets are a fixed linear map of the
-    inputs plus noise (learnable); without, targets are noise as in the seed."""
+    """A regression (10 -> 10, MSE). With `teacher`, targets are a fixed linear map of the
+    inputs plus noise (learnable); without, targets are noise."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(size, features, generator=g)
     if teacher:

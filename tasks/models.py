@@ -10,7 +10,7 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    """Seed 000 (1000 -> 10, cross-entropy) and seed 002 (10 -> 10, MSE)."""
+    """A linear layer: the default job's classifier (1000 -> 10, cross-entropy) and the regression (10 -> 10, MSE)."""
 
     def __init__(self, in_features: int = 1000, out_features: int = 10) -> None:
         super().__init__()
@@ -21,7 +21,7 @@ class Linear(nn.Module):
 
 
 class MLP(nn.Module):
-    """Seed 001's classifier over `DummyDataset` (10 features, 2 classes)."""
+    """A small MLP classifier over `DummyDataset` (10 features, 2 classes)."""
 
     def __init__(self, in_features: int = 10, hidden: int = 64, out_features: int = 2, layers: int = 2) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Users' own training code (issue 32): batches of any structure, a collate function, a model
+"""Users' own training code: batches of any structure, a collate function, a model
 that returns its loss, a loss of one's own; the shipped example (experiment=variable_length_lm)
 on every backend matches one process over the same global batches."""
 

@@ -24,7 +24,7 @@ from orchestrator.merge import load_rank_results
 
 from .conftest import ROOT, free_port, job_processes
 
-# seed 000's model on a small dataset: 8 samples per rank per micro-step
+# the default job's linear model on a small dataset: 8 samples per rank per micro-step
 WORKLOAD = ["data.args.size=256", "data.batch_size=8", "trainer.lr=0.1", "trainer.momentum=0.9",
             "trainer.max_steps=6", "trainer.epochs=3"]
 
@@ -228,7 +228,7 @@ def test_failing_rank_ends_the_job(make_cfg, tmp_path, backend):
 @pytest.mark.parametrize("backend", ["ddp", pytest.param("horovod", marks=pytest.mark.slow)])
 def test_rank_killed_by_a_signal_is_blamed_not_its_peer(make_cfg, tmp_path, monkeypatch, backend):
     """kill -9 of rank 1: rank 0's "connection reset by peer" follows it; the job names rank 1. And
-    torchrun leaves no torchelastic_* folder in the temp dir (it used to, at every launch)."""
+    torchrun leaves no torchelastic_* folder in the temp dir."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))  # the launcher's temp dir

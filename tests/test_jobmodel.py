@@ -155,8 +155,8 @@ def test_runs_without_workers_do_not_bend_the_fit_of_those_with_workers():
 def test_runs_without_workers_keep_their_own_shape():
     """Four in-process runs whose loop pays 3 ms an optimizer step (gamma) beside one run with
     workers: the in-process runs are fitted on their own, so accumulation 2 without workers is
-    predicted faster than 1 (one factor on the single run with workers made every batch and
-    accumulation without workers read alike: the zoo's memory_cap)."""
+    predicted faster than 1 (one factor on the single run with workers would make every batch and
+    accumulation without workers read alike)."""
     truth = lambda b, a: 2e-4 + 3e-3 / (a * b)  # noqa: E731  seconds per item without workers
     wait = 1e-5
     cost = {"data_wall_s": wait, "data_cpu_s": wait, "consume_cpu_s": 2e-4, "cores": 2, "threads": 2}
@@ -251,8 +251,8 @@ def test_a_training_process_that_waited_for_cores_is_not_a_slow_consumer():
     """The zoo's cpu_transform: b32 w0 a1 (591/s) and b64 w4 a2 (564/s), 2 ms of loader CPU per
     item on 2 cores. With 4 workers the training process's time outside the data wait was 1.45
     ms/item, 5x its time without workers: it waited for the cores its workers held. Taken as its
-    own cost, the consumer stage (623/s) and the cpu budget (571/s) both bound 2 workers, and their
-    soft minimum put b32 w2 a1 at 492/s (its steady figure: 616/s). The budget alone bounds it now;
+    own cost, the consumer stage (623/s) and the cpu budget (571/s) would both bound 2 workers, and
+    their soft minimum put b32 w2 a1 at 492/s (its steady figure: 616/s). The budget alone bounds it;
     without workers the loop's utilization is predicted from its own consume, as measured."""
     w0 = _run(32, 0, 591.1, 0.8425, {"busy_cpu_s": 0.000255, "consume_cpu_s": 0.000467, "cores": 2, "threads": 2,
                                       "data_cpu_s": 0.001424, "data_wall_s": 0.001426})
@@ -269,7 +269,7 @@ def test_a_wait_measured_without_workers_bounds_the_one_workers_imply():
     """The zoo's storage_0p1 (0.1 ms of storage an item, 2 cores), as one study measured it: b32
     without workers waited 0.16 ms an item for its data, loaded in process; b64 with 8 workers
     waited 10% of its step, which read as workers running flat out puts 1.4 ms of storage wait on
-    each item. With that wait, 2 workers at b64 were predicted at 1,100/s (steady: 7,600/s, the
+    each item. With that wait, 2 workers at b64 would be predicted at 1,100/s (steady: 7,600/s, the
     grid's second best) and held back as unable to keep up. The direct measurement bounds it."""
     cost = {"cores": 2, "threads": 2}
     inproc = _run(32, 0, 3208.0, 0.65, {**cost, "data_wall_s": 0.202e-3, "data_cpu_s": 0.038e-3,

@@ -289,8 +289,8 @@ def test_a_window_closed_before_windows_became_whole_epochs_is_partial():
     EPOCH_WINDOWS of them: windows become whole epochs. That first window held the epoch's tail
     (the workers' last batches ready, no restart): it is partial, as the rest of its epoch. A run
     that ends before a whole epoch was measured reads all of its measured steps, the next epoch's
-    restart included, not the tail alone (the zoo's cpu_transform references: a 0.09 s tail
-    window read 2,715 samples/s of a run at 367/s)."""
+    restart included, not the tail alone (a short tail window alone can read several times the
+    run's rate)."""
     m = StepMeter(torch.device("cpu"), window_steps=4, warmup_steps=1, epoch_steps=16)
     m.start()
     _steps(m, 5)  # the warmup's step, then a window of 4 steps (16 >= 4 windows of 4: not whole epochs)
@@ -344,9 +344,9 @@ def test_windows_that_became_whole_epochs_stay_so_until_the_next_warmup():
     """Meter alone, 16 steps an epoch, a queue of 2. A short step time makes windows whole epochs;
     the next epoch's window holds its restart, and its slow steps shorten the windows again (to 2
     steps: the epoch is 8 of them). Windows stay whole epochs, so the measured span holds whole
-    epochs at every window's end and a stop there ends the measurement. Flipping back, they
-    closed inside the epoch and the stop was put off from epoch to epoch: the zoo's storage_cpu
-    runs of b64 w8 a2 measured 23-41 s against a 2 s cap. A new warmup starts afresh."""
+    epochs at every window's end and a stop there ends the measurement. Flipping back, they would
+    close inside the epoch and put the stop off from epoch to epoch, far past the time cap. A new
+    warmup starts afresh."""
     m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, queue=2, epoch_steps=16)
     m.start()
     _steps(m, 3)  # the warmup ends at step 3, mid-epoch
@@ -476,8 +476,8 @@ def test_the_interval_uses_students_t_at_every_window_count():
 
 def test_a_memory_cap_is_the_memory_the_diagnosis_sizes_batches_by():
     """With trainer.memory_cap_mb on CPU, the memory a rank can use is the cap, not the host's RAM:
-    the zoo's memory_cap read "peak memory is 3% of the device, so twice the batch fits" under a
-    cap that the doubled batch then passed."""
+    against the host's RAM the diagnosis would read "peak memory is 3% of the device, so twice the
+    batch fits" under a cap that the doubled batch passes."""
     import psutil
 
     cap = 256.0
@@ -508,8 +508,8 @@ def test_round_drift_is_the_part_of_a_rounds_runs_that_they_share():
 
 def test_a_run_far_under_its_configs_other_runs_is_the_disturbed_one():
     """The host's other load only slows a run: a run under half the median of its config's other
-    runs is the disturbed one (of two, the slower), and the rest are kept, down to 0.61 of it (the
-    zoo's references' lowest)."""
+    runs is the disturbed one (of two, the slower), and the rest are kept, down to 0.61 of it (about
+    the lowest an undisturbed run reads on the benchmark tasks)."""
     from orchestrator.measure.stats import disturbed
 
     runs = {"b16": {0: 283.0, 1: 1451.0, 2: 1440.0, 3: 1402.0}, "b64": {0: 1425.0, 1: 1474.0, 2: 1460.0},

@@ -868,10 +868,10 @@ def test_confirmation_goes_on_while_the_pick_is_within_the_noise():
 
 
 def test_the_memory_ceiling_holds_the_batch_that_ran_out_whatever_its_workers(make_cfg, tmp_path):
-    """The zoo's memory_cap: batch 512 ran out of memory at 0 workers and accumulation 2; a later
-    diagnosis proposed batch 512 at 2 workers and accumulation 1, and it was launched and ran out
-    again. The same micro-batch does not fit with other workers; a memory-bound batch (it ran)
-    stays launchable, larger ones do not; another memory cap has its own ceiling."""
+    """The zoo's memory_cap: batch 512 runs out of memory at 0 workers and accumulation 2, and a
+    diagnosis that proposes batch 512 at 2 workers and accumulation 1 is held back: the same
+    micro-batch does not fit with other workers. A memory-bound batch (it ran) stays launchable,
+    larger ones do not; another memory cap has its own ceiling."""
     from orchestrator.tune.proposals import Proposals
 
     cfg = make_cfg("mode=tune", "tune.global_batch=free",
@@ -902,8 +902,8 @@ def test_the_memory_ceiling_holds_the_batch_that_ran_out_whatever_its_workers(ma
 
 def test_a_batch_the_measured_memory_puts_over_the_limit_is_not_launched(make_cfg, tmp_path):
     """The zoo's memory_cap (limit 850 MB): batch 128 read 495 MB on ranks that started at 310 MB,
-    so batch 512 needs about 1,044 MB; it ran out of memory in every study, each time a trial of the
-    budget. From one trial the activations are its peak over its memory before the first step; from
+    so batch 512 needs about 1,044 MB and is not launched (a launch would cost a trial of the
+    budget). From one trial the activations are its peak over its memory before the first step; from
     two batch sizes or more, a line through their peaks. A batch that ran is never held back."""
     from orchestrator.tune.memory import first_over, memory_record
     from orchestrator.tune.proposals import Proposals
@@ -943,8 +943,8 @@ def test_a_batch_the_measured_memory_puts_over_the_limit_is_not_launched(make_cf
 
 def test_intervals_carry_the_noise_of_whole_runs():
     """The zoo's comm_ddp: b64 w0 a4 and b64 w1 a4 read 2,067 and 3,052 samples/s in trials whose
-    window intervals did not overlap, so the second was picked with no confirmation (long runs:
-    2,656 and 2,410). Widened by tune.run_noise, the intervals overlap and both are confirmed; the
+    window intervals do not overlap, so unwidened the second would be picked with no confirmation
+    (long runs: 2,656 and 2,410). Widened by tune.run_noise, the intervals overlap and both are confirmed; the
     mean of several runs is widened less; a one-window figure gets an interval."""
     from orchestrator.measure.stats import with_run_noise
     from orchestrator.schema import TuneConfig
@@ -973,7 +973,7 @@ def test_intervals_carry_the_noise_of_whole_runs():
 
 def test_confirmation_runs_are_compared_within_their_rounds():
     """The candidates of a confirmation round run one after another on the machine as it was then:
-    the zoo's already_best read its three configs 17-31% under their means together in one round of four. Here
+    the zoo's already_best can read its three configs 17-31% under their means together in one round. Here
     the last two rounds ran 30% slower, and only the leader and the third candidate were measured in
     them (rounds past the planned ones measure only those still in contest): on its runs' median
     the leader (1,000/s) would read 850/s, under the runner-up's 950/s, measured only in the fast
@@ -1009,11 +1009,11 @@ def batch_study(rows, workers, util_half):
 
 
 def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monkeypatch):
-    """The zoo's storage_5 (2026-12-04): something else took CPU for the first 12 s of the
-    confirmation, and the three runs measured then read 283-456/s, busy 0.40-0.45 (the loop thread
-    spinning while its intra-op thread waited for a core), against 1,396-1,481/s and 0.04-0.11 in
-    the other rounds. Kept, they put the busier b16 configs' figures 20% under the b64 ones the
-    disturbance spared, and the pick was b64 w8 a1 (utilization 0.039 in steady state, b16 w8 a2's
+    """The zoo's storage_5 with something else taking CPU for the first 12 s of the confirmation:
+    the three runs measured then read 283-456/s, busy 0.40-0.45 (the loop thread spinning while its
+    intra-op thread waits for a core), against 1,396-1,481/s and 0.04-0.11 in the other rounds.
+    Kept, they would put the busier b16 configs' figures 20% under the b64 ones the disturbance
+    spared, and the pick would be b64 w8 a1 (utilization 0.039 in steady state, b16 w8 a2's
     0.109). Left out, every config keeps up and the busiest is the pick; the study says which runs."""
     from orchestrator.tune import report
     from orchestrator.tune import study as study_module
@@ -1049,8 +1049,8 @@ def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monk
 
 
 def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, monkeypatch):
-    """The zoo's memory_cap: b256 with 2 workers completed its trial just under the memory cap, then
-    ran out of memory in confirmation. It gets no more rounds, its figures are not confirmed, it is
+    """The zoo's memory_cap: b256 with 2 workers completes its trial just under the memory cap, then
+    runs out of memory in confirmation. It gets no more rounds, its figures are not confirmed, it is
     never the pick though its trial led, and the summary says why."""
     from orchestrator.app import JobFailed
     from orchestrator.tune import report

@@ -1,4 +1,4 @@
-"""tune.objective=tokens (issue 32, item 4): a study that maximizes real tokens/s, padding
+"""tune.objective=tokens: a study that maximizes real tokens/s, padding
 excluded, for dict batches with an attention_mask; every place the objective is named follows it.
 A batch without a mask refuses the trial at its first batch, and the study stops there."""
 

@@ -69,11 +69,8 @@ def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One `estimate` of a config from several runs of it (the confirmation's re-measurements),
     each run one observation, weighted alike: the runs' mean, from 3 runs their median; its
     standard error the larger of the runs' own (their windows') and the spread between the runs'
-    means. Weighting runs by their windows, as this did, gave most weight to a disturbed run: a
-    slow, noisy run measures until its time cap and so has the most windows. In one zoo study
-    (short_epochs), a confirmation run of b16 w2 a2 read 855/s over 2.4 s between runs of 1,535 to
-    1,731/s; window-weighted, the pair read 1,100/s in an interval the pooled windows made narrow,
-    and the steady-state best left the contest after two runs."""
+    means. Runs are not weighted by their windows: a slow, disturbed run measures until its time
+    cap and so has the most windows, and would pull the mean toward it in a narrow interval."""
     parts = [e for e in estimates if e.get("windows") and e.get("mean") is not None]
     windows, measured_s = sum(e["windows"] for e in parts), sum(e["measured_s"] for e in parts)
     if not parts:
@@ -95,11 +92,9 @@ def round_drift(runs: Dict[Any, Dict[int, float]], sweeps: int = 100) -> Dict[in
     runs, made one after another, share the host's state of the moment (its other load, its clock,
     the caches). Fitted as log(figure) = config + round (alternating means, rounds centred), from
     rounds with at least two configs; a round with fewer gets 1. Dividing each run by its round's
-    factor compares configs within rounds, as a blocked design does. Over the zoo's resettled
-    references (4 interleaved rounds of 2-13 configs, 2026-12-04) the rounds' common part was about
-    half of the runs' spread on already_best (log sd 0.218 across runs, 0.12 within rounds, allowing
-    for the fit) and comm_ddp (0.060, 0.031), and little on cpu_transform (0.116, 0.11), whose noise
-    is the runs' own."""
+    factor compares configs within rounds, as a blocked design does. On a shared 2-core host the
+    rounds' common part can be about half of the runs' spread; a task whose noise is its runs' own
+    gains little from it."""
     logs = {c: {r: math.log(v) for r, v in per.items() if v and v > 0} for c, per in runs.items()}
     logs = {c: per for c, per in logs.items() if per}
     rounds = sorted({r for per in logs.values() for r in per})
@@ -123,13 +118,12 @@ def disturbed(runs: Dict[Any, Dict[int, float]], below: float = 0.5) -> Set[Tupl
     """The (config, round) runs in `runs` (each config's figure per round, as in round_drift) that
     read under `below` x the median of the same config's other runs: runs that something else on the
     host slowed, to be left out of the config's figures and of the rounds' drift. The host's other
-    load only ever slows a run, so of two runs far apart the slower is the suspect. On the zoo's
-    storage_5 (2026-12-04) something else took CPU for about 12 s: the three confirmation runs
-    measured then read 283-456 samples/s (their loop threads spinning in waits for the descheduled
-    intra-op thread, utilization 0.40-0.45) against 1,396-1,481/s in the other rounds (0.04-0.11),
-    and the pick went to a config the disturbance had spared. Over the zoo's resettled references
-    (260 runs of 63 configs, 2-5 runs each, the round-wide slowdowns in them included) no run read
-    under 0.61 of the median of its config's other runs."""
+    load only ever slows a run, so of two runs far apart the slower is the suspect: while
+    something else takes the CPU, a run can read a third of its config's other runs (its loop
+    thread spinning in waits for a descheduled intra-op thread), and a pick among such runs goes to
+    the config the disturbance spared. Undisturbed runs of one config on the benchmark tasks read
+    no lower than about 0.6 of the median of its other runs, round-wide slowdowns included, so
+    `below` = 0.5 leaves out only disturbed ones."""
     out: Set[Tuple[Any, int]] = set()
     for config, per in runs.items():
         for r, value in per.items():
@@ -145,11 +139,11 @@ def with_run_noise(figs: Dict[str, Any], run_noise: float, runs: int = 1,
     95% interval widened by the noise of whole runs. A run's mean is off by about `run_noise`
     (relative standard deviation) beyond what the spread of its own windows shows: where its ranks
     and workers were placed, the caches, the machine's other load. The mean of `runs` runs is off
-    by that over sqrt(runs). On the zoo's 2-core machine a trial's figure and three long runs of the
-    same config (234 configs) differed by a log standard deviation of 0.125, where the trials'
-    own intervals implied about a third of it: two configs read 2,067 and 3,052 samples/s in
-    intervals that did not overlap, and 2,656 and 2,410 in long runs. A figure with one window (no
-    interval of its own) gets one from the run noise alone."""
+    by that over sqrt(runs). On a 2-core host a trial's figure and long runs of the same config
+    differ by a log standard deviation of about 0.12, about three times what the trials' own
+    intervals imply, so two configs can read in intervals that do not overlap and in the other
+    order in long runs. A figure with one window (no interval of its own) gets one from the run
+    noise alone."""
     if run_noise <= 0:
         return figs
     out = dict(figs)
@@ -179,13 +173,13 @@ class StopRule:
 
     The cap waits for a second window: one window has no spread, and a figure without an interval
     passes for exact. Windows last whole rounds of the loader's workers, and a large batch with many
-    workers has rounds longer than the cap (default space, cpu_transform, b512 w6 a1: one 7 s
-    window); with the cap at one window such a trial came out of a study as exact, and its lucky
-    window was picked over configs measured to +-10%.
+    workers has rounds longer than the cap (batch 512 with 6 workers of a CPU-heavy transform on 2
+    cores: one 7 s window); with the cap at one window such a trial would come out of a study as
+    exact, and its lucky window be picked over configs measured to +-10%.
 
     The t quantile matters for the few windows a short trial has: 4 windows that happen to agree
-    give a small standard deviation by chance (2 runs of one 2-rank config, 4 windows of 0.1 s each,
-    read 1,869 and 2,271 samples/s, both "+-5%"; its windows spread 1,367-2,706). Held to the
+    give a small standard deviation by chance (two runs of one config, 4 windows of 0.1 s each, can
+    read 20% apart, each "+-5%", from windows that spread 2x). Held to the
     interval, a noisy config is measured longer (about 12 windows at a 15% window spread) and a
     steady one still stops at 4. It is fed the job's figures of each window (results.job_window
     over the ranks' all-reduced figures, so every rank decides the same)."""

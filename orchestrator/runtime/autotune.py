@@ -1,9 +1,8 @@
 """Loader autotune (`trainer.loader_autotune`): the DataLoader's `num_workers` and `prefetch_factor`
 tuned while the run trains, as tf.data's AUTOTUNE does for its pipelines, by hill climbing.
 
-Every `trainer.loader_autotune_every` steps the loop hands the tuner its turn (`at_step`). It looks
-at the last MIN_WINDOWS measured windows at the current settings (steady state: the meter warms up
-again after every change, so the new loader's pre-filled queue is never measured):
+Every `trainer.loader_autotune_every` steps (`at_step`) it looks at the last MIN_WINDOWS windows at
+the current settings (the meter warms up again after each change: a new queue is never measured):
 
   input-bound     every one of those windows waits on input >= diagnose.INPUT_BOUND of its step:
                   the diagnosis (diagnose.py) says which step up is worth trying, weighing the
@@ -13,19 +12,16 @@ again after every change, so the new loader's pre-filled queue is never measured
   idle input      data wait <= NEAR_ZERO_WAIT with more than MANY_WORKERS workers: half the workers
                   (memory and CPU given back).
 
-A tried setting is measured for at least MIN_WINDOWS windows (its new loader's warmup excluded)
-against the baseline (the trailing windows at the current load before it) and kept when its
-throughput rose by more than the measured noise (a step up) or did not fall by more than it (a step
-down): the noise is the 95% interval of the difference of the two means (measure.stats.estimate
-over windows). An undecided trial goes on, up to TRIAL_WINDOWS windows. A refused setting is reverted
-and not tried again for COOLDOWN turns, twice as long after each refusal. A trial still open when
-the run ends is resolved by `finish` on the windows it has: kept only when they measured it better
-(the same rule, the noise judged as is), else reverted (`tuned/loader.yaml` keeps the settings
-before it; the loader is not rebuilt for a run that is over).
+A tried setting is measured for at least MIN_WINDOWS windows (its loader's warmup excluded) against
+the trailing windows before it, and kept when its throughput rose by more than the noise (a step
+up) or did not fall by more than it (a step down); the noise is the 95% interval of the difference
+of the two means. An undecided trial goes on, up to TRIAL_WINDOWS windows. A refused setting is
+reverted and not tried again for COOLDOWN turns, twice as long after each refusal. A trial open
+when the run ends is kept only if its windows measured it better (`finish`); else the settings
+before it are the ones `tuned/loader.yaml` keeps.
 
-Decisions are rank 0's, on the job's figures (each window's throughput is all-reduced by the loop,
-the shares here), and broadcast: every rank switches at the same step. Rank 0 records each
-decision as a LoaderEvent (rundir.py): MLflow's `loader/*` metrics, the console, the load report.
+Decisions are rank 0's, on the job's all-reduced figures, broadcast (every rank switches at the
+same step), recorded as LoaderEvents (rundir.py): MLflow's `loader/*`, the console, the report.
 """
 
 from __future__ import annotations

@@ -1,31 +1,28 @@
 """`parallelism.balance=speed`: each rank's share of the global batch set by its measured speed.
 
-With an even split every step waits for the slowest rank. Here the global micro-batch (data.batch_size
-x world size, what the config says) is split by the ranks' measured own work per sample, so they
-finish together, and the math stays that of the even split:
+With an even split every step waits for the slowest rank. Here the global micro-batch (batch_size x
+world size) is split by the ranks' measured work per sample, so they finish together, and the math
+stays that of the even split:
 
 - `ShareSampler` (a batch sampler) cuts each epoch's order into the same global micro-batches as the
   even split's `DistributedSampler` + `DataLoader` (same permutation of seed + epoch, same padding or
   truncation), and hands rank r the r-th contiguous piece of each, sized by the current shares. Every
-  sample is in exactly one rank's piece; the order is deterministic given the seed and the shares.
+  sample is in exactly one rank's piece, in an order set by the seed and the shares.
 - Each rank's loss is weighted by `weight()` = world x its share of that global micro-batch. The
   adapters average gradients over ranks (DDP's all-reduce, Horovod's Average, and any adapter that
   averages, such as FSDP's reduce-scatter), so the average of the weighted gradients is their sum
   weighted by share: the even split's update over the same samples, up to float order.
-- `Balancer` measures, per closed window (steady state: after warmup), each rank's own work (window
-  time minus its exposed communication wait, the same figure the load report's imbalance uses) and
-  its samples; one small all-reduce every few windows (MIN_WINDOWS; once the shares settled, i.e.
-  every rank's interval below lies within the tolerance, as many as keep it under EXCHANGE_BUDGET of
-  the time) carries them, so that every rank decides the same. Each window gives the shares its speeds call for; when, over the last windows at the
-  current shares, the 95% interval of some rank's called-for share / current share lies wholly
-  outside 1 +- `parallelism.balance_tolerance` (a drift larger than the tolerance *and* than the
-  window-to-window noise, +-15-30% on a busy CPU), the shares are set from the speeds pooled over
-  those windows. They take effect from
-  the next global micro-batch no rank has drawn yet (loader workers draw ahead), so every global
-  micro-batch is split one way on every rank.
+- `Balancer` measures, per closed window after warmup, each rank's own work (window time minus its
+  exposed communication wait, as the load report's imbalance) and samples; one small all-reduce
+  every MIN_WINDOWS windows (once the shares settled, every so many as keep it under EXCHANGE_BUDGET
+  of the time) carries them, so every rank decides the same. When the 95% interval of some rank's
+  called-for / current share over the last windows lies wholly outside 1 +-
+  `parallelism.balance_tolerance` (a drift beyond the tolerance *and* the window-to-window noise,
+  +-15-30% on a busy CPU), the shares are set from the pooled speeds, from the next global
+  micro-batch no rank has drawn yet (workers draw ahead): each is split one way on every rank.
 
-What an adapter must provide: `rank`, `world_size`, `all_reduce_sum`, and gradients averaged over
-ranks. DDP and Horovod do; an FSDP adapter gets balancing through the same hooks.
+An adapter provides `rank`, `world_size`, `all_reduce_sum` and gradients averaged over ranks (DDP
+and Horovod do; an FSDP adapter gets balancing through the same hooks).
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ _RANDOM_FILLS = frozenset({"normal_", "uniform_", "bernoulli_", "exponential_", 
 class _SkipRandomFills(TorchFunctionMode):
     """check_model's mode: a random fill of a meta tensor (a layer's init) returns the tensor as it
     is. On the meta device it computes nothing anyway, but `normal_` (nn.Embedding's init) runs
-    through torch._refs, whose first call imports torch._dynamo: 1.5-2.9 s of the orchestrator's
-    time, on 2 cores, before a study's first trial (the zoo's comm_ddp and compute tasks)."""
+    through torch._refs, whose first call imports torch._dynamo: 1.5-3 s of the orchestrator's
+    time, on 2 cores, before a study's first trial."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -87,7 +87,7 @@ def check_model(cfg: Config) -> None:
     ConfigError line naming model.args; one that fails for the meta device itself (it says so:
     "meta" in its error, or NotImplementedError) is left to the ranks. Once per model config and
     process: a study checks before each of its launches, and on the meta device a layer's init
-    still costs (the zoo's 10M-parameter embedding: 0.12 s a build, 25 builds a study)."""
+    still costs (a 10M-parameter embedding: about 0.12 s a build, and a study builds it per launch)."""
     key = json.dumps([cfg.model._target_, cfg.model.args], sort_keys=True, default=str)
     if key in _MODELS_CHECKED:
         return

@@ -1,54 +1,27 @@
 """Measured load of one rank: where each step's time goes, utilization, memory.
 
-The loop calls `mark(phase)` at the end of each phase. A mark is a `perf_counter()` on CPU and
-a recorded CUDA event on CUDA, so on a GPU the phases are read off the *device* timeline (a
-host that runs ahead of the device does not inflate the figures). Marks are resolved into
-durations only at the end of each window of `window_steps` steps (one synchronize per window),
-which keeps the per-step cost to a few list appends.
+The loop calls `mark(phase)` at the end of each phase: a `perf_counter()` on CPU, a recorded CUDA
+event on CUDA (phases are read off the device timeline, so a host that runs ahead of the device
+does not inflate them). Marks become durations only at the end of each window of `window_steps`
+steps (one synchronize per window), so a step costs a few list appends. The phases tile the step's
+wall time (their shares add up to 1): other (bookkeeping), data (waiting for the next batch), h2d,
+compute (forward + backward, exposed all-reduce wait excluded), comm (exposed communication:
+DDP's wait for the last gradient bucket, Horovod's synchronize) and optimizer (step, zero_grad).
 
-Phases of a step (they tile the step's wall time, so the shares add up to 1):
-  other      bookkeeping between steps (logging, progress)
-  data       waiting for the DataLoader's next batch
-  h2d        host-to-device copies
-  compute    forward + backward (exposed DDP all-reduce wait excluded)
-  comm       exposed communication: DDP's wait for the last gradient bucket, Horovod's synchronize
-  optimizer  optimizer step and zero_grad
+utilization: on CUDA the mean NVML `utilization.gpu` of the rank's device over the window (`nvml`);
+on CPU (`cpu-time`) the CPU time the loop's own thread got in its compute and optimizer phases over
+the window's wall time. Starving the step cannot raise it: a loader worker that takes a core
+stretches the busy phases' wall time, not the loop's CPU time. The input pipeline's cost is split
+into CPU (the workers' CPU time per item, psutil; without workers the data phase's) and waiting.
 
-utilization: on CUDA, the mean NVML `utilization.gpu` of this rank's device over the window
-(source `nvml`, sampled by a background thread). On CPU (source `cpu-time`): the CPU time the
-training loop's own thread got in its compute and optimizer phases over the window's wall time
-(intra-op threads run the same kernels beside it; their spin-waits, which come and go with the
-timing of tiny ops, are not counted). It cannot be raised by starving the step: a loader worker
-that takes a core from the training process stretches the busy phases' wall time, not the loop's
-CPU time (4 workers on 2 cores read 85% "busy" by wall time at the same samples/s as 0 workers
-at 33%). The wall-time busy share (compute + optimizer) / wall stays in the breakdown.
-
-The input pipeline's cost is split into CPU and waiting (the job model, orchestrator/jobmodel.py):
-the loader workers' CPU time over the measured span (psutil, live and reaped workers), and with no
-workers the CPU time of the data phase itself, each per item delivered.
-
-Warmup ends in steady state: after `warmup_steps` steps and once the DataLoader's pre-filled queue
-(`queue` micro-batches: num_workers x prefetch_factor, filled while the model was built) has been
-read since the iterator (re)started; `rewarm()` starts a new warmup (the profiler's teardown, a new
-loader). A new epoch does not: its iterator starts the workers again (new processes unless
-persistent_workers) and the steps wait while they refill the queue, so every epoch pays it and a
-long run's figure includes it (`epoch_end()`). Short epochs (fewer than EPOCH_WINDOWS windows) are
-measured in windows of whole epochs, each with its restart; longer ones in windows that fall where
-they fall, one in several holding a restart.
-With loader workers the epoch's two ends differ from its middle: its last queue-full of batches
-was made ahead, and the training process runs them with the cores to itself (windows there read
-4-7x the steady rate), then the restart waits for the new workers' first batches. A measurement
-that stops on its own (`StopRule`) therefore spans a whole number of epochs when they are short
-enough (`steps_to_whole_epochs`, `stop_at`). Read over 20 long runs of the zoo's cpu_transform with
-1-4 workers (2 cores, 16-128 steps an epoch), the first 2 s after the warmup, where a trial used to
-stop, gave 0.64-1.18 of the same run's whole rate; the first whole epoch gave 0.87-1.14.
-Windows last `window_steps` steps, more when `resize()` asks for a duration,
-and always a whole number of the loader's rounds (`round_steps`): its workers deliver batches in
-turn, each a batch per cycle, and often in bursts (workers fed together finish together); a window
-of whole rounds spans whole cycles, while a window that ends inside a burst counts batches that
-were ready at once (windows of 0.1 s read up to 40% high at batch 64 with 2-4 workers).
-The meter only records: a window's figures become an estimate (mean, standard error, interval)
-and a measurement stops (`StopRule`, tuning trials) by the arithmetic in orchestrator/measure.
+Warmup ends in steady state: after `warmup_steps` steps and once the loader's pre-filled queue
+(`queue` = num_workers x prefetch_factor micro-batches) has been read; `rewarm()` starts a new one.
+Every epoch pays its restart (new workers refilling the queue), and the figures include it. With
+workers an epoch's pre-made tail runs several times the steady rate and its restart waits, so
+epochs shorter than EPOCH_WINDOWS windows are measured in windows of whole epochs, and a
+measurement that stops on its own (`StopRule`) spans whole epochs (`steps_to_whole_epochs`).
+Windows span whole loader rounds (`round_steps`): workers deliver in bursts, and a window ending
+inside one counts batches ready at once. Estimates and stop rules are orchestrator/measure's.
 """
 
 from __future__ import annotations
@@ -409,8 +382,8 @@ class StepMeter:
         loader workers (no queue made ahead). With windows of whole epochs the estimate holds whole
         epochs once windows began with one (`_aligned`); when windows became whole epochs only now
         (a short step time lengthened them mid-epoch), the steps to that epoch's end, which closes
-        the epoch's windows as partial: a storage_cpu trial, b32 with 8 workers, stopped 24 steps
-        short of its 64-step epoch, on the window whose fast pre-made batches made that switch."""
+        the epoch's windows as partial; otherwise a stop rule met on the fast pre-made batches that
+        made that switch would end the measurement short of the epoch."""
         if not self.epoch_steps or not self.queue or self._warming:
             return 0
         if self.whole_epochs():
@@ -434,10 +407,9 @@ class StepMeter:
         stops mid-epoch would miss its share. Once they are whole epochs in a measured span they
         stay so until the next warmup, whatever the step time makes of the window length: a whole
         epoch's window holds the restart, whose slow steps shorten the next windows, and back in
-        windows of a few steps the epoch's pre-made tail lengthened them again. Flipping so, the
-        measured span never held whole epochs when the stop rule was met, and the measurement went
-        on: the zoo's storage_cpu confirmation runs of b64 w8 a2 (16 steps an epoch) measured 23-41 s
-        against a 2 s cap (trainer.max_measure_s), and its studies took 132-175 s."""
+        windows of a few steps the epoch's pre-made tail lengthens them again. Flipping so, the
+        measured span might never hold whole epochs when the stop rule is met, and the measurement
+        would run on far past its cap (trainer.max_measure_s)."""
         if not self.epoch_steps:
             return 0
         if self.epoch_steps >= EPOCH_WINDOWS * self._window_len and not self._whole:
@@ -452,9 +424,8 @@ class StepMeter:
         in the next window, as in a long run.
         Windows closed earlier in that stretch, before the step time made windows whole epochs
         (the first `resize`), are partial too: they hold the epoch's tail without its restart, the
-        workers idle and their last batches ready. Counted as full, a 0.09 s tail window was
-        the whole estimate of a reference run that ended mid-epoch: 2,715 samples/s, where the
-        run's 5.4 s measured read 367/s (the zoo's cpu_transform, b64 with 4 workers, 3 of 6 runs)."""
+        workers idle and their last batches ready. Counted as full, a short tail window alone can
+        be the estimate of a run that ends mid-epoch, at several times the run's whole rate."""
         per = self.whole_epochs()
         began, self._epoch_first = self._epoch_first, self._step
         if not per or self._warming:

@@ -35,7 +35,7 @@ class Stepper:
         self.autocast = ((lambda: torch.autocast(run.device.type, dtype=run.amp_dtype)) if run.amp
                          else contextlib.nullcontext)
         self.sum_losses = run.sum_train_loss  # trainer.target_loss on the training loss (runtime/evaluate.py)
-        self.plain = not run.amp and self.accum == 1  # no context to enter: the micro-step is the seed's own code
+        self.plain = not run.amp and self.accum == 1  # no context to enter: the micro-step is a hand-written loop's
         # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
         self.counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
         self.counted_step = run.step

@@ -4,7 +4,7 @@ figures predict reaches the user's target slower than the user's config.
 
 A trial that trains another global batch M than the user's M0 (batch x accumulation x world)
 takes a step of another size per sample. With the user's learning rate it needs more samples to
-the same loss (the zoo's communication-bound task: 31.7x the samples at 32x the batch), so a
+the same loss (on the communication-bound benchmark task, nearly 32x the samples at 32x the batch), so a
 config that moves more samples per second can reach the loss later. Two figures answer that:
 
 - the learning rate of `tune.lr_scaling` (linear: lr0 x M/M0; sqrt: lr0 x sqrt(M/M0); adascale:

@@ -16,11 +16,10 @@ trial with fixed = its start + its model state (the gradients and the optimizer'
 the first step; the parameters, counted twice, make it predict less memory, never more). A batch
 whose predicted peak is over the limit is not launched. The prediction errs low, toward launching:
 on CPU the peak is sampled twice a second and a short trial's true high-water falls between samples
-(the zoo's memory_cap: batch 256 read 612-695 MB in separate runs); on GPU the allocator's peak
-is exact but the device runs out before it reaches the device's memory (the CUDA context, the
-cache's fragments). The zoo's memory_cap task (limit 850 MB) read 495 MB at batch 128 on ranks that
-started at 310 MB, which predicts 1,044 MB at batch 512: it ran out of memory (859-1,040 MB) in
-every study, each time a trial of the budget and a restart of the ranks (about 7 s).
+(one batch's peak reads about 10% apart in separate runs); on GPU the allocator's peak is exact
+but the device runs out before it reaches the device's memory (the CUDA context, the cache's
+fragments). A batch predicted just under the limit can so run out of memory, at the cost of a
+trial of the budget and a restart of the ranks (seconds).
 """
 
 from __future__ import annotations

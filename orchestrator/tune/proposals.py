@@ -190,8 +190,8 @@ class Proposals:
         pred, point = top
         if self.t.objective is Objective.utilization:
             # configs as promising on throughput as the top (within the least noise of a prediction):
-            # the busiest first; the zoo's storage_5 spent its last trial on b16 w8 a2 (hi 2,388/s)
-            # over b16 w8 a1 (hi 2,378/s, predicted 1.4x busier), and picked the less busy one
+            # the busiest first: by the highest throughput bound alone a study's last trial can
+            # go to a config barely faster and much less busy than the one it would pick
             reach = (1 - BASE_NOISE) * top[0].hi * self._worker_cost(top[1])
             near = [x for x in preds if x[0].hi * self._worker_cost(x[1]) >= reach]
             pred, point = max(near, key=lambda x: (x[0].utilization or 0.0, x[0].hi))
@@ -289,8 +289,8 @@ class Proposals:
         predicts the best's config faster with step's workers (by more than EDGE_GAIN), else why
         not ({"capped": ...}). An input-bound verdict says the step waits for data, not that more
         workers bring it: workers that compute share the cores with the training process, and past
-        them they only take its time (the zoo's cpu_transform, default space: the edge went to 6
-        and 8 workers on 2 cores; each step slower)."""
+        them they only take its time (with a CPU-heavy transform on 2 cores, 6 and 8 workers make
+        each step slower)."""
         values = best.user_attrs["values"]
         model = self.job_model(study, values) if self.t.sampler is SamplerName.guided else None
         if model is None:

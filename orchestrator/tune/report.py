@@ -241,8 +241,8 @@ def _overhead(trials: List[Any]) -> Dict[str, float]:
 def import_plotting(n_trials: int) -> None:
     """Import what `_plots` will need (matplotlib; scikit-learn, behind Optuna's importances, from
     IMPORTANCE_MIN_TRIALS trials): the study calls this while its ranks start, when the first trial
-    waits for them anyway. Imported at the report they took 2.7 s of the study's wall time (4.0 s
-    of plots; the zoo's comm_ddp, 12 trials, 2 cores)."""
+    waits for them anyway. Imported at the report they would add a few seconds to the study's wall
+    time on 2 cores."""
     try:
         import matplotlib
 

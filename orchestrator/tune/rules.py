@@ -79,8 +79,8 @@ def confirmed(study: Any) -> Dict[str, Dict[str, Any]]:
 
 def failed_confirmation(study: Any) -> Dict[str, str]:
     """Trial number (str) -> why one of its confirmation runs failed (Tuner._confirm). Such a config
-    is not a pick: run again it failed (the zoo's memory_cap: b256 with 2 workers completed its trial
-    just under an 850 MB cap, then ran out of memory in 2 of its 4 confirmation runs)."""
+    is not a pick: run again it fails (a batch that completes its trial just under the memory cap
+    can run out of memory in a confirmation run)."""
     return study.user_attrs.get("confirm_failed") or {}
 
 
@@ -124,9 +124,9 @@ def ranked(study: Any, t: TuneConfig) -> List[Any]:
 def reference_only(study: Any, t: TuneConfig) -> Optional[int]:
     """The baseline trial's number when it is confirmed only as the reference the pick is compared with
     (not a candidate by its own figures): it becomes a contender only by beating the pick beyond
-    the noise. As one more arm of a contest of configs within each other's noise it won ties by
-    luck: on the zoo's short_epochs, whose top 7 configs train within 5% of each other, a lucky
-    run of the user's b32 w2 a1 set the floor and the busier configs fell under it."""
+    the noise. As one more arm of a contest of configs within each other's noise it would win
+    ties by luck, and a lucky run of the user's config would set the floor the busier configs fall
+    under."""
     base = baseline_trial(study, t)
     if base is None or base.number in {tr.number for tr in _candidates(study, t)}:
         return None
@@ -159,10 +159,9 @@ def expected_scores(figs: List[Dict[str, Any]], floor: float) -> List[float]:
     score their throughput / the fastest's. Each trial's score is its mean over the draws.
     A busy trial measured just inside the floor is often below it in a longer run, and on its
     point figures alone it would be picked over one that keeps up for certain; and a trial much
-    busier than the fastest that may keep up is worth its chance: on the zoo's storage_1, 32-sample
-    batches with 8 workers were 1.5x busier than 64-sample ones and kept up with them by 0.5% in
-    side-by-side references, where the confirmations, a few percent apart, read them under the
-    floor. The draws are seeded: the same figures always score alike. Figures without intervals
+    busier than the fastest that may keep up is worth its chance: a much busier config can keep up
+    within a fraction of a percent side by side while confirmations a few percent apart read it
+    under the floor. The draws are seeded: the same figures always score alike. Figures without intervals
     are taken as exact (the point rule)."""
     if not figs:
         return []
@@ -237,9 +236,9 @@ def confirm_candidates(study: Any, t: TuneConfig) -> List[Any]:
     whose intervals lie below the leader's on both throughput and utilization, and the fastest
     when the leader is within the floor of it for certain; and the user's config (the baseline
     trial), so that the pick is compared with it side by side (`versus_baseline`): a trial's
-    single short run is no fair comparison (the zoo's first trials, each in fresh processes, read
-    a median 0.81-0.89 of their steady figure on three tasks where later trials read 0.91-1.03). A
-    lone leader that is the baseline needs no confirmation."""
+    single short run is no fair comparison (a first trial in fresh processes reads about 0.8-0.9
+    of its steady figure, later trials about 0.9-1.0). A lone leader that is the baseline needs no
+    confirmation."""
     out = _candidates(study, t)
     base = baseline_trial(study, t)
     return out + [base] if out and base is not None and base.number not in {tr.number for tr in out} else out
@@ -311,9 +310,8 @@ def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str,
                            t: TuneConfig) -> List[Any]:
     """The busiest trial measured just below the floor of the fastest (`top`) whose throughput
     interval reaches it and whose utilization beats the leader's: one short measurement put it
-    under the floor, a longer one decides whether it keeps up (and then it wins). Last session's
-    zoo: a smaller batch that moves as many samples as the fastest measured just under the floor
-    in one short trial and was never re-measured."""
+    under the floor, a longer one decides whether it keeps up (and then it wins): a smaller batch
+    that moves as many samples as the fastest can measure just under the floor in one short trial."""
     near = [tr for tr in done if tr not in chosen and tr.user_attrs["throughput"] < t.throughput_floor * top
             and tr.user_attrs.get("throughput_hi", 0.0) >= t.throughput_floor * top
             and tr.user_attrs["utilization"] > leader["utilization"]]
