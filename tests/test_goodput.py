@@ -284,3 +284,18 @@ def test_resuming_a_study_with_another_global_batch_is_refused(make_cfg, tmp_pat
     assert str(info.value) == ("tune.global_batch: study 'one-batch' was made with the global batch 32, this call "
                                "gives free; resume it with its own tune.global_batch, or start another study (a new "
                                "tune.study_name)")
+
+
+def test_with_the_learning_rate_kept_a_sample_is_worth_the_worst_case():
+    """E(M) assumes the rate follows the batch: a study that keeps it (tune.lr_scaling=none) values a
+    sample at 4x the batch at 1/4, whatever noise scale it measured; with a rule, at (B + M0)/(B + M)."""
+    from types import SimpleNamespace
+
+    from orchestrator.tune.goodput import judged, scale_of
+
+    trial = SimpleNamespace(user_attrs={"global_batch": 64})
+    for rule, worth in (("none", 16 / 64), ("linear", (1000 + 16) / (1000 + 64))):
+        study = SimpleNamespace(user_attrs={"base_global_batch": 16, "lr_scaling": rule,
+                                            "noise_scale": {"b_simple": 1000.0}})
+        assert judged(trial, {"throughput": 100.0}, scale_of(study))["efficiency"] == pytest.approx(worth)
+

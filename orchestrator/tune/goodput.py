@@ -132,10 +132,14 @@ Scale = Tuple[Optional[int], Optional[float]]
 def scale_of(study: Any) -> Scale:
     """(M0, B): the user's global batch as the study recorded it (user attribute
     `base_global_batch`) and its pooled noise scale (user attribute `noise_scale`, see
-    pooled_noise), read once (on a database each read of the attributes is a query)."""
+    pooled_noise), read once (on a database each read of the attributes is a query). A study that
+    keeps the learning rate (user attribute `lr_scaling` "none") gives no B: E(M) assumes the rate
+    follows the batch, and with the rate kept a larger batch's step makes about the progress of a
+    smaller one's, so a sample is worth the worst case, M0/M."""
     attrs = study.user_attrs
     m0, pooled = attrs.get("base_global_batch"), attrs.get("noise_scale")
-    return (int(m0) if m0 else None), (pooled.get("b_simple") if isinstance(pooled, dict) else None)
+    b = pooled.get("b_simple") if isinstance(pooled, dict) and attrs.get("lr_scaling") != "none" else None
+    return (int(m0) if m0 else None), b
 
 
 def study_b(study: Any) -> Optional[float]:
@@ -210,7 +214,9 @@ def _line(number: int, fig: Dict[str, Any], user: Optional[Dict[str, Any]], m: i
            else f"{fig['throughput']:.1f} samples/s")
     lr = f"lr {out['lr']:.3g} ({out['rule_used']})" if out["lr"] is not None else "the lr the space set"
     e = out["efficiency"]
-    worth = f"worth {e:.2g} of yours" + ("" if b is not None else " at least (no noise scale measured: the worst case)")
+    worst = ("the learning rate kept" if out["rule_used"] == LrScaling.none.value else "no noise scale measured")
+    worth = f"worth {e:.2g} of yours" + ("" if b is not None and out["rule_used"] != LrScaling.none.value
+                                          else f" at least ({worst}: the worst case)")
     ratio = out["speedup"]
     end = ("not recommended" if ratio is not None and ratio <= 1 else
            f"{ratio:.2g}x faster to the same loss" if ratio is not None else "no figure of your config to compare")

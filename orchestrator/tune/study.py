@@ -38,7 +38,8 @@ from .rules import (baseline_trial, best_trials, confirm_candidates, confirmed, 
 from .space import ACCUM_KEY, BATCH_KEY, NEEDS_WORKERS, WORKERS_KEY, SearchSpace, apply, knob_words
 from .confirm import CONFIRM_ROUND, combined, left_out
 from .edges import apply_extensions, summary_of
-from .goodput import efficiency, global_batch, judged, lr_for, record_trial, scale_of, study_b, time_to_target
+from .goodput import (efficiency, global_batch, judged, lr_for, record_trial, rule_of, scale_of, study_b,
+                      time_to_target)
 from .memory import memory_record
 from .answer import knob_attrs, name_objectives, score_offset, tell_mlflow
 from .proposals import Proposals
@@ -127,6 +128,7 @@ class Tuner:
                 study.set_user_attr("workers", worker + 1)
                 if "base_global_batch" not in study.user_attrs:  # M0: what goodput and the lr rule are relative to
                     study.set_user_attr("base_global_batch", global_batch(self.cfg))
+                    study.set_user_attr("lr_scaling", rule_of(self.cfg).value)  # "none": goodput's worst case
                 self._reclaim_orphans(study)
                 apply_extensions(self.space, study.user_attrs.get("extended") or {})
                 if self.t.baseline and (worker == 0 and not study.trials or self._baseline_interrupted(study)):
