@@ -141,19 +141,29 @@ def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tm
         small, big = int(ns.get("batch_small") or 16), int(ns.get("batch_big") or 0) or 256
         out["noise_offline"] = offline_noise(base, weights, small, max(big, 4 * small))
     for policy in args.policies:
-        t0 = time.monotonic()
-        summary = run_study(compose_cfg([*base, "mode=tune", "tracking.enabled=false", f"tune.n_trials={args.trials}",
-                                         f"tune.seed={seed}", f"tune.storage=sqlite:///{here}/optuna.db",
-                                         *space_of(name), *POLICIES[policy]]),
-                            here / "studies" / policy, echo=False)
-        picked = summary.get("rerun_overrides") or []
-        picked = shlex.split(picked) if isinstance(picked, str) else list(picked)
-        run = [*base, *picked]
-        gb = global_batch(compose_cfg(run))
-        res = job([*run, *cap, f"trainer.eval_every={evals_every(budget, args.evals_per_epoch, gb, user_gb)}"],
-                  here / policy)
-        out[policy] = {**figures_of(res), "pick": picked, "global_batch": gb, "study_s": time.monotonic() - t0}
+        try:
+            out[policy] = pick_to_target(name, policy, base, cap, budget, user_gb, seed, args, here)
+        except Exception as exc:  # noqa: BLE001 - one policy's failure is its cell, the others still run
+            out[policy] = {"reached": False, "error": f"{type(exc).__name__}: {exc}"}
+            print(f"   {policy}: {out[policy]['error']}", flush=True)
     return out
+
+
+def pick_to_target(name: str, policy: str, base: List[str], cap: List[str], budget: Dict[str, Any], user_gb: int,
+                   seed: int, args: argparse.Namespace, here: Path) -> Dict[str, Any]:
+    """The policy's study, then its pick trained to the target."""
+    t0 = time.monotonic()
+    summary = run_study(compose_cfg([*base, "mode=tune", "tracking.enabled=false", f"tune.n_trials={args.trials}",
+                                     f"tune.seed={seed}", f"tune.storage=sqlite:///{here}/optuna.db",
+                                     *space_of(name), *POLICIES[policy]]),
+                        here / "studies" / policy, echo=False)
+    picked = summary.get("rerun_overrides") or []
+    picked = shlex.split(picked) if isinstance(picked, str) else list(picked)
+    run = [*base, *picked]
+    gb = global_batch(compose_cfg(run))
+    res = job([*run, *cap, f"trainer.eval_every={evals_every(budget, args.evals_per_epoch, gb, user_gb)}"],
+              here / policy)
+    return {**figures_of(res), "pick": picked, "global_batch": gb, "study_s": time.monotonic() - t0}
 
 
 def figures_of(result: Dict[str, Any]) -> Dict[str, Any]:
@@ -163,7 +173,7 @@ def figures_of(result: Dict[str, Any]) -> Dict[str, Any]:
     wall = result.get("time_to_target_s")
     evals = [e for e in result.get("evals") or [] if wall is not None and e.get("wall_s", math.inf) <= wall]
     eval_s = sum(float(e.get("eval_s") or 0.0) for e in evals)
-    return {"reached": reached, "time_s": (wall - eval_s) if reached and wall is not None else None,
+    return {"reached": reached, "time_s": (wall - eval_s) if reached and wall is not None else None, "evals": len(evals),
             "samples": result.get("samples_to_target"), "status": result.get("status"),
             "throughput": result.get("throughput")}
 
@@ -199,6 +209,8 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
         if b_run and b_off:
             q = statistics.median(b_run) / statistics.median(b_off)
             checks.append(f"noise within 2x:{'ok' if 0.5 <= q <= 2 else 'NO'}")
+        if any(r["user"].get("evals") == 1 for r in runs):  # the target says little about training
+            checks.append("trivial target (the user's config met it at its first evaluation: raise --budget)")
         failed += sum("NO" in c for c in checks)
         user_s = [r["user"]["time_s"] for r in runs if r["user"].get("time_s")]
         rows.append([name, f"{statistics.median(user_s):.1f}" if user_s else "-", *cells,
