@@ -140,7 +140,7 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
 
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1 and cfg.backend.name is BackendName.fsdp:
         return Diagnosis("communication-bound", f"exposed communication (all-gathers, reduce-scatters) is {_pct(comm)} "
-                                                f"of the step (>= {_pct(COMM_BOUND)})", _fsdp_comm_moves(cfg, comm, step))
+                                                f"of the step (>= {_pct(COMM_BOUND)})", _fsdp_comm_moves(cfg, comm, step, job))
 
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1:
         moves = []
@@ -191,7 +191,7 @@ def _shard_move(job: Dict[str, Any], cfg: Config, peak: float) -> Optional[tuple
     return Move({"backend.name": "fsdp"}, why), bool(state) and state >= 0.5 * peak
 
 
-def _fsdp_comm_moves(cfg: Config, comm: float, step: float) -> List[Move]:
+def _fsdp_comm_moves(cfg: Config, comm: float, step: float, job: Dict[str, Any]) -> List[Move]:
     """A communication-bound fsdp run: fewer all-gathers, collectives within a node, fewer steps."""
     b, p, d = cfg.backend, cfg.parallelism, cfg.data
     moves = []

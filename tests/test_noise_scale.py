@@ -143,7 +143,7 @@ def within_2x(got: dict, want: float) -> None:
     assert want / 2 <= got["b_simple"] <= 2 * want, (got, want)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "horovod"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", pytest.param("horovod", marks=pytest.mark.slow)])
 def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_path, backend):
     """Each rank's gradient before the reduction (DDP's communication hook, FSDP's unsharded
     gradients before the reduce-scatter, Horovod's allreduce as it starts) against the averaged one."""

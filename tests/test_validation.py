@@ -51,8 +51,8 @@ def direct_classification(cfg, weights: dict) -> tuple:
     return F.cross_entropy(out, y).item(), accuracy(out, (x, y)).item()
 
 
-@pytest.mark.parametrize("backend", [pytest.param("dp", marks=pytest.mark.slow), "ddp", "fsdp", pytest.param("horovod", marks=pytest.mark.skipif(
-    not HOROVOD, reason="horovod is not installed"))])
+@pytest.mark.parametrize("backend", [pytest.param("dp", marks=pytest.mark.slow), "ddp", "fsdp", pytest.param("horovod", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not HOROVOD, reason="horovod is not installed")])])  # horovod: in test-slow (horovodrun's start)
 def test_val_loss_over_ranks_is_one_process_over_the_set(make_cfg, tmp_path, backend):
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", *CLASSIFY)
     result = run_job(cfg, tmp_path, echo=False)
