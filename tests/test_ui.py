@@ -164,6 +164,7 @@ def optuna_dashboard(storage: str, log_path) -> Iterator[str]:
         log.close()
 
 
+@pytest.mark.slow  # 15 s; tests/test_answer.py reads the same notes back without a browser
 def test_optuna_dashboard_shows_the_pick_and_the_named_objective(make_cfg, tmp_path, browser):
     """A user opening the study in optuna-dashboard sees the objective by its name (not "Objective
     0"), the product's pick in the study's note (the Note page, beside the study's page whose "Best
