@@ -485,22 +485,7 @@ class Tuner:
             self._pruned(trial, rec, pruned)
             study.tell(trial, state=TrialState.PRUNED)
         except JobFailed as exc:
-            self._stop_if_disk_full(exc, f"trial {trial.number}", study, trial)
-            err = exc.result.get("error", str(exc))
-            rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.result.get("mlflow_run_id")
-            if isinstance(exc, JobDiverged):  # failed, so never the pick; said as such in trials.csv and summary.json
-                trial.set_user_attr("diverged", True)
-            rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
-            trial.set_user_attr("error", rec.error[:500])
-            trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
-            study.tell(trial, state=TrialState.FAIL)
-            if "tune.objective=tokens:" in str(exc) and not any(d.key.startswith(BATCH_SHAPERS) for d in self.space.dims):
-                no_tokens = str(exc).split("tune.objective=tokens:", 1)[1].strip()  # every trial's batches are alike
-            if _is_oom(err) and values.get(BATCH_KEY):
-                self.proposals.diagnosis(study, trial, values, {"verdict": "out of memory", "moves": [{
-                    "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
-                            ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
-                    "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
+            no_tokens = self._failed(study, trial, rec, exc, values, cfg)
         rec.duration_s = time.monotonic() - t0
         self._show(lambda p: p.ended(best_words(study, self.t)))
         trial_state_tags = {"trial_state": rec.state, "trial_duration_s": f"{rec.duration_s:.2f}",
@@ -581,6 +566,29 @@ class Tuner:
         rec.state = "COMPLETE"
         if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
             self.proposals.diagnosis(study, trial, values, result["diagnosis"])
+
+    def _failed(self, study: Any, trial: Any, rec: TrialRecord, exc: JobFailed, values: Dict[str, Any],
+                cfg: Config) -> Optional[str]:
+        """A trial whose job failed (or diverged: failed, so never the pick): recorded FAIL; an out-of-
+        memory one proposes half the batch at twice the accumulation. Returns why every trial would
+        be refused alike under the tokens objective (its batches carry no mask), else None."""
+        self._stop_if_disk_full(exc, f"trial {trial.number}", study, trial)
+        err = exc.result.get("error", str(exc))
+        rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.result.get("mlflow_run_id")
+        if isinstance(exc, JobDiverged):  # said as such in trials.csv and summary.json
+            trial.set_user_attr("diverged", True)
+        rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
+        trial.set_user_attr("error", rec.error[:500])
+        trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
+        study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        if _is_oom(err) and values.get(BATCH_KEY):
+            self.proposals.diagnosis(study, trial, values, {"verdict": "out of memory", "moves": [{
+                "set": {BATCH_KEY: max(1, values[BATCH_KEY] // 2),
+                        ACCUM_KEY: int(values.get(ACCUM_KEY) or cfg.trainer.accumulation_steps) * 2},
+                "why": "half the batch, twice the accumulation: the same samples per step in less memory"}]})
+        if "tune.objective=tokens:" in str(exc) and not any(d.key.startswith(BATCH_SHAPERS) for d in self.space.dims):
+            return str(exc).split("tune.objective=tokens:", 1)[1].strip()  # every trial's batches are alike
+        return None
 
     def _interval_bar(self, study: Any) -> Optional[tuple]:
         """tune.pruner=interval: (throughput, why) below which a trial cannot be the pick: the
