@@ -87,11 +87,12 @@ def runs_url(base: str, experiment_id: str) -> str:
 
 
 def noise_metrics(result: Dict[str, Any]) -> List[tuple]:
-    """The gradient noise scale's MLflow metrics: `noise_scale` (B_simple) and its interval's ends
-    (`noise_scale_lo`, `noise_scale_hi`), where measured."""
+    """The gradient noise scale's MLflow metrics: `noise_scale` (B_simple), its interval's ends
+    (`noise_scale_lo`, `noise_scale_hi`) and the run's second half's (`noise_scale_late`), where measured."""
     noise, step = result.get("noise_scale") or {}, result.get("steps", 0)
     return [(name, noise[key], step) for name, key in (("noise_scale", "b_simple"), ("noise_scale_lo", "lo"),
-                                                       ("noise_scale_hi", "hi")) if noise.get(key) is not None]
+                                                       ("noise_scale_hi", "hi"), ("noise_scale_late", "b_late"))
+            if noise.get(key) is not None]
 
 
 class Tracker:

@@ -60,6 +60,33 @@ def test_unbiased_estimators_converge_to_the_regressions_true_noise():
     assert len(est.blocks) <= 2 * MAX_BLOCKS  # memory bounded: blocks merged
 
 
+def test_the_late_estimate_follows_a_noise_scale_that_grows_as_the_model_trains():
+    """A regression whose mean gradient shrinks 4x halfway (the loss falls): B_simple grows.
+    The whole run's ratio of means leans on the first half; b_late reads the second half's."""
+    gen = torch.Generator().manual_seed(1)
+    delta = 0.5 * torch.randn(8, generator=gen, dtype=torch.float64)
+    est = NoiseEstimator("halves")
+    truths = []
+    for step in range(0, 4000):
+        d = delta if step < 2000 else delta / 2
+        small = regression_grad(d, 1.0, 4, gen)
+        big = (4 * small + 12 * regression_grad(d, 1.0, 12, gen)) / 16
+        est.add(float(small @ small), float(big @ big), 4, 16, step)
+        if step in (0, 3999):
+            g2, tr = regression_truth(d, 1.0)
+            truths.append(tr / g2)
+    got = est.result()
+    early, late = truths
+    assert late > 2 * early
+    assert got.b_late == pytest.approx(late, rel=0.2) and got.late_from >= 1999
+    assert got.b_simple < 0.6 * late  # the whole run's: between the two, nearer the first half's
+    assert "over the run's second half" in noise_line(got.as_dict())
+    few = NoiseEstimator("halves")
+    for step in (0, 1, 2, 3, 100):  # the warmup's steps and one more: one pair in the second half
+        few.add(5.0, 2.0, 2, 8, step)
+    assert few.result().b_simple is not None and few.result().b_late is None
+
+
 def test_one_pair_by_hand_and_what_is_left_out():
     # |G_small|^2 = 5 at 2 samples, |G_big|^2 = 2 at 8: |G|^2 = (16 - 10) / 6, tr = 3 / (1/2 - 1/8)
     assert unbiased(5.0, 2.0, 2, 8) == pytest.approx((1.0, 8.0))
@@ -92,13 +119,15 @@ def test_fieller_interval_of_a_ratio():
 
 def test_noise_scale_record_round_trips_in_the_job_result():
     ns = NoiseScale(b_simple=100.0, lo=50.0, hi=200.0, g2=1.0, trace_sigma=100.0, n=7, method="ranks",
-                    batch_small=8, batch_big=16)
+                    batch_small=8, batch_big=16, b_late=150.0, late_from=40)
     d = ns.as_dict()
-    assert list(d) == ["b_simple", "lo", "hi", "g2", "trace_sigma", "n", "method", "batch_small", "batch_big"]
+    assert list(d) == ["b_simple", "lo", "hi", "g2", "trace_sigma", "n", "method", "batch_small", "batch_big",
+                       "b_late", "late_from"]
     job = JobResult.from_dict({"status": "FINISHED", "noise_scale": d})
     assert job.noise_scale == ns and job.to_dict()["noise_scale"] == d
     assert noise_metrics({"noise_scale": d, "steps": 3}) == [("noise_scale", 100.0, 3), ("noise_scale_lo", 50.0, 3),
-                                                             ("noise_scale_hi", 200.0, 3)]
+                                                             ("noise_scale_hi", 200.0, 3),
+                                                             ("noise_scale_late", 150.0, 3)]
 
 
 def test_noise_every_rejects_a_bad_value():

@@ -10,8 +10,11 @@ same step give unbiased estimates of both:
 
 Each step's pair is very noisy; the run's B_simple = tr(Sigma) / |G|^2 is the ratio of their means
 over the steps estimated, and its 95% interval is Fieller's for a ratio of means, from the means of
-consecutive blocks of steps (so a noise scale that drifts as the model trains widens it). Pure
-arithmetic on floats: the ranks' runtime (runtime/noise.py) measures the norms."""
+consecutive blocks of steps (so a noise scale that drifts as the model trains widens it). The noise
+scale grows as the loss falls (|G|^2 shrinks), so the whole run's ratio leans on its first steps;
+`b_late` is the same ratio over the steps of the run's second half (by step number), where they
+hold MIN_LATE pairs: the noise scale the job trains at now. Pure arithmetic on floats: the ranks'
+runtime (runtime/noise.py) measures the norms."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .stats import t95
 
 MAX_BLOCKS = 32  # the interval's blocks of consecutive steps: at most 2x this many are kept
 MIN_STEPS = 2  # fewer steps estimated: no B_simple (one pair says next to nothing, and has no interval)
+MIN_LATE = 4  # pairs in the run's second half needed for b_late
 
 
 def unbiased(small_sq: float, big_sq: float, b_small: float, b_big: float) -> Tuple[float, float]:
@@ -63,26 +67,28 @@ class NoiseEstimator:
 
     def __init__(self, method: str, batch_small: int = 0, batch_big: int = 0) -> None:
         self.method, self.batch_small, self.batch_big = method, batch_small, batch_big
-        self.blocks: List[List[float]] = []  # [sum |G|^2, sum tr(Sigma), steps]
+        self.blocks: List[List[float]] = []  # [sum |G|^2, sum tr(Sigma), steps, first step number]
         self.block_steps = 1
         self.n = 0
+        self.last_step = 0
 
-    def add(self, small_sq: float, big_sq: float, b_small: float, b_big: float) -> bool:
-        """One step's pair; False (left out) when a norm is not finite (an AMP step that overflowed)
+    def add(self, small_sq: float, big_sq: float, b_small: float, b_big: float, step: int = 0) -> bool:
+        """One step's pair (`step`: its number in the run); False (left out) when a norm is not finite (an AMP step that overflowed)
         or the two batch sizes are equal (the epoch's last step of one micro-batch)."""
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or not 0 < b_small < b_big:
             return False
         g2, trace = unbiased(small_sq, big_sq, b_small, b_big)
         if not self.blocks or self.blocks[-1][2] >= self.block_steps:
-            self.blocks.append([0.0, 0.0, 0])
+            self.blocks.append([0.0, 0.0, 0, step])
         last = self.blocks[-1]
         last[0], last[1], last[2] = last[0] + g2, last[1] + trace, last[2] + 1
         self.n += 1
+        self.last_step = step
         if not self.batch_small:
             self.batch_small, self.batch_big = int(b_small), int(b_big)
         if len(self.blocks) > 2 * MAX_BLOCKS:
             pairs = zip(self.blocks[0::2], self.blocks[1::2])
-            self.blocks = [[a[0] + b[0], a[1] + b[1], a[2] + b[2]] for a, b in pairs]
+            self.blocks = [[a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3]] for a, b in pairs]
             self.block_steps *= 2
         return True
 
@@ -101,16 +107,30 @@ class NoiseEstimator:
         full = [b for b in self.blocks if b[2] == self.block_steps] or self.blocks
         lo, hi = fieller([b[1] / b[2] for b in full], [b[0] / b[2] for b in full])
         out.lo, out.hi = (None if lo is None else max(lo, 0.0)), hi
+        out.b_late, out.late_from = self.late()
         return out
+
+    def late(self) -> Tuple[Optional[float], int]:
+        """(B_simple over the blocks that start in the second half of the run's steps, the first step
+        they cover); (None, 0) with fewer than MIN_LATE pairs there or |G|^2's mean not above 0."""
+        half = self.last_step / 2
+        late = [b for b in self.blocks if b[3] >= half and b[3] > 0]
+        n = sum(b[2] for b in late)
+        g2 = sum(b[0] for b in late)
+        if n < MIN_LATE or g2 <= 0:
+            return None, 0
+        return sum(b[1] for b in late) / g2, int(late[0][3])
 
 
 def efficiency(m: float, m0: float, b_noise: Optional[float]) -> float:
-    """E(M) = (B + M0) / (B + M): what a sample at global batch `m` is worth against one at `m0`
-    (B the gradient noise scale; Pollux's statistical efficiency). Without a noise scale, the worst
-    case: a larger batch buys nothing (B = 0: M0/M), a smaller one nothing either (B infinite: 1)."""
-    if m == m0:
+    """E(M) = (B + M0) / (B + M): what a sample at global batch `m` >= `m0` is worth against one at
+    `m0` (B the gradient noise scale; Pollux's statistical efficiency). Without a noise scale, the
+    worst case: a larger batch buys nothing (B = 0: M0/M). A batch below the user's counts 1, as in
+    Pollux, whose batch never goes below the user's: the formula's gain there rests wholly on B, and
+    a B measured early in training (a trial's) is below the B the job trains at later."""
+    if m <= m0:
         return 1.0
     if b_noise is None:
-        return min(1.0, m0 / m)
+        return m0 / m
     b = max(0.0, float(b_noise))
     return (b + m0) / (b + m)

@@ -216,7 +216,8 @@ class NoiseScale:
     interval (None: not measurable yet, or unbounded), the means of the unbiased |G|^2 and
     tr(Sigma), the steps estimated, how (`ranks`: each rank's gradient before the all-reduce and
     the averaged one after; `accumulation`: the first micro-batch's and the accumulated;
-    `halves`: two halves of a batch every trainer.noise_every steps) and the two batch sizes."""
+    `halves`: two halves of a batch every trainer.noise_every steps) and the two batch sizes;
+    `b_late`: B_simple over the run's second half from step `late_from` (None: too few steps there)."""
 
     b_simple: Optional[float] = None
     lo: Optional[float] = None
@@ -227,6 +228,8 @@ class NoiseScale:
     method: str = "halves"
     batch_small: int = 0
     batch_big: int = 0
+    b_late: Optional[float] = None
+    late_from: int = 0
 
     METHODS: ClassVar[Tuple[str, ...]] = ("ranks", "accumulation", "halves")
 
@@ -235,12 +238,14 @@ class NoiseScale:
         num = lambda k: None if d.get(k) is None else float(d[k])  # noqa: E731
         return cls(b_simple=num("b_simple"), lo=num("lo"), hi=num("hi"), g2=num("g2"),
                    trace_sigma=num("trace_sigma"), n=int(d.get("n") or 0), method=str(d.get("method") or "halves"),
-                   batch_small=int(d.get("batch_small") or 0), batch_big=int(d.get("batch_big") or 0))
+                   batch_small=int(d.get("batch_small") or 0), batch_big=int(d.get("batch_big") or 0),
+                   b_late=num("b_late"), late_from=int(d.get("late_from") or 0))
 
     def as_dict(self) -> Dict[str, Any]:
         return {"b_simple": self.b_simple, "lo": self.lo, "hi": self.hi, "g2": self.g2,
                 "trace_sigma": self.trace_sigma, "n": self.n, "method": self.method,
-                "batch_small": self.batch_small, "batch_big": self.batch_big}
+                "batch_small": self.batch_small, "batch_big": self.batch_big, "b_late": self.b_late,
+                "late_from": self.late_from}
 
 
 _ESTIMATE = (Estimate.from_dict, Estimate.as_dict)

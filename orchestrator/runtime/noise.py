@@ -35,7 +35,7 @@ from .hooks import Hook
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
 EVERY = 8  # trainer.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
-HALVES_EVERY = 100  # ... and every 100th with `halves` (a second forward and backward: ~+60% of a step)
+HALVES_EVERY = 50  # ... and every 50th with `halves` (a second forward and backward: ~+60% of a step)
 
 
 def method_for(cfg: Config, world_size: int) -> Tuple[Optional[str], str]:
@@ -70,7 +70,7 @@ class NoiseProbe:
         self.big: List[torch.Tensor] = []
         self.weight, self.b_small = 1.0, 0
         self.norms: List[torch.Tensor] = []  # the waiting pairs' norms, in order
-        self.pending: List[Tuple[int, int, float, Optional[torch.Tensor], int, int]] = []
+        self.pending: List[Tuple[int, int, float, Optional[torch.Tensor], int, int, int]] = []
         self.estimator = NoiseEstimator(method)
         self._params: Optional[List[nn.Parameter]] = None
 
@@ -92,8 +92,8 @@ class NoiseProbe:
         self.small.extend(self.grad_norms(model))
         self.weight, self.b_small = weight, n_part
 
-    def end_step(self, model: nn.Module, samples: int) -> None:
-        """After the gradients are synchronized, before clipping: close the step's pair."""
+    def end_step(self, model: nn.Module, samples: int, step: int = 0) -> None:
+        """After the gradients are synchronized, before clipping: close step `step`'s pair."""
         if not self.small:
             self.big.clear()
             return
@@ -107,7 +107,7 @@ class NoiseProbe:
         if big:
             scale = getattr(self.scaler, "_scale", None)  # AMP fp16: the gradients are scaled by it
             scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None  # updated in place later
-            self.pending.append((len(small), len(big), self.weight, scale, b_small, b_big))
+            self.pending.append((len(small), len(big), self.weight, scale, b_small, b_big, step))
             self.norms += small + big
 
     # -- reading them ---------------------------------------------------------------------------
@@ -115,13 +115,13 @@ class NoiseProbe:
         """The waiting pairs' squared norms, |G_small|^2 then |G_big|^2 for each, this rank's."""
         flat = torch.stack(self.norms).square()
         slots: List[int] = []
-        for i, (n_small, n_big, _, _, _, _) in enumerate(self.pending):
+        for i, (n_small, n_big, *_) in enumerate(self.pending):
             slots += [2 * i] * n_small + [2 * i + 1] * n_big
         sums = torch.zeros(2 * len(self.pending), dtype=flat.dtype, device=flat.device)
         values = sums.index_add_(0, torch.tensor(slots, device=flat.device), flat).tolist()
-        scales = [s for *_, s, _, _ in self.pending if s is not None]
+        scales = [p[3] for p in self.pending if p[3] is not None]
         scale_sq = iter(torch.stack(scales).double().square().tolist()) if scales else None
-        for i, (_, _, weight, scale, _, _) in enumerate(self.pending):
+        for i, (_, _, weight, scale, *_) in enumerate(self.pending):
             div = next(scale_sq) if scale is not None and scale_sq is not None else 1.0
             values[2 * i] /= weight * weight * div
             values[2 * i + 1] /= div
@@ -135,11 +135,11 @@ class NoiseProbe:
         values = self.squared()
         if self.world > 1:
             values = adapter.all_reduce_sum(values)
-        for i, (*_, b_small, b_big) in enumerate(self.pending):
+        for i, (*_, b_small, b_big, step) in enumerate(self.pending):
             small, big = values[2 * i], values[2 * i + 1]
             if self.world > 1:
                 small, big = small / self.world, big / self.big_div
-            self.estimator.add(small, big, b_small, b_big)
+            self.estimator.add(small, big, b_small, b_big, step)
         self.pending.clear()
         self.norms.clear()
 

@@ -139,7 +139,7 @@ class Stepper:
             run.adapter.synchronize(optimizer)
             mark(COMM)
         if self.noise is not None and self.noise.active:  # the gradients as the optimizer gets them, before clipping
-            self.noise.end_step(run.model, samples)
+            self.noise.end_step(run.model, samples, run.step)
         if self.clip:  # the global norm, also over sharded (DTensor) gradients
             if scaler is not None:
                 scaler.unscale_(optimizer)
