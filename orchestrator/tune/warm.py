@@ -1,0 +1,132 @@
+"""What earlier studies of the same job carry over: a new study's warm start (tune.warm_start) and
+a plain run's tuned config (trainer.tuned).
+
+Every study records the fingerprint of its job (orchestrator/fingerprint.py) as the user attribute
+`fingerprint`, and its pick's overrides (best.yaml's values, the learning rate included) as
+`pick_values`, in its own Optuna storage: whoever can open the storage (any machine, any storage
+the tuner supports) finds them, with nothing beside it.
+
+An earlier study matches `full` (the same job, layout and hardware: its picks are this job's) or
+`job` (the same model, data and optimizer at another world size or on another machine: its picks
+are a place to start, its figures not this job's). `auto` takes the newest study with a pick,
+full matches first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Dict, List, Optional
+
+from ..fingerprint import Fingerprint
+from ..schema import ConfigError
+
+FP_ATTR = "fingerprint"
+VALUES_ATTR = "pick_values"
+WARM_ATTR = "warm_start"  # a warm-started study's: where it started from (from, match, trials)
+SEEDS = 3  # an earlier study's best trials enqueued first: its pick, then the next best
+MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass
+class Earlier:
+    """An earlier study of this job: its name, how it matches, when it started, its user attributes."""
+
+    name: str
+    match: str
+    started: Optional[datetime]
+    attrs: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pick_values(self) -> Optional[Dict[str, Any]]:
+        values = self.attrs.get(VALUES_ATTR)
+        return dict(values) if isinstance(values, dict) and values else None
+
+    @property
+    def pick_trial(self) -> Optional[int]:
+        return self.attrs.get("pick_trial")
+
+    def describe(self) -> str:
+        how = "the same job, layout and hardware" if self.match == "full" else \
+            "the same job at another world size or on another machine"
+        return f"study '{self.name}' ({how}; its pick: trial {self.pick_trial})"
+
+
+def fingerprint_of(attrs: Dict[str, Any]) -> Optional[Fingerprint]:
+    f = attrs.get(FP_ATTR)
+    try:
+        return Fingerprint(**f) if isinstance(f, dict) else None
+    except TypeError:  # a record of another shape: not comparable
+        return None
+
+
+def find(storage: Any, fp: Fingerprint, exclude: Optional[str] = None) -> List[Earlier]:
+    """The studies in `storage` of `fp`'s job (full matches first, then newest first), but `exclude`."""
+    import optuna
+
+    found = []
+    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        other = fingerprint_of(s.user_attrs)
+        if s.study_name == exclude or other is None or fp.matches(other) == "none":
+            continue
+        found.append(Earlier(s.study_name, fp.matches(other), s.datetime_start, dict(s.user_attrs)))
+    return sorted(found, key=lambda e: (e.match != "full", -(e.started.timestamp() if e.started else 0.0)))
+
+
+def choose(setting: str, found: List[Earlier], field_name: str = "tune.warm_start") -> Optional[Earlier]:
+    """The earlier study `setting` names: `off` none; `auto` the first of `found` with a pick (None
+    when there is none); a study name or the MLflow run id of a study's run: that study, which must
+    be of this job (a ConfigError naming `field_name` otherwise)."""
+    if setting == "off":
+        return None
+    with_pick = [e for e in found if e.pick_values]
+    if setting == "auto":
+        return with_pick[0] if with_pick else None
+    by_run = MLFLOW_RUN_ID.match(setting)
+    chosen = next((e for e in found if (e.attrs.get("mlflow_run_id") == setting if by_run else e.name == setting)),
+                  None)
+    if chosen is None:
+        names = ", ".join(e.name for e in with_pick[:5]) or "none in this storage"
+        raise ConfigError(f"{field_name}: no study {'with MLflow run' if by_run else 'named'} '{setting}' of this "
+                          f"job (the same fingerprint's job part); allowed: auto, off, or one of: {names}")
+    if not chosen.pick_values:
+        raise ConfigError(f"{field_name}: study '{chosen.name}' has no pick yet (it ended before its first "
+                          "measured trial, or before the product recorded picks); allowed: auto, off, or another study")
+    return chosen
+
+
+def seeds(storage: Any, earlier: Earlier, limit: int = SEEDS) -> List[Dict[str, Any]]:
+    """The earlier study's best configs in user units, its pick first, then its other completed
+    trials by value (each once)."""
+    import optuna
+
+    study = optuna.load_study(study_name=earlier.name, storage=storage)
+    out: List[Dict[str, Any]] = []
+    if earlier.pick_values:
+        out.append(earlier.pick_values)
+    done = [tr for tr in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if tr.user_attrs.get("values") and tr.values]
+    for tr in sorted(done, key=lambda tr: -tr.values[0]):
+        values = tr.user_attrs["values"]
+        if len(out) >= limit:
+            break
+        if not any(_same(values, o) for o in out):
+            out.append(dict(values))
+    return out[:limit]
+
+
+def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """The same point: equal on the keys both give."""
+    return all(a[k] == b[k] for k in set(a) & set(b))
+
+
+def tuned_values(storage: Any, fp: Fingerprint, setting: str) -> Optional[Earlier]:
+    """trainer.tuned: the study whose pick a plain run applies (a full match only: the figures it
+    was confirmed at are this job's on this machine); a ConfigError naming trainer.tuned when none."""
+    full = [e for e in find(storage, fp) if e.match == "full"]
+    chosen = choose(setting, full, "trainer.tuned")
+    if chosen is None:
+        raise ConfigError("trainer.tuned: no study of this job with a pick in tune.storage (none with the same "
+                          f"fingerprint {fp.id}); tune it first (mode=tune), or set trainer.tuned=off")
+    return chosen

@@ -1,0 +1,82 @@
+"""What earlier studies carry over (orchestrator/tune/warm.py): finding the studies of a job in an
+Optuna storage by fingerprint, choosing one (auto, off, a name, an MLflow run id) and the configs
+a new study starts from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optuna
+import pytest
+
+from orchestrator.fingerprint import Fingerprint
+from orchestrator.schema import ConfigError
+from orchestrator.tune.warm import FP_ATTR, VALUES_ATTR, choose, find, seeds, tuned_values
+
+FP = Fingerprint(job="j1", layout="l1", hardware="h1", id="full1")
+OTHER_WORLD = Fingerprint(job="j1", layout="l2", hardware="h1", id="full2")
+OTHER_JOB = Fingerprint(job="j2", layout="l1", hardware="h1", id="full3")
+
+
+def make_study(storage: str, name: str, fp: Fingerprint, values=None, trials=(), run_id=None) -> None:
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    study.set_user_attr(FP_ATTR, dataclasses.asdict(fp))
+    for value, knobs in trials:
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"values": knobs}))
+    if values is not None:
+        study.set_user_attr(VALUES_ATTR, values)
+        study.set_user_attr("pick_trial", 0)
+    if run_id:
+        study.set_user_attr("mlflow_run_id", run_id)
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{tmp_path_factory.mktemp('warm')}/optuna.db"
+    make_study(url, "old-full", FP, {"data.batch_size": 64, "trainer.lr": 0.2},
+               [(0.9, {"data.batch_size": 64}), (0.8, {"data.batch_size": 32}), (0.85, {"data.batch_size": 64}),
+                (0.7, {"data.batch_size": 16})], run_id="a" * 32)
+    make_study(url, "other-world", OTHER_WORLD, {"data.batch_size": 16}, [(0.5, {"data.batch_size": 16})])
+    make_study(url, "other-job", OTHER_JOB, {"data.batch_size": 8}, [(0.99, {"data.batch_size": 8})])
+    make_study(url, "no-pick", FP)  # stopped before any measured trial
+    optuna.create_study(study_name="before-fingerprints", storage=url)
+    return url
+
+
+def test_find_gives_the_jobs_studies_full_matches_first(storage):
+    found = find(storage, FP)
+    assert [(e.name, e.match) for e in found][:2] in ([("no-pick", "full"), ("old-full", "full")],
+                                                      [("old-full", "full"), ("no-pick", "full")])
+    assert [(e.name, e.match) for e in found][2:] == [("other-world", "job")]
+    assert find(storage, FP, exclude="old-full")[0].name == "no-pick"
+    assert find(storage, Fingerprint("none", "x", "y", "z")) == []
+
+
+def test_choose_auto_off_a_name_a_run_id_and_the_refusals(storage):
+    found = find(storage, FP)
+    assert choose("off", found) is None
+    assert choose("auto", found).name == "old-full"  # the newest with a pick, full first
+    assert choose("auto", [e for e in found if e.match == "job"]).name == "other-world"
+    assert choose("other-world", found).match == "job"
+    assert choose("a" * 32, found).name == "old-full"
+    with pytest.raises(ConfigError, match=r"^tune.warm_start: no study named 'other-job' of this job.*allowed: auto, off"):
+        choose("other-job", found)
+    with pytest.raises(ConfigError, match=r"^tune.warm_start: study 'no-pick' has no pick yet"):
+        choose("no-pick", found)
+    assert choose("auto", []) is None
+
+
+def test_seeds_are_the_pick_then_the_next_best_distinct_configs(storage):
+    old = choose("old-full", find(storage, FP))
+    assert seeds(storage, old) == [{"data.batch_size": 64, "trainer.lr": 0.2}, {"data.batch_size": 32},
+                                   {"data.batch_size": 16}]
+    assert seeds(storage, old, limit=1) == [{"data.batch_size": 64, "trainer.lr": 0.2}]
+
+
+def test_a_plain_run_takes_a_full_match_only_and_refuses_in_one_line(storage):
+    assert tuned_values(storage, FP, "auto").name == "old-full"
+    with pytest.raises(ConfigError, match=r"^trainer.tuned: no study of this job with a pick .* fingerprint full4"):
+        tuned_values(storage, Fingerprint("j1", "l3", "h1", "full4"), "auto")  # the job's studies: other layouts
+    with pytest.raises(ConfigError, match=r"^trainer.tuned: no study named 'other-world'"):
+        tuned_values(storage, FP, "other-world")
