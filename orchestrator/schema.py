@@ -386,8 +386,12 @@ class TrainerConfig:
     # steps between the estimated ones, besides the warmup's; 0: every 8th, or every 100th where a step
     # of two half batches (one process, no accumulation) pays an extra forward and backward
     noise_every: int = 0
+    # off | auto | a study name: apply the pick of the newest study of this job (its fingerprint) in tune.storage
+    tuned: str = "off"
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.tuned, str) and self.tuned.strip() == self.tuned != "",
+                 f"trainer.tuned: allowed: off, auto, or a study's name (tune.storage's), got {self.tuned!r}")
         _require(self.epochs >= 1, f"trainer.epochs: must be >= 1, got {self.epochs}")
         _require(self.max_steps >= 0, f"trainer.max_steps: must be >= 0 (0 = no cap), got {self.max_steps}")
         _require(self.lr > 0, f"trainer.lr: must be > 0, got {self.lr}")
@@ -560,6 +564,9 @@ class TuneConfig:
     max_workers_cap: Optional[int] = None  # how far extend_edges may take data.num_workers; null: 4 x CPU cores per rank
     allow_large_global_batch: bool = False  # pick a trial that trains one optimizer step per epoch (or fewer)
     patience: int = 10  # end the study after this many trials in a row that beat the best by less than its noise; 0: off
+    # auto: a new study starts from the newest earlier study of this job (its fingerprint) in tune.storage;
+    # off; or a study's name, or its MLflow run id
+    warm_start: str = "auto"
     # name -> ParamSpec fields; free-form so `+tune.space.x={key: ..., ...}` works from the CLI
     # (OmegaConf cannot add a typed dict entry through an override). Typed in __post_init__.
     space: Dict[str, Any] = field(default_factory=dict)
@@ -585,6 +592,8 @@ class TuneConfig:
         _require(self.max_workers_cap is None or self.max_workers_cap >= 0,
                  f"tune.max_workers_cap: must be null or >= 0, got {self.max_workers_cap}")
         _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
+        _require(isinstance(self.warm_start, str) and self.warm_start.strip() == self.warm_start != "",
+                 f"tune.warm_start: allowed: auto, off, a study's name or its MLflow run id, got {self.warm_start!r}")
         misread = misread_password(self.storage)
         _require(misread is None, f"tune.storage: {misread}")
         for name, p in self.space.items():

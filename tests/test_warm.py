@@ -80,3 +80,15 @@ def test_a_plain_run_takes_a_full_match_only_and_refuses_in_one_line(storage):
         tuned_values(storage, Fingerprint("j1", "l3", "h1", "full4"), "auto")  # the job's studies: other layouts
     with pytest.raises(ConfigError, match=r"^trainer.tuned: no study named 'other-world'"):
         tuned_values(storage, FP, "other-world")
+
+
+def test_drift_is_said_outside_the_confirmed_interval_only():
+    from orchestrator.tune.advise import drift
+
+    pick = {"figures": {"throughput": 100.0, "throughput_lo": 90.0, "throughput_hi": 110.0}}
+    assert drift({"throughput": 95.0}, pick, "s1", "CMD") is None
+    slow = drift({"throughput": 60.0}, pick, "s1", "python -m orchestrator mode=tune tune.warm_start=s1")
+    assert slow.startswith("this run's 60.0 samples/s is below the interval study 's1' confirmed its pick at (90.0 to 110.0)")
+    assert slow.endswith("re-tune from that study: python -m orchestrator mode=tune tune.warm_start=s1")
+    assert "above" in drift({"throughput": 200.0}, pick, "s1", "CMD")
+    assert drift({"throughput": 60.0}, {"figures": {"throughput": 100.0}}, "s1", "CMD") is None  # no interval

@@ -155,3 +155,17 @@ def pick_advice(study: Any, pick: Dict[str, Any], trial_dir: Any, study_name: st
 
 
 AGAINST = "## Against the study"
+
+
+def drift(result: Dict[str, Any], pick: Dict[str, Any], study_name: str, retune: str) -> Optional[str]:
+    """One line when a run of a study's pick measured samples/s outside the interval the study
+    confirmed the pick at (its `figures`' throughput_lo..hi): the job, its data or the machine
+    changed since, and `retune` (a command) tunes again from that study. None inside it, or
+    without the figures to judge by."""
+    figures = pick.get("figures") or {}
+    lo, hi, got = figures.get("throughput_lo"), figures.get("throughput_hi"), result.get("throughput")
+    if lo is None or hi is None or got is None or lo <= got <= hi:
+        return None
+    way = "below" if got < lo else "above"
+    return (f"this run's {got:.1f} samples/s is {way} the interval study '{study_name}' confirmed its pick at "
+            f"({lo:.1f} to {hi:.1f}): the job, its data or the machine changed since; re-tune from that study: {retune}")
