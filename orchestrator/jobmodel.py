@@ -123,14 +123,18 @@ class JobModel:
     inproc_coef: Optional[np.ndarray] = None  # its own fit, when runs without workers outnumber its terms
     inproc_residual: float = 0.0
     anchors: List[tuple] = field(default_factory=list)  # (run, its measured rate / the model's)
+    # load_cpu / load_wait per item of the same job measured elsewhere (another world size or machine:
+    # tune.warm_start), used where these runs do not show them
+    loader_prior: Dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, runs: Iterable[Run], world: int = 1, cores: float = 1.0, threads: float = 1.0,
-            handoff: Optional[Callable[[int], float]] = None) -> Optional["JobModel"]:
+            handoff: Optional[Callable[[int], float]] = None,
+            loader_prior: Optional[Dict[str, float]] = None) -> Optional["JobModel"]:
         runs = [r for r in runs if r is not None]
         if not runs:
             return None
-        m = cls(runs, world, cores, threads, handoff or (lambda b: 1e-3))
+        m = cls(runs, world, cores, threads, handoff or (lambda b: 1e-3), loader_prior=dict(loader_prior or {}))
         m.runs = [m._kept_up(r) for r in runs]
         m._fit_consume()
         m.anchors = [(r, min(MAX_ANCHOR, max(1 / MAX_ANCHOR, r.rate / m._raw_rate(r.batch, r.workers, r.accum))))
@@ -226,7 +230,7 @@ class JobModel:
         threads, or wait for them, and cost another amount), else from the in-process runs."""
         seen = [getattr(r, name) for r in self.runs if r.workers > 0 and getattr(r, name) is not None]
         seen = seen or [getattr(r, name) for r in self.runs if getattr(r, name) is not None]
-        return float(np.median(seen)) if seen else None
+        return float(np.median(seen)) if seen else self.loader_prior.get(name)
 
     @property
     def load_cpu(self) -> Optional[float]:

@@ -92,3 +92,27 @@ def test_drift_is_said_outside_the_confirmed_interval_only():
     assert slow.endswith("re-tune from that study: python -m orchestrator mode=tune tune.warm_start=s1")
     assert "above" in drift({"throughput": 200.0}, pick, "s1", "CMD")
     assert drift({"throughput": 60.0}, {"figures": {"throughput": 100.0}}, "s1", "CMD") is None  # no interval
+
+
+def test_a_partial_match_carries_the_loaders_per_item_costs_into_the_job_model(tmp_path):
+    """The same job measured at another world size: its loader's CPU and wait per item seed a job
+    model whose own runs do not show them (a first trial whose workers kept up)."""
+    from orchestrator.jobmodel import JobModel, Run
+    from orchestrator.tune.warm import Earlier, carry
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    figures = {"throughput": 500.0, "step_time_s": 0.064, "data_wait_frac": 0.5, "rel_se": 0.05,
+               "input_cost": {"data_wall_s": 1e-3, "data_cpu_s": 4e-4}}
+    study = optuna.create_study(study_name="two-ranks", storage=url, direction="maximize")
+    study.set_user_attr("world_size", 2)
+    study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={
+        "values": {"data.batch_size": 32, "data.num_workers": 0}, **figures}))
+    carried = carry(url, Earlier("two-ranks", "job", None, dict(study.user_attrs)))
+    assert carried.trials == [] and carried.loader["load_cpu"] == pytest.approx(4e-4)
+    assert carried.loader["load_wait"] == pytest.approx(6e-4) and "loader's per-item costs" in carried.kept
+    kept_up = Run(batch=32, workers=2, accum=1, rate=800.0, rel_se=0.05, consume=1e-3, consume_cpu=None,
+                  busy_cpu=None, load_cpu=None, load_wait=None, data_wait=0.0)
+    bare, seeded = JobModel.fit([kept_up]), JobModel.fit([kept_up], loader_prior=carried.loader)
+    assert bare.load_cpu is None and seeded.load_cpu == pytest.approx(4e-4)
+    full = carry(url, Earlier("two-ranks", "full", None, {}))
+    assert len(full.trials) == 1 and full.loader == {} and "1 measured trials join" in full.kept

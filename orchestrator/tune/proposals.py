@@ -42,6 +42,10 @@ class Proposals:
         self.space, self.t, self.storage, self.name, self._say = space, t, storage, name, say
         self.cfg = cfg or space.base
         self.capped: Dict[str, str] = {}  # dimension -> why extend_edges did not widen it
+        # a warm start (tune/warm.py): an earlier study's measured trials of this very job (they join
+        # the job model's fit), or the loader's per-item costs of the same job elsewhere
+        self.warm_trials: List[Any] = []
+        self.warm_loader: Dict[str, float] = {}
 
     # -- the job model ----------------------------------------------------------------------------
     def _others(self, values: Dict[str, Any]) -> tuple:
@@ -56,7 +60,7 @@ class Proposals:
         from ..costs import handoff_s
 
         mine = self._others(values)
-        trials = [tr for tr in study.get_trials(deepcopy=False)
+        trials = [tr for tr in [*self.warm_trials, *study.get_trials(deepcopy=False)]
                   if self._others(tr.user_attrs.get("values") or {}) == mine]
         runs = runs_of(trials, self.cfg.world_size)
         if not runs:
@@ -66,7 +70,7 @@ class Proposals:
         # once per batch size: every candidate asks, and costs.py reads its cache file each time
         hand = functools.lru_cache(maxsize=None)(lambda b: handoff_s(int(item) * b, b)["seconds"]) if item else None
         return JobModel.fit(runs, self.cfg.world_size, cores=float(last.get("cores") or 1),
-                            threads=float(last.get("threads") or 1), handoff=hand)
+                            threads=float(last.get("threads") or 1), handoff=hand, loader_prior=self.warm_loader)
 
     def _candidates(self, study: Any, here: Dict[str, Any]) -> List[Dict[str, Any]]:
         """Every config of the space over batch, workers and accumulation (the other knobs as

@@ -116,6 +116,37 @@ def seeds(storage: Any, earlier: Earlier, limit: int = SEEDS) -> List[Dict[str, 
     return out[:limit]
 
 
+@dataclass
+class Carried:
+    """What a warm start takes from an earlier study: its measured trials (a full match: they join
+    the job model's fit), or its loader's per-item costs (a partial match: the job's loader is the
+    same at another world size or on another machine; the rest of its figures are not this
+    layout's), and what was kept, in words."""
+
+    trials: List[Any] = field(default_factory=list)
+    loader: Dict[str, float] = field(default_factory=dict)
+    kept: str = ""
+
+
+def carry(storage: Any, earlier: Earlier) -> Carried:
+    import optuna
+
+    from ..jobmodel import JobModel, runs_of
+
+    study = optuna.load_study(study_name=earlier.name, storage=storage)
+    done = [tr for tr in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if tr.user_attrs.get("values")]
+    if earlier.match == "full":
+        return Carried(trials=done, kept=f"its {len(done)} measured trials join the job model")
+    world = int(study.user_attrs.get("world_size") or 1)
+    model = JobModel.fit(runs_of(done, world), world)
+    loader = {k: v for k, v in (("load_cpu", model.load_cpu if model else None),
+                                ("load_wait", model.load_wait if model else None)) if v is not None}
+    words = " and ".join(f"{k.replace('_', ' ')} {1e3 * v:.3f} ms/item" for k, v in loader.items())
+    return Carried(loader=loader, kept=(f"the loader's per-item costs ({words}); not its other figures (another "
+                                        "world size or machine)") if loader else "its picks only (no loader figures)")
+
+
 def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     """The same point: equal on the keys both give."""
     return all(a[k] == b[k] for k in set(a) & set(b))
