@@ -18,15 +18,15 @@ ui:  # the MLflow UI on http://127.0.0.1:5000 over outputs/mlflow.db
 	bash scripts/ui.sh
 
 bench:
-	$(PY) bench/bench_overhead.py
-	$(PY) bench/bench_launch.py
-	$(PY) bench/bench_tune.py
+	$(PY) -m bench.bench_overhead
+	$(PY) -m bench.bench_launch
+	$(PY) -m bench.bench_tune
 	rm -f outputs/bench_steady.json  # steady-state references shared by the next two, measured afresh
-	$(PY) bench/bench_trials.py --cache outputs/bench_steady.json
-	$(PY) bench/bench_samplers.py --cache outputs/bench_steady.json
-	$(PY) bench/bench_pool.py
-	$(PY) bench/bench_advice.py
-	$(PY) bench/bench_mfu.py
-	$(PY) bench/bench_storage.py
-	$(PY) bench/bench_fsdp.py
-	$(PY) bench/bench_balance.py
+	$(PY) -m bench.bench_trials --cache outputs/bench_steady.json
+	$(PY) -m bench.bench_samplers --cache outputs/bench_steady.json
+	$(PY) -m bench.bench_pool
+	$(PY) -m bench.bench_advice
+	$(PY) -m bench.bench_mfu
+	$(PY) -m bench.bench_storage
+	$(PY) -m bench.bench_fsdp
+	$(PY) -m bench.bench_balance

@@ -12,7 +12,7 @@ of the per-round ratios, and A's own round-to-round spread (the noise). Targets 
 no advice makes a workload slower (B / A >= 1 - noise), and the default job's advice improves it
 (B / A > 1 + noise). A workload whose diagnosis has no move (nothing to turn) is reported as such.
 
-    .venv/bin/python bench/bench_advice.py [--rounds 3] [--seconds 6] [--only linear_classifier ...]
+    .venv/bin/python -m bench.bench_advice [--rounds 3] [--seconds 6] [--only linear_classifier ...]
 
 About 6-8 minutes on 2 idle cores; other load on the machine makes every figure noisier (the
 load average is printed).
@@ -23,18 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from bench_tune import ROOT, compose_cfg, table
-
+from bench.lib import add_run_args, prepare, run_workloads, table
 from orchestrator.app import JobFailed, run_job
+from orchestrator.compose import compose_config
 
 WORKLOADS: Dict[str, List[str]] = {
     "linear_classifier": ["experiment=linear_classifier"],  # the default job (article 000)
@@ -60,7 +57,7 @@ class Bench:
         self.n += 1
         run_dir = self.tmp / f"{self.n:04d}"
         try:
-            return run_job(compose_cfg([*COMMON, *overrides]), run_dir, echo=False) | {"run_dir": str(run_dir)}
+            return run_job(compose_config([*COMMON, *overrides]), run_dir, echo=False) | {"run_dir": str(run_dir)}
         except JobFailed as exc:
             print(f"    FAILED: {str(exc).splitlines()[0]}", flush=True)
             return {"throughput": 0.0, "run_dir": str(run_dir)}
@@ -110,28 +107,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per run (steady state)")
-    ap.add_argument("--only", choices=sorted(WORKLOADS), nargs="*", default=None)
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    add_run_args(ap, WORKLOADS)
     args = ap.parse_args()
-    os.chdir(ROOT)
-    warnings.filterwarnings("ignore")
-    tmp = Path(tempfile.mkdtemp(prefix="bench_advice-"))
+    tmp = prepare("bench_advice-", [f"rounds {args.rounds}", f"~{args.seconds:g}s per run"])
     start = time.monotonic()
-    print(f"bench_advice: rounds {args.rounds}, ~{args.seconds:g}s per run, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}, output {tmp}", flush=True)
     bench = Bench(tmp, args.seconds)
-    results = []
-    try:
-        for name, overrides in WORKLOADS.items():
-            if args.only is None or name in args.only:
-                results.append(bench_workload(bench, name, overrides, args.rounds))
-    finally:
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+    results = run_workloads(args.only, args.keep, tmp,
+                            lambda name, overrides: bench_workload(bench, name, overrides, args.rounds), WORKLOADS)
 
     rows = [["workload", "verdict", "first move", "A thr/s", "B thr/s", "B / A (rounds)", "A noise", "target", "met"]]
     verdicts = []
-    for r in results:
+    for r in results.values():
         if r["move"] is None:
             rows.append([r["name"], r["verdict"], "none advised", "", "", "", "", "", "-"])
             continue

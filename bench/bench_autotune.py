@@ -14,7 +14,7 @@ throughput stays within 0.9 of C's (the median of 3 windows from there on, to th
 autotune's events, and B / C from there to the end. Targets: B / C >= 0.9 once adapted, reached
 within 30 s of the change.
 
-    .venv/bin/python bench/bench_autotune.py [--rounds 2] [--steps 1200] [--trials 8]
+    .venv/bin/python -m bench.bench_autotune [--rounds 2] [--steps 1200] [--trials 8]
 
 About 5 minutes on 2 idle cores; other load makes every figure noisier (the load average is printed).
 """
@@ -25,18 +25,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tune import ROOT, compose_cfg, table  # noqa: E402
-
-from orchestrator.app import run_job  # noqa: E402
-from orchestrator.merge import load_rank_results  # noqa: E402
-from orchestrator.tune.study import run_study  # noqa: E402
+from bench.lib import ROOT, table
+from orchestrator.app import run_job
+from orchestrator.compose import compose_config
+from orchestrator.merge import load_rank_results
+from orchestrator.tune.study import run_study
 
 LATENCY_MS = 3.0
 COMMON = ["tracking.enabled=false", "trainer.save_model=false", "trainer.epochs=1000", "trainer.window_steps=10",
@@ -67,7 +65,7 @@ def reached(half: Dict[str, Any], target: float) -> float:
 
 
 def best_fixed(tmp: Path, trials: int) -> Dict[str, Any]:
-    cfg = compose_cfg([*COMMON, "mode=tune", f"data.read_latency_ms={LATENCY_MS}", f"tune.n_trials={trials}",
+    cfg = compose_config([*COMMON, "mode=tune", f"data.read_latency_ms={LATENCY_MS}", f"tune.n_trials={trials}",
                        "tune.objective=throughput", f"tune.storage=sqlite:///{tmp}/optuna.db", "~tune.space.batch_size",
                        "~tune.space.accumulation_steps", "~tune.space.pin_memory", "tune.extend_edges=false"])
     summary = run_study(cfg, tmp / "study", echo=False)
@@ -77,7 +75,7 @@ def best_fixed(tmp: Path, trials: int) -> Dict[str, Any]:
 
 def run(tmp: Path, name: str, overrides: Sequence[str]) -> Path:
     run_dir = tmp / name
-    run_job(compose_cfg([*COMMON, *overrides]), run_dir, echo=False, plots=False)
+    run_job(compose_config([*COMMON, *overrides]), run_dir, echo=False, plots=False)
     return run_dir
 
 

@@ -16,7 +16,7 @@ the even step time; the target is judged on that, with the A/B ratio and its spr
 Equal ranks are measured twice: SlowLinear with slow_factor=1 (sleep-bound, little noise), and the
 default job (seed 000's linear classifier, batch 32 per rank, real CPU compute on both cores).
 
-    .venv/bin/python bench/bench_balance.py [--rounds 3] [--steps 200] [--backend ddp] [--tolerance 0.1]
+    .venv/bin/python -m bench.bench_balance [--rounds 3] [--steps 200] [--backend ddp] [--tolerance 0.1]
 """
 
 from __future__ import annotations
@@ -29,15 +29,9 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
-
-from orchestrator.app import run_job  # noqa: E402
-from orchestrator.merge import load_rank_results  # noqa: E402
-from orchestrator.schema import register_configs, to_config  # noqa: E402
+from orchestrator.app import run_job
+from orchestrator.compose import compose_config
+from orchestrator.merge import load_rank_results
 
 SLOW = ["model._target_=tasks.faults.SlowLinear", "+model.args.sample_ms=1.0", "data.batch_size=12",
         "data.args.size=4800", "trainer.epochs=100"]
@@ -59,15 +53,11 @@ def steady_step_time(run_dir: Path, since_step: int = 0) -> float:
 
 
 def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int, tolerance: float = 0.1) -> Dict:
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=[
-            f"backend={backend}", "parallelism.nproc_per_node=2", f"parallelism.balance={balance}",
-            f"parallelism.balance_tolerance={tolerance}",
-            f"trainer.max_steps={steps}", "trainer.warmup_steps=5", "trainer.window_steps=10",
-            "trainer.save_model=false", "tracking.enabled=false", *WORKLOADS[name][0]]))
-    GlobalHydra.instance().clear()
+    cfg = compose_config([
+        f"backend={backend}", "parallelism.nproc_per_node=2", f"parallelism.balance={balance}",
+        f"parallelism.balance_tolerance={tolerance}",
+        f"trainer.max_steps={steps}", "trainer.warmup_steps=5", "trainer.window_steps=10",
+        "trainer.save_model=false", "tracking.enabled=false", *WORKLOADS[name][0]])
     run_dir = tmp / f"{name.replace(' ', '_')}-{balance}-{i}"
     result = run_job(cfg, run_dir, echo=False, plots=False)
     bal = result.get("balance") or {}

@@ -7,7 +7,7 @@ rounds, fsdp first in even ones). Per rank: peak memory (the meter's figure, the
 of torch and libraries included), model state (parameters + gradients + optimizer state held),
 step time and exposed communication. Target: fsdp's peak per rank <= 0.65 x ddp's.
 
-    .venv/bin/python bench/bench_fsdp.py [--rounds 2] [--d-model 512] [--layers 16] [--steps 12]
+    .venv/bin/python -m bench.bench_fsdp [--rounds 2] [--d-model 512] [--layers 16] [--steps 12]
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
-from bench_tune import ROOT, compose_cfg, table
 
+from bench.lib import prepare, table
 from orchestrator.app import run_job
+from orchestrator.compose import compose_config
 from orchestrator.runtime.loop import build_model
 
 TARGET = 0.65
@@ -37,7 +36,7 @@ def overrides(args: argparse.Namespace, backend: str) -> list:
 
 
 def run(args: argparse.Namespace, backend: str, tmp: Path, n: int) -> dict:
-    r = run_job(compose_cfg(overrides(args, backend)), tmp / f"{backend}-{n}", echo=False)
+    r = run_job(compose_config(overrides(args, backend)), tmp / f"{backend}-{n}", echo=False)
     ranks = r["per_rank"]
     return {"peak": max(p["peak_mem_mb"] for p in ranks), "peaks": [p["peak_mem_mb"] for p in ranks],
             "state": max(p["model_state_mb"] for p in ranks), "step": r["step_time_s"], "comm": r["comm_frac"]}
@@ -55,11 +54,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
-    os.chdir(ROOT)
-    warnings.filterwarnings("ignore")
-    tmp = Path(tempfile.mkdtemp(prefix="bench_fsdp-"))
+    tmp = prepare("bench_fsdp-")
     with torch.device("meta"):
-        params = sum(p.numel() for p in build_model(compose_cfg(overrides(args, "ddp"))).parameters())
+        params = sum(p.numel() for p in build_model(compose_config(overrides(args, "ddp"))).parameters())
     print(f"bench_fsdp: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}; "
           f"transformer d_model {args.d_model} x {args.layers} layers: {params / 1e6:.1f} M parameters, "
           f"{4 * params / 2**20:.0f} MB fp32")

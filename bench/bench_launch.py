@@ -2,8 +2,8 @@
 DDP and Horovod scripts, 2 ranks on CPU (gloo), seed 000's workload.
 
 For each backend (ddp, horovod), interleaved `--reps` times (default 5), runs
-  plain: bench/plain_ddp.py under `python -m torch.distributed.run --nproc-per-node=2`, or
-         bench/plain_horovod.py under `horovodrun --gloo -np 2 -H localhost:2`;
+  plain: `python -m bench.plain ddp` under `python -m torch.distributed.run --nproc-per-node=2`, or
+         `python -m bench.plain horovod` under `horovodrun --gloo -np 2 -H localhost:2`;
   orch:  `python -m orchestrator backend=<b> parallelism.nproc_per_node=2 tracking.enabled=false
          hydra.run.dir=<tmp> trainer.max_steps=N trainer.epochs=E`,
 both with OMP_NUM_THREADS=1 and the same number of steps, and measures
@@ -17,7 +17,7 @@ plain run), which drift less when other work shares the machine (the load averag
 
 Targets: orch/plain step-time ratio <= 1.03, orchestrator launch latency <= plain + 2 s.
 
-    .venv/bin/python bench/bench_launch.py [--steps 600] [--reps 5] [--backends ddp horovod]
+    .venv/bin/python -m bench.bench_launch [--steps 600] [--reps 5] [--backends ddp horovod]
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from collections import deque
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
+from bench.lib import ROOT
+
 PY = sys.executable
 HOROVODRUN = str(Path(PY).with_name("horovodrun"))
 POLL_S = 0.010
@@ -101,9 +101,9 @@ def run_one(kind: str, backend: str, steps: int, env: Dict[str, str], timeout_s:
     if kind == "plain":
         if backend == "ddp":
             cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-                   str(BENCH / "plain_ddp.py"), str(steps)]
+                   "-m", "bench.plain", "ddp", str(steps)]
         else:
-            cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", PY, str(BENCH / "plain_horovod.py"), str(steps)]
+            cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", PY, "-m", "bench.plain", "horovod", str(steps)]
         proc = Proc(cmd, env, needle="FIRST_STEP")
         started = proc.seen.is_set
     else:

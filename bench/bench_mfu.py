@@ -7,7 +7,7 @@
    step counted under FlopCounterMode minus the same step uncounted (median of 5 each,
    in process); target under 1 s.
 
-    .venv/bin/python bench/bench_mfu.py [--rounds 3]
+    .venv/bin/python -m bench.bench_mfu [--rounds 3]
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
-from bench_tune import ROOT, compose_cfg, table
 
+from bench.lib import prepare, table
 from orchestrator.app import run_job
+from orchestrator.compose import compose_config
 from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.flops import StepCounter
 from orchestrator.runtime.loop import build_dataset, build_loader, build_model, loss_fn
@@ -32,7 +32,7 @@ PRESETS = ("linear_classifier", "mlp_accumulation", "linear_regression", "input_
 
 
 def steady_mfu(batch: int, tmp: Path, n: int) -> dict:
-    cfg = compose_cfg(["experiment=transformer_lm", f"data.batch_size={batch}", "tracking.enabled=false",
+    cfg = compose_config(["experiment=transformer_lm", f"data.batch_size={batch}", "tracking.enabled=false",
                        "trainer.save_model=false", "trainer.epochs=1000", f"trainer.max_steps={max(40, 2400 // batch)}",
                        f"trainer.warmup_steps={max(10, 240 // batch)}", f"trainer.window_steps={max(4, 240 // batch)}"])
     r = run_job(cfg, tmp / f"b{batch}-{n}", echo=False)
@@ -40,7 +40,7 @@ def steady_mfu(batch: int, tmp: Path, n: int) -> dict:
 
 
 def counting_cost(preset: str) -> float:
-    cfg = compose_cfg([f"experiment={preset}", "tracking.enabled=false", "data.read_latency_ms=0"])
+    cfg = compose_config([f"experiment={preset}", "tracking.enabled=false", "data.read_latency_ms=0"])
     adapter = Adapter(cfg)
     adapter.setup()
     model = build_model(cfg)
@@ -68,11 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    os.chdir(ROOT)
-    warnings.filterwarnings("ignore")
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench_mfu-"))
+    tmp = prepare("bench_mfu-")
     print(f"bench_mfu: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}")
     runs: dict = {8: [], 64: []}
     for n in range(args.rounds):

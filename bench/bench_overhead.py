@@ -2,9 +2,10 @@
 
 Measures, side by side and interleaved (same seeds, fixed torch threads):
 
-  * plain:  a hand-written loop as a user following seed 000 writes it
-            (seed 000's SimpleModel around nn.Linear(1000, 10), cross-entropy, SGD lr 0.01, DataLoader batch 32 shuffle,
-            num_workers=0 over tasks.datasets.random_classification(4096, 1000, 10));
+  * plain:  a hand-written loop as a user following seed 000 writes it (bench.plain.train_steps,
+            the loop of bench_launch's plain ranks too): seed 000's SimpleModel around
+            nn.Linear(1000, 10), cross-entropy, SGD lr 0.01, DataLoader batch 32 shuffle,
+            num_workers=0 over tasks.datasets.random_classification(4096, 1000, 10);
   * orch:   `orchestrator.runtime.loop.train(cfg, Adapter(cfg))` on the same workload
             (cfg composed from conf/ with Hydra, backend=single, tracking off);
   * noop:   the same `train()` with `StepMeter.mark/end_step/comm_hook_fired`
@@ -24,7 +25,7 @@ Per-step wall time is measured by the benchmark, never read from the meter:
 The figure per variant is the median over rounds. Targets: orch / plain step-time ratio <= 1.03,
 instrumentation overhead (orch - noop) / noop <= 1 %.
 
-    .venv/bin/python bench/bench_overhead.py [--rounds 9] [--steps 2560] [--threads 1] [--noise-every N]
+    .venv/bin/python -m bench.bench_overhead [--rounds 9] [--steps 2560] [--threads 1] [--noise-every N]
 """
 
 from __future__ import annotations
@@ -36,20 +37,19 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from orchestrator.runtime import data as data_mod, loop as loop_mod  # noqa: E402
-from orchestrator.runtime.dist import Adapter  # noqa: E402
-from orchestrator.runtime.meter import StepMeter  # noqa: E402
-from orchestrator.schema import Config, register_configs, to_config  # noqa: E402
-from tasks.datasets import random_classification  # noqa: E402
+from bench.plain import train_steps
+from orchestrator.compose import compose_config
+from orchestrator.runtime import data as data_mod, loop as loop_mod
+from orchestrator.runtime.dist import Adapter
+from orchestrator.runtime.meter import StepMeter
+from orchestrator.schema import Config
+from tasks.datasets import random_classification
 
 SEED = 0
 BATCH = 32
@@ -92,19 +92,14 @@ def steady_step_s(stamps: List[float], skip: int, end: float) -> float:
 
 
 # -- the orchestrator's config, composed as the CLI composes it ---------------------------------
-def compose_cfg(steps: int) -> Config:
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
+def seed_config(steps: int) -> Config:
     per_epoch = SIZE // BATCH
     epochs = -(-steps // per_epoch)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        dcfg = compose(config_name="config", overrides=[
-            "backend=single", "backend.device=cpu", "tracking.enabled=false",
-            f"trainer.max_steps={steps}", f"trainer.epochs={epochs}", f"trainer.seed={SEED}",
-            "trainer.save_model=false",
-        ])
-    cfg = to_config(dcfg)
+    cfg = compose_config([
+        "backend=single", "backend.device=cpu", "tracking.enabled=false",
+        f"trainer.max_steps={steps}", f"trainer.epochs={epochs}", f"trainer.seed={SEED}",
+        "trainer.save_model=false",
+    ])
     # seed 000's workload, checked rather than assumed
     assert cfg.model._target_ == "tasks.models.Linear" and cfg.model.args == {"in_features": FEATURES, "out_features": CLASSES}
     assert cfg.data._target_ == "tasks.datasets.random_classification"
@@ -132,7 +127,6 @@ def run_plain(steps: int, skip: int) -> Dict[str, float]:
     torch.manual_seed(SEED)
     dataset = random_classification(size=SIZE, features=FEATURES, classes=CLASSES, seed=SEED)
     model = SimpleModel()
-    ce = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = ProbedLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0,
                           generator=torch.Generator().manual_seed(SEED))
@@ -141,18 +135,9 @@ def run_plain(steps: int, skip: int) -> Dict[str, float]:
     done, first_loss = 0, float("nan")
     model.train()
     t0 = time.perf_counter()
-    while done < steps:
-        for x, y in loader:
-            out = model(x)
-            loss = ce(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            done += 1
-            if done == 1:
-                first_loss = loss.item()
-            if done == steps:
-                break
+    for done, loss in enumerate(train_steps(model, loader, opt, steps), 1):
+        if done == 1:
+            first_loss = loss.item()
     t1, c1 = time.perf_counter(), time.process_time()
     stamps = STAMPS[:steps]
     return {"steady": steady_step_s(stamps, skip, t1), "e2e": (t1 - t0) / done,
@@ -222,7 +207,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    cfg = compose_cfg(args.steps)
+    cfg = seed_config(args.steps)
     if args.noise_every:
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, noise_every=args.noise_every))
     data_mod.DataLoader = ProbedLoader  # the orchestrator's build_loader (runtime/data.py) gets the same probe

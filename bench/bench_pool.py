@@ -5,7 +5,7 @@ once relaunching torchrun/horovodrun for every trial, once handing the trials to
 ranks. A trial's overhead is the share of its wall time (as the tuner records it: from sampling
 to the trial's MLflow run closed) spent outside its measured window. Target with reuse: <= 10%.
 
-    .venv/bin/python bench/bench_pool.py [--trials 5] [--measure-steps 150]
+    .venv/bin/python -m bench.bench_pool [--trials 5] [--measure-steps 150]
 """
 
 from __future__ import annotations
@@ -19,32 +19,23 @@ from pathlib import Path
 
 import optuna
 
-ROOT = Path(__file__).resolve().parents[1]
-
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from orchestrator.schema import register_configs, to_config
+from orchestrator.compose import compose_config
 from orchestrator.tune.study import run_study
 
 
 def study(backend: str, reuse: bool, trials: int, measure: int, tmp: Path) -> dict:
-    register_configs()
-    GlobalHydra.instance().clear()
     run_dir = tmp / f"{backend}-reuse-{reuse}"
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        # ~15 ms steps: seed 000's model behind 0.5 ms reads per sample
-        cfg = to_config(compose("config", overrides=[
-            "mode=tune", f"backend={backend}", "parallelism.nproc_per_node=2", "data.read_latency_ms=0.5",
-            f"tune.n_trials={trials}", "tune.warmup_steps=5", f"tune.measure_steps={measure}",
-            "tune.rel_precision=0", "tune.confirm_top=0",  # a fixed measured part: the overhead is the figure
-            f"tune.window_steps={max(1, measure // 5)}", "tune.pruner=none", "tune.baseline=false",
-            f"tune.reuse_ranks={reuse}", f"tune.storage=sqlite:///{run_dir}/optuna.db",
-            f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tune.space.num_workers.high=0",
-            "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16,32,64]",
-            "tune.space.accumulation_steps.high=2",
-        ]))
-    GlobalHydra.instance().clear()
+    # ~15 ms steps: seed 000's model behind 0.5 ms reads per sample
+    cfg = compose_config([
+        "mode=tune", f"backend={backend}", "parallelism.nproc_per_node=2", "data.read_latency_ms=0.5",
+        f"tune.n_trials={trials}", "tune.warmup_steps=5", f"tune.measure_steps={measure}",
+        "tune.rel_precision=0", "tune.confirm_top=0",  # a fixed measured part: the overhead is the figure
+        f"tune.window_steps={max(1, measure // 5)}", "tune.pruner=none", "tune.baseline=false",
+        f"tune.reuse_ranks={reuse}", f"tune.storage=sqlite:///{run_dir}/optuna.db",
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tune.space.num_workers.high=0",
+        "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16,32,64]",
+        "tune.space.accumulation_steps.high=2",
+    ])
     t0 = time.monotonic()
     summary = run_study(cfg, run_dir, echo=False)
     wall = time.monotonic() - t0

@@ -6,12 +6,12 @@ Workloads (tracking off, everything under one temporary directory):
   * transformer_lm (single process): batch {8,16,32,64} x workers {0,1} x accumulation {1,2,4}.
 
 1. Small grid (24 points). Every point is measured as a trial and by a long steady-state run
-   (bench_trials.validity: 3x the steady warmup, >= 5x (--quick) or 10x the trial's samples).
+   (bench.lib.validity: 3x the steady warmup, >= 5x (--quick) or 10x the trial's samples).
    Then each sampler runs a study of 12 trials on the same space, seeds 0..2, with the config as
    given as trial 0 (tune.baseline, as users run it), no confirmation and no early stop, so every
    study shows the search alone. After each counted trial k, the pick so far (the objective's
    rule on the trials' own figures) is scored by its steady-state figures against the
-   steady-state grid-best (bench_trials.quality). Printed: trials needed to reach >= 0.97
+   steady-state grid-best (bench.lib.quality). Printed: trials needed to reach >= 0.97
    (median over seeds; "13" when 12 never did); target: guided <= 6 on every workload. Also
    printed: trials to 0.95, and the pick's score after each trial. Where several configs lie
    within the references' own run-to-run spread of the best (input_bound: four 4-worker configs
@@ -27,8 +27,8 @@ Workloads (tracking off, everything under one temporary directory):
 The full run takes about 60-90 minutes on 2 idle cores (--quick: 1 seed, 5x reference samples,
 about 25); other work on the machine makes every figure noisier (the load average is printed).
 
-    .venv/bin/python bench/bench_samplers.py [--quick] [--only input_bound comm_heavy transformer_lm]
-                                             [--part grid default] [--keep]
+    .venv/bin/python -m bench.bench_samplers [--quick] [--only input_bound comm_heavy transformer_lm]
+                                            [--part grid default] [--keep]
 
 `--cache FILE` keeps the trial and steady-state figures per grid point in a JSON file that
 bench_trials reads too (same workload and reference factor), so the long reference runs are made once.
@@ -45,13 +45,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import optuna  # noqa: E402
-from bench_trials import TARGET_QUALITY, Jobs, figures, quality, reference_config, validity  # noqa: E402
-from bench_tune import (KNOBS, WORKLOADS, Point, Results, compose_cfg, fmt, objective_best, point_of,  # noqa: E402
-                        prepare, run_workloads, space_overrides, table)
-
-from orchestrator.tune.space import SearchSpace  # noqa: E402
-from orchestrator.tune.study import run_study, trial_config  # noqa: E402
+from bench.lib import (KNOBS, TARGET_QUALITY, WORKLOADS, Jobs, Point, Results, add_run_args, figures, fmt,
+                       objective_best, point_of, prepare, quality, reference_config, run_workloads, space_overrides,
+                       study, table, validity)
+from orchestrator.compose import compose_config
+from orchestrator.tune.space import SearchSpace
+from orchestrator.tune.study import trial_config
 
 SPACES: Dict[str, Dict[str, Any]] = {
     **{k: WORKLOADS[k] for k in ("input_bound", "comm_heavy")},
@@ -64,14 +63,6 @@ TARGET_NEEDED = 6
 NEAR_QUALITY = 0.95  # also reported: the settled references of one config spread +-4% between runs here
 DEFAULT_TRIALS = {"guided": 12, "random": 48}
 NOISE = 0.03
-
-
-def study(name: str, overrides: List[str], tmp: Path) -> Dict[str, Any]:
-    t0 = time.monotonic()
-    summary = run_study(compose_cfg(overrides), tmp / "studies" / name, echo=False)
-    wall = time.monotonic() - t0
-    trials = optuna.load_study(study_name=summary["study_name"], storage=summary["storage"]).trials
-    return {"summary": summary, "trials": trials, "wall_s": wall}
 
 
 def needed(trials: List[Any], steady: Dict[Point, Dict[str, float]], floor: float) -> List[float]:
@@ -94,7 +85,7 @@ def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: P
     common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
               f"tune.n_trials={GRID_TRIALS}", "tune.confirm_top=0", "tune.patience=0",
               *space_overrides(spec["space"])]
-    cfg = compose_cfg(common)
+    cfg = compose_config(common)
     space, floor = SearchSpace(cfg), cfg.tune.throughput_floor
     if point_of(space.baseline()) not in grid:
         common.append("tune.baseline=false")
@@ -124,7 +115,7 @@ def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: P
 
 def default_part(name: str, spec: Dict[str, Any], seeds: int, tmp: Path) -> Dict[str, Any]:
     common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db"]
-    cfg = compose_cfg(common)
+    cfg = compose_config(common)
     space = SearchSpace(cfg)
     print(f"\n== {name}: default space, {space.grid_size()} configs, load average {os.getloadavg()[0]:.2f}", flush=True)
     picks: Dict[str, List[Dict[str, Any]]] = {s: [] for s in DEFAULT_TRIALS}
@@ -181,16 +172,13 @@ def bench_workload(name: str, spec: Dict[str, Any], args: argparse.Namespace, tm
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, 5x reference samples")
-    ap.add_argument("--only", choices=sorted(SPACES), nargs="*", default=None, help="run only these workloads")
+    add_run_args(ap, SPACES)
     ap.add_argument("--part", choices=("grid", "default"), nargs="*", default=["grid", "default"])
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--cache", type=Path, default=None, help="JSON file of steady-state figures shared with bench_trials")
     args = ap.parse_args()
 
-    tmp = prepare("bench_samplers-")
+    tmp = prepare("bench_samplers-", ["quick" if args.quick else "full"])
     start = time.monotonic()
-    print(f"bench_samplers: {'quick' if args.quick else 'full'}, {os.cpu_count()} CPUs, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, output {tmp}", flush=True)
     results = run_workloads(args.only, args.keep, tmp, lambda name, spec: bench_workload(name, spec, args, tmp), SPACES)
 
     res = Results()

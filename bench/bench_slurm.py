@@ -12,7 +12,7 @@ single local process has; on a real cluster each node brings its own).
 
 Needs root and Debian's slurm-wlm + munge (make setup installs them).
 
-    .venv/bin/python bench/bench_slurm.py [--repeats 3] [--trials 6]
+    .venv/bin/python -m bench.bench_slurm [--repeats 3] [--trials 6]
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import time
 from pathlib import Path
 from typing import List
 
-from bench_tune import ROOT, table
-
-sys.path.insert(0, str(ROOT))
-from tests.slurm import SlurmCluster, skip_reason  # noqa: E402
+from bench.lib import ROOT, table
+from tests.slurm import SlurmCluster, skip_reason
 
 JOB = ["backend=ddp", "data.args.size=4096", "data.batch_size=32", "trainer.max_steps=40", "trainer.warmup_steps=2",
        "trainer.window_steps=4", "tracking.enabled=false"]

@@ -11,28 +11,25 @@
 A throwaway PostgreSQL server is started in a temporary directory (tests/pg.py; Debian's
 postgresql package, which `make setup` installs).
 
-    .venv/bin/python bench/bench_storage.py
+    .venv/bin/python -m bench.bench_storage
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import optuna
-from bench_tune import ROOT, table
 
-sys.path.insert(0, str(ROOT))  # tests/pg.py: the throwaway server the tests use too
-from tests.pg import PostgresServer  # noqa: E402
-
-from orchestrator.tune.rules import counted  # noqa: E402
-from orchestrator.tune.storage import study_lock  # noqa: E402
+from bench.lib import ROOT, prepare, table
+from orchestrator.tune.rules import counted
+from orchestrator.tune.storage import study_lock
+from tests.pg import PostgresServer  # the throwaway server the tests use too
 
 TRIALS = 12
 
@@ -69,11 +66,8 @@ def storage_overhead(storage: str, trials: int = 40) -> list:
 
 
 def main() -> int:
-    os.chdir(ROOT)
-    warnings.filterwarnings("ignore")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    tmp = Path(tempfile.mkdtemp(prefix="bench_storage-"))
-    print(f"bench_storage: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, output {tmp}", flush=True)
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help says what it does
+    tmp = prepare("bench_storage-", [])
     pg = PostgresServer(["optuna"])
     rows = [["figure", "measured"]]
     try:

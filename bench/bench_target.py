@@ -25,7 +25,7 @@ scale within 2x of the offline one.
 Tasks: six of the zoo (bench/zoo) plus a DDP task whose loader waits on storage, and the shipped
 sequence example (experiment=variable_length_lm). Time on 2 cores: 5-15 minutes a task and seed.
 
-    .venv/bin/python bench/bench_target.py --only storage_1 comm_ddp --seeds 1
+    .venv/bin/python -m bench.bench_target --only storage_1 comm_ddp --seeds 1
 """
 
 from __future__ import annotations
@@ -41,18 +41,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-BENCH = Path(__file__).resolve().parent
-os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+import torch
 
-import torch  # noqa: E402
-from bench_tune import compose_cfg, prepare, table  # noqa: E402
-from zoo import TASKS as ZOO  # noqa: E402
-from zoo import MLP, _user  # noqa: E402
-
-from orchestrator.app import JobFailed, run_job  # noqa: E402
-from orchestrator.runtime.data import build_dataset  # noqa: E402
-from orchestrator.runtime.loop import build_model, loss_fn  # noqa: E402
-from orchestrator.tune.study import run_study  # noqa: E402
+from bench.lib import prepare, table
+from bench.zoo import TASKS as ZOO
+from bench.zoo import MLP, _user
+from orchestrator.app import JobFailed, run_job
+from orchestrator.compose import compose_config as compose_cfg
+from orchestrator.runtime.data import build_dataset
+from orchestrator.runtime.loop import build_model, loss_fn
+from orchestrator.tune.study import run_study
 
 VAL_FRACTION = 0.2
 POLICIES: Dict[str, List[str]] = {

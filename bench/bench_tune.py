@@ -41,7 +41,7 @@ large batches are the slowest), so the default run takes about 6-7 minutes on 2 
 (--quick about 4); other work on the machine both slows it and makes every figure noisier (the
 load average is printed at the start of each workload and at the end).
 
-    .venv/bin/python bench/bench_tune.py [--quick] [--rounds 3] [--keep]
+    .venv/bin/python -m bench.bench_tune [--quick] [--rounds 3] [--keep]
 """
 
 from __future__ import annotations
@@ -50,81 +50,26 @@ import argparse
 import itertools
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+import optuna
 
-import optuna  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+from bench.lib import (KNOBS, TARGET_QUALITY, WORKLOADS, Point, Results, add_run_args, fmt, objective_best, point_of,
+                       prepare, run_workloads, space_overrides, table, values_of)
+from orchestrator.app import JobFailed, run_job
+from orchestrator.compose import compose_config
+from orchestrator.schema import Config
+from orchestrator.tune.space import SearchSpace
+from orchestrator.tune.study import run_study, trial_config
 
-from orchestrator.app import JobFailed, run_job  # noqa: E402
-from orchestrator.schema import Config, register_configs, to_config  # noqa: E402
-from orchestrator.tune.space import SearchSpace  # noqa: E402
-from orchestrator.tune.study import run_study, trial_config  # noqa: E402
-
-KNOBS = ("batch_size", "num_workers", "accumulation_steps")
-KEYS = {"batch_size": "data.batch_size", "num_workers": "data.num_workers",
-        "accumulation_steps": "trainer.accumulation_steps"}
 SEED_DEFAULT = {"batch_size": 32, "num_workers": 0, "accumulation_steps": 1}
 
-WORKLOADS: Dict[str, Dict[str, Any]] = {
-    "input_bound": {
-        "overrides": ["experiment=input_bound", "data.read_latency_ms=2", "data.args.blur_passes=1"],
-        "space": {"batch_size": [16, 32, 64], "num_workers": [0, 1, 2, 4], "accumulation_steps": [1, 2]},
-        "quick": {"batch_size": [8, 16, 32, 64], "num_workers": [0, 4], "accumulation_steps": [1, 2]},
-    },
-    "comm_heavy": {
-        "overrides": ["experiment=comm_heavy", "backend=ddp", "parallelism.nproc_per_node=2"],
-        "space": {"batch_size": [8, 16, 32, 64], "num_workers": [0, 1], "accumulation_steps": [1, 2, 4]},
-        "quick": {"batch_size": [8, 16, 32, 64], "num_workers": [0, 1], "accumulation_steps": [1, 2]},
-    },
-}
-
-TARGET_QUALITY = 0.97
 TARGET_TRIALS = 0.25
 TARGET_GAIN = 3.0
-
-Point = Tuple[int, int, int]  # (batch, workers, accumulation)
-
-
-# -- config -----------------------------------------------------------------------------------
-def compose_cfg(overrides: Sequence[str]) -> Config:
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return to_config(compose(config_name="config", overrides=list(overrides)))
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def space_overrides(space: Dict[str, List[int]]) -> List[str]:
-    """The three knobs with these choices; the default space's other knobs removed."""
-    out = ["~tune.space.prefetch_factor", "~tune.space.pin_memory", "tune.extend_edges=false"]  # the grid is all
-    for name, choices in space.items():
-        out += [f"tune.space.{name}.type=categorical", f"tune.space.{name}.choices=[{','.join(map(str, choices))}]"]
-    return out
-
-
-def point_of(values: Dict[str, Any]) -> Point:
-    return tuple(int(values[KEYS[k]]) for k in KNOBS)  # type: ignore[return-value]
-
-
-def fmt(p: Point) -> str:
-    return f"b{p[0]} w{p[1]} a{p[2]}"
-
-
-def values_of(space: SearchSpace, p: Point) -> Dict[str, Any]:
-    """The exact values the tuner would launch for this point (its own sample(), fixed params)."""
-    return space.sample(optuna.trial.FixedTrial(space.params_of({KEYS[k]: v for k, v in zip(KNOBS, p)})))
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -145,13 +90,6 @@ class Runner:
         out["wall_s"] = time.monotonic() - t0
         self.spent[phase] = self.spent.get(phase, 0.0) + out["wall_s"]
         return out
-
-
-def objective_best(rows: Dict[Point, Dict[str, float]], floor: float) -> Point:
-    """The tuner's rule (report.best_trials): highest utilization within floor x best throughput."""
-    top = max(r["throughput"] for r in rows.values())
-    eligible = [p for p, r in rows.items() if r["throughput"] >= floor * top]
-    return max(eligible, key=lambda p: rows[p]["utilization"])
 
 
 def remeasure(runner: Runner, cfg: Config, space: SearchSpace, arms: Dict[str, Point], rounds: int,
@@ -189,7 +127,7 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, rounds: int, tm
     common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
               f"tune.study_name=bench-{name}", "tune.baseline=false", f"tune.n_trials={n_trials}",
               *space_overrides(space_spec)]
-    cfg = compose_cfg(common)
+    cfg = compose_config(common)
     space = SearchSpace(cfg)
     floor = cfg.tune.throughput_floor
     print(f"\n== {name}: grid {len(grid)} points, tuner {n_trials} trials, floor {floor:g}, "
@@ -251,63 +189,15 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, rounds: int, tm
             "grid_s": grid_s, "tune_s": tune_s, "states": summary["states"]}
 
 
-# -- report -----------------------------------------------------------------------------------
-def table(rows: List[List[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-class Results:
-    """The closing table: a row per figure, and whether each target was met."""
-
-    def __init__(self) -> None:
-        self.rows = [["figure", "workload", "measured", "target", "met"]]
-        self.verdicts: List[bool] = []
-
-    def row(self, figure: str, workload: str, measured: str, target: str, ok: Optional[bool]) -> None:
-        self.rows.append([figure, workload, measured, target, "-" if ok is None else ("yes" if ok else "NO")])
-        if ok is not None:
-            self.verdicts.append(ok)
-
-
-def prepare(prefix: str) -> Path:
-    """Quiet, in the repository root (ranks import tasks.* from it); returns a new temporary dir."""
-    os.chdir(ROOT)
-    warnings.filterwarnings("ignore")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return Path(tempfile.mkdtemp(prefix=prefix))
-
-
-def run_workloads(only: Optional[List[str]], keep: bool, tmp: Path,
-                  bench: Callable[[str, Dict[str, Any]], Dict[str, Any]],
-                  workloads: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Dict[str, Any]]:
-    """`bench(name, spec)` for each workload (of `workloads`, default WORKLOADS; those in `only`,
-    when given); `tmp` removed after unless `keep`."""
-    results: Dict[str, Dict[str, Any]] = {}
-    try:
-        for name, spec in (workloads or WORKLOADS).items():
-            if only is None or name in only:
-                results[name] = bench(name, spec)
-    finally:
-        if not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return results
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16-point grids (4 tuner trials each)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved re-measurements per config")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    ap.add_argument("--only", choices=sorted(WORKLOADS), nargs="*", default=None, help="run only these workloads")
+    add_run_args(ap, WORKLOADS)
     args = ap.parse_args()
 
-    tmp = prepare("bench_tune-")
+    tmp = prepare("bench_tune-", ["quick" if args.quick else "full", f"rounds {args.rounds}"])
     start = time.monotonic()
-    print(f"bench_tune: {'quick' if args.quick else 'full'}, rounds {args.rounds}, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}, output {tmp}", flush=True)
     runner = Runner(tmp)
     results = run_workloads(args.only, args.keep, tmp,
                             lambda name, spec: bench_workload(name, spec, args.quick, args.rounds, tmp, runner))

@@ -1,8 +1,8 @@
 """The tuner on a zoo of user-like tasks: every pick judged by steady-state figures of the whole
 grid, per task, per sampler, per seed; on CPU.
 
-Tasks (bench/zoo/: the user's own code in zoo/tasks.py, loaded by `_target_` with `model=custom
-data=custom`; the user's config and the searched space in zoo/__init__.py), each with another
+Tasks (bench/zoo/: the user's own code in bench/zoo/tasks.py, loaded by `_target_` with `model=custom
+data=custom`; the user's config and the searched space in bench/zoo/__init__.py), each with another
 bottleneck:
   storage_0p1, storage_1, storage_5  each item sleeps 0.1 / 1 / 5 ms (storage latency), tiny MLP;
                                      workers [0,2,4,8]: sleeping workers cost no CPU
@@ -14,12 +14,13 @@ bottleneck:
   memory_cap      activations grow with the batch; trainer.memory_cap_mb=850 fails batch 512
                   (measured peaks: b64 460 MB, b128 530, b256 695, b512 1040)
   already_best    compute-bound MLP on in-memory data; the user's b64 w0 a1 is (near) the best
-Each space is categorical, 24 points (batch x workers x accumulation); the tasks' modules are found
-through PYTHONPATH, which this script extends with bench/ (the ranks inherit it).
+Each space is categorical, 24 points (batch x workers x accumulation); the tasks' modules
+(`_target_: bench.zoo.tasks.X`) are found from the repository root, where this script and its
+ranks run.
 
 Parts (--part, any subset, in this order; all of them by default):
   grid     every grid point as a trial and by a steady-state reference run of the same config
-           (bench_trials.validity: 3x the steady warmup, then >= --factor x the trial's samples;
+           (bench.lib.validity: 3x the steady warmup, then >= --factor x the trial's samples;
            the references near the steady best are then settled: 3 runs, interleaved, averaged).
            Points already in the cache are not measured again.
   studies  per task, per sampler (--samplers), per seed (--seeds): `run_study` with 6 trials on
@@ -33,7 +34,7 @@ Parts (--part, any subset, in this order; all of them by default):
   default  per task, a 12-trial guided study on the DEFAULT space (conf/tune/default.yaml, no
            space overrides); its pick and the task's steady grid-best are then run side by side in
            steady state (2 interleaved rounds, the same reference runs): ratio = the pick's score
-           against the grid-best by the objective's rule (bench_trials.quality; > 1 is shown as 1).
+           against the grid-best by the objective's rule (bench.lib.quality; > 1 is shown as 1).
   resettle per task, the references that decide its scores (the configs near the steady best and
            every pick of every label) measured again side by side, --rounds runs each, interleaved;
            today's mean replaces them (the earlier figures are kept as "steady_before", each run's
@@ -41,7 +42,7 @@ Parts (--part, any subset, in this order; all of them by default):
            Configs that today's figures moved near the best get a second look beside it.
   score    reads the cache and prints one table: per task and label, each sampler's median / worst
            seed score, the default-space ratio, the guided studies' median wall time and measured
-           share, the load averages. Score of a pick = bench_trials.quality(steady grid, pick,
+           share, the load averages. Score of a pick = bench.lib.quality(steady grid, pick,
            floor) (the utilization objective's rule: its steady utilization / the grid-best's
            when its steady throughput is within tune.throughput_floor of the best, else its
            throughput / the best's); "thr" beside it: its steady throughput / the grid's best;
@@ -51,7 +52,7 @@ Parts (--part, any subset, in this order; all of them by default):
            >= tpe's and >= random's on every task; default-space ratio >= 0.97; measured share >= 50%.
 
 Cache (--cache, JSON, default outputs/bench_zoo.json; --smoke: outputs/bench_zoo_smoke.json):
-"<task> x<factor>" holds the grid (bench_trials' layout, per point "trial" and "steady"); "grid",
+"<task> x<factor>" holds the grid (bench.lib.validity's layout, per point "trial" and "steady"); "grid",
 "studies" and "default" hold the rest, the last two under --label (default "current"), so the
 code before a change ("--label before") and after it ("--label after") are scored from one
 file, against the same references (score prints every label present).
@@ -68,17 +69,17 @@ step can take 10x longer); the load average is printed with each task's figures 
 --smoke shrinks every space to 4 points (first and last batch, first and last workers, first
 accumulation) and the default study to 4 trials, for a check that everything runs:
 
-    .venv/bin/python bench/bench_zoo.py --only storage_1 --part grid studies score --seeds 1 \\
+    .venv/bin/python -m bench.bench_zoo --only storage_1 --part grid studies score --seeds 1 \\
         --samplers guided --factor 1 --smoke
 
 Full run, then the same after a change to the tuner, then the comparison:
 
-    .venv/bin/python bench/bench_zoo.py --label before
-    .venv/bin/python bench/bench_zoo.py --label after --part studies default score
+    .venv/bin/python -m bench.bench_zoo --label before
+    .venv/bin/python -m bench.bench_zoo --label after --part studies default score
 
 A variant of the same code, by its overrides (the label names it):
 
-    .venv/bin/python bench/bench_zoo.py --part studies score --label pruner-interval --tune tune.pruner=interval
+    .venv/bin/python -m bench.bench_zoo --part studies score --label pruner-interval --tune tune.pruner=interval
 """
 
 from __future__ import annotations
@@ -94,24 +95,19 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-BENCH = Path(__file__).resolve().parent
-# the tasks' package (zoo) must import in the rank processes too: they inherit the environment
-os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+import optuna
 
-import optuna  # noqa: E402
-from bench_samplers import study  # noqa: E402
-from bench_trials import SETTLE_NEAR, SETTLE_RUNS, Jobs, figures, quality, reference_config, settle, validity  # noqa: E402
-from bench_tune import (KNOBS, Point, compose_cfg, fmt, objective_best, point_of, prepare,  # noqa: E402
-                        run_workloads, space_overrides, table, values_of)
-from zoo import TASKS  # noqa: E402
+from bench.lib import (KNOBS, ROOT, SETTLE_NEAR, SETTLE_RUNS, Figures, Jobs, Point, add_run_args, figures, fmt,
+                       objective_best, point_of, prepare, quality, reference_config, run_workloads, settle,
+                       space_overrides, study, table, validity, values_of)
+from bench.zoo import TASKS
+from orchestrator.compose import compose_config
+from orchestrator.measure.stats import Z95
+from orchestrator.schema import Config, TuneConfig
+from orchestrator.tune.rules import expected_scores, not_launched
+from orchestrator.tune.space import SearchSpace
+from orchestrator.tune.study import trial_config
 
-from orchestrator.measure.stats import Z95  # noqa: E402
-from orchestrator.schema import Config, TuneConfig  # noqa: E402
-from orchestrator.tune.rules import expected_scores, not_launched  # noqa: E402
-from orchestrator.tune.space import SearchSpace  # noqa: E402
-from orchestrator.tune.study import trial_config  # noqa: E402
-
-ROOT = BENCH.parent
 SAMPLERS = ("guided", "tpe", "random")
 PARTS = ("grid", "studies", "default", "resettle", "score")
 STUDY_TRIALS = 6
@@ -122,8 +118,6 @@ NOT_LAUNCHED = {"duplicate_of": "=", "predicted_below": "~", "over_memory_of": "
 # measured already, predicted below the floor by the job model, a batch above one that ran out of memory
 CHECKS = ("guided median", "guided worst seed", "guided >= tpe", "guided >= random", "default-space ratio",
           "measured share")
-
-Figures = Dict[str, float]
 
 
 # -- the cache file ---------------------------------------------------------------------------
@@ -211,7 +205,7 @@ def noise_aware(steady: Dict[Point, Figures], pick: Optional[Point], floor: floa
 def grid_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
     space_spec = space_of(spec, args.smoke)
     grid = grid_of(space_spec)
-    cfg = compose_cfg([*base(spec, tmp), *space_overrides(space_spec)])
+    cfg = compose_config([*base(spec, tmp), *space_overrides(space_spec)])
     load0, t0 = load_avg(), time.monotonic()
     print(f"\n== {name} grid: {len(grid)} points, reference x{args.factor:g}, load average {load0:.2f}", flush=True)
     v = validity(name, cfg, SearchSpace(cfg), grid, args.factor, tmp, args.cache)
@@ -266,7 +260,7 @@ def studies_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp:
     space_spec = space_of(spec, args.smoke)
     grid = grid_of(space_spec)
     common = [*base(spec, tmp), *space_overrides(space_spec), f"tune.n_trials={STUDY_TRIALS}", *args.tune]
-    cfg = compose_cfg(common)
+    cfg = compose_config(common)
     user = point_of(SearchSpace(cfg).baseline())
     common.append(f"tune.baseline={str(user in grid).lower()}")
     data = load(args.cache)
@@ -314,7 +308,7 @@ def settle_picks(name: str, cfg: Config, args: argparse.Namespace, tmp: Path) ->
 # -- part resettle ----------------------------------------------------------------------------
 def resettle_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
     """The references that decide the scores measured again side by side, today: the configs near
-    the steady best and near the top throughput (bench_trials.SETTLE_NEAR) and every pick of every
+    the steady best and near the top throughput (bench.lib.SETTLE_NEAR) and every pick of every
     label, --rounds runs each in interleaved rounds, replacing their figures by today's mean (the
     earlier ones kept as "steady_before", each run's figures as "samples": the split-half ceiling
     is computed from them). References settled on different days differ by the host's drift (a
@@ -329,7 +323,7 @@ def resettle_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp
     if len(steady) < len(grid):
         print(f"\n== {name} resettle: the grid is not measured yet ({len(steady)}/{len(grid)}): run --part grid first")
         return
-    cfg = compose_cfg([*base(spec, tmp), *space_overrides(space_of(spec, args.smoke))])
+    cfg = compose_config([*base(spec, tmp), *space_overrides(space_of(spec, args.smoke))])
     floor = cfg.tune.throughput_floor
     picks = {tuple(rec["pick"]) for by_label in data.get("studies", {}).values()
              for by_seed in by_label.get(name, {}).values() for rec in by_seed.values() if rec.get("pick")}
@@ -440,7 +434,7 @@ def default_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp:
         return
     space_spec = space_of(spec, args.smoke)
     grid = grid_of(space_spec)
-    grid_cfg = compose_cfg([*base(spec, tmp), *space_overrides(space_spec)])
+    grid_cfg = compose_config([*base(spec, tmp), *space_overrides(space_spec)])
     steady, floor = steady_of(load(args.cache), name, args.factor, grid), grid_cfg.tune.throughput_floor
     if len(steady) < len(grid):
         print(f"\n== {name} default: the grid is not measured yet ({len(steady)}/{len(grid)}): run --part grid first")
@@ -448,7 +442,7 @@ def default_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp:
     n = DEFAULT_TRIALS[args.smoke]
     sname = f"zoo-{name}-{args.label}-default-{time.time_ns()}"
     overrides = [*base(spec, tmp), "tune.sampler=guided", f"tune.n_trials={n}", f"tune.study_name={sname}"]
-    cfg = compose_cfg(overrides)
+    cfg = compose_config(overrides)
     print(f"\n== {name} default space ({args.label}): {SearchSpace(cfg).grid_size()} configs, {n} guided trials, "
           f"load average {load_avg():.2f}", flush=True)
     rec, best = run(sname, overrides, tmp)
@@ -503,7 +497,7 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
         dflt = data.get("default", {}).get(label, {}).get(name)
         if not steady or not (studies or dflt):
             continue
-        floor = compose_cfg(spec["overrides"]).tune.throughput_floor
+        floor = compose_config(spec["overrides"]).tune.throughput_floor
         cells, med, worst = [], {}, {}
         for s in SAMPLERS:
             recs = list(studies.get(s, {}).values())
@@ -573,7 +567,7 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=sorted(TASKS), nargs="*", default=None, help="run only these tasks")
+    add_run_args(ap, TASKS, "tasks")
     ap.add_argument("--part", choices=PARTS, nargs="*", default=list(PARTS))
     ap.add_argument("--cache", type=Path, default=None, help="JSON file (default outputs/bench_zoo.json)")
     ap.add_argument("--label", default="current", help="studies are stored under this name (e.g. before / after)")
@@ -582,7 +576,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="part resettle: runs of each config, interleaved")
     ap.add_argument("--factor", type=float, default=5.0, help="reference length: x the trial's measured samples")
     ap.add_argument("--smoke", action="store_true", help="4-point spaces, a 4-trial default study: a check that all runs")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--tune", nargs="*", default=[], metavar="KEY=VALUE",
                     help="overrides for the studies (e.g. tune.pruner=interval: the label then names that variant)")
     args = ap.parse_args()

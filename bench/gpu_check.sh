@@ -23,7 +23,7 @@ if ! "$PY" -c "import hydra, omegaconf, optuna" 2>/dev/null; then
     || { echo "gpu_check: could not install the wheels in $WHEELS (bash scripts/gpu_wheels.sh makes them)"; exit 2; }
   export PYTHONPATH="$SITE:${PYTHONPATH:-}"
 fi
-export PYTHONPATH="$(pwd):${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1  # `-m orchestrator` from the repository root: it and its ranks import the project from it
 DEVICE=${GPU_CHECK_DEVICE:-cuda}  # cpu: a smoke test of this script on a machine without a GPU
 if [ "$DEVICE" = cuda ]; then
   "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('gpu_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)" || exit 2

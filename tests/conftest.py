@@ -15,30 +15,18 @@ from typing import Callable, Iterator, List
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from orchestrator.schema import Config, register_configs, to_config
+from orchestrator.compose import CONF, compose_dict  # noqa: F401 (tests import both from here)
+from orchestrator.schema import Config, to_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # In-process training shares 2 cores with the ranks other tests start; one intra-op thread keeps
 # OpenMP from spinning against them (each rank gets its own OMP_NUM_THREADS from the launcher).
 torch.set_num_threads(1)
-CONF = ROOT / "conf"
 
 # Small enough for 2 cores; every test overrides what it measures.
 TINY = ["trainer.warmup_steps=1", "trainer.window_steps=2", "trainer.log_every=1"]
-
-
-def compose_dict(overrides: List[str]):
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose("config", overrides=overrides)
-    finally:
-        GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,9 @@ import dataclasses
 from typing import Dict, Optional
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 
+from orchestrator.compose import compose_config
 from orchestrator.errors import format_error
 from orchestrator.schema import BackendName, Config, ConfigError, Loss, flatten, load_config, to_config, to_yaml
 
@@ -22,6 +24,16 @@ def config_error(overrides):
     except Exception as exc:  # Hydra compose errors, formatted as the CLI formats them
         return format_error(exc, Config)
     raise AssertionError(f"{overrides} was accepted")
+
+
+def test_compose_config_is_the_cli_config_and_leaves_hydra_clear():
+    """The helper the tests and the benchmarks share: overrides applied, validated, and Hydra's
+    global state left clear for the next composition (or the CLI's)."""
+    cfg = compose_config(["data.batch_size=7", "experiment=input_bound"])
+    assert cfg.data.batch_size == 7 and cfg.data.read_latency_ms > 0  # the experiment's own setting
+    assert not GlobalHydra.instance().is_initialized()
+    with pytest.raises(ConfigError, match="data.batch_size"):
+        compose_config(["data.batch_size=0"])
 
 
 def test_default_is_the_linear_classifier_of_article_000():

@@ -1,12 +1,13 @@
 """A zoo of user-like tasks for judging the tuner (bench/bench_zoo.py).
 
-Each task is a user's own code (zoo/tasks.py, loaded by `_target_` with `model=custom data=custom`,
+Each task is a user's own code (bench/zoo/tasks.py, loaded by `_target_` with `model=custom data=custom`,
 docs/running.md, "Your own model and data") with a different bottleneck, and:
   * `overrides`: the user's config as they wrote it (their batch, workers, accumulation, lr ...);
   * `space`: a categorical search space over batch_size x num_workers x accumulation_steps
     (>= 24 points), which bench_zoo measures exhaustively and the tuner searches.
 
-The package must be importable by the tuner's rank processes too: put bench/ on PYTHONPATH.
+The package must be importable by the tuner's rank processes too: `_target_: bench.zoo.tasks.X`
+imports from the repository root, the working directory of the benchmarks and of their ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _user(model: str, data: str, batch: int, workers: int, accum: int = 1, lr: f
     out: List[str] = []
     for group, spec in (("model", model), ("data", data)):
         target, *args = spec.split()
-        out += [f"{group}=custom", f"{group}._target_=zoo.tasks.{target}", *(f"+{group}.args.{a}" for a in args)]
+        out += [f"{group}=custom", f"{group}._target_=bench.zoo.tasks.{target}", *(f"+{group}.args.{a}" for a in args)]
     return [*out, f"data.batch_size={batch}", f"data.num_workers={workers}", f"trainer.accumulation_steps={accum}",
             f"trainer.lr={lr}", *extra]
 

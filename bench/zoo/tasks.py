@@ -1,8 +1,9 @@
 """Datasets and models of the zoo (bench/bench_zoo.py), written the way a user writes their own:
-outside `tasks/`, loaded by `_target_` (docs/running.md, "Your own model and data"), e.g.
+outside `tasks/`, loaded by `_target_` (docs/running.md, "Your own model and data"), e.g. from the
+repository root
 
-    PYTHONPATH=bench .venv/bin/python -m orchestrator model=custom model._target_=zoo.tasks.MLP \\
-        +model.args.in_features=128 data=custom data._target_=zoo.tasks.StoredFeatures +data.args.latency_ms=1
+    .venv/bin/python -m orchestrator model=custom model._target_=bench.zoo.tasks.MLP \\
+        +model.args.in_features=128 data=custom data._target_=bench.zoo.tasks.StoredFeatures +data.args.latency_ms=1
 
 Every dataset is map-style, returns `(input, target)` tensors, and is generated deterministically
 from its `seed` (each rank builds its own copy); every model is a plain `nn.Module`.
