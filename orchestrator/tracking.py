@@ -315,6 +315,33 @@ class Tracker:
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def run_info(self, run_id: str) -> Any:
+        """Another run of this store (MLflow's RunInfo: its experiment, its status), or None: no
+        tracking, or a run this store does not hold (another store's, or deleted)."""
+        if not self.enabled or self.client is None:
+            return None
+        try:
+            return self.client.get_run(run_id).info
+        except Exception:
+            return None
+
+    def log_to(self, run_id: Optional[str], metrics: Optional[Dict[str, float]] = None,
+               tags: Optional[Dict[str, Any]] = None) -> None:
+        """Metrics (as given, at step 0) and tags on another run of this store: a trial's, a
+        study's. Nothing without tracking."""
+        if not run_id or self.client is None:
+            return
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in (metrics or {}).items()],
+                              tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+
+    def end_run(self, run_id: Optional[str], status: str) -> None:
+        """End another run of this store (a trial's) with MLflow's `status`. Nothing without tracking."""
+        if run_id and self.client is not None:
+            self.client.set_terminated(run_id, status)
+
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         if self.run_id and path.exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from orchestrator.schema import ConfigError, LrScaling, Objective
-from orchestrator.tune import goodput, study as study_mod
+from orchestrator.tune import goodput, launch as launch_mod
 from orchestrator.tune.goodput import efficiency, guard, pooled_noise, scaled_lr, time_to_target, warmup_steps
 from orchestrator.tune.space import ACCUM_KEY, BATCH_KEY, SearchSpace
 from orchestrator.tune.study import run_study, trial_config
@@ -144,7 +144,7 @@ def _faked_runs(monkeypatch, b):
     and samples/s of 1,000 at batch 8 and 3,000 at batch 128 (+-5%): the study's decisions rest on
     a premise the machine's load cannot move (a first trial in fresh processes can read 60x
     slower than a later one of 16x its batch)."""
-    real = study_mod.run_job
+    real = launch_mod.run_job
 
     def run_job(cfg, run_dir, **kwargs):
         result = real(cfg, run_dir, **kwargs)
@@ -154,7 +154,7 @@ def _faked_runs(monkeypatch, b):
         result["estimate"] = {**result["estimate"], "mean": rate, "rel_se": 0.02, "interval": [0.95 * rate, 1.05 * rate]}
         return result
 
-    monkeypatch.setattr(study_mod, "run_job", run_job)
+    monkeypatch.setattr(launch_mod, "run_job", run_job)
 
 
 def _study_cfg(make_cfg, tmp_path, *extra):

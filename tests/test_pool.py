@@ -180,6 +180,7 @@ def test_the_report_is_prepared_while_the_ranks_start_and_written_while_they_end
     """The report's imports (matplotlib, scikit-learn) come after the ranks were started and before
     the first trial is handed to them; the ranks exit while the study writes its report (summary,
     plots, MLflow), not before it."""
+    import orchestrator.tune.report as report_mod
     import orchestrator.tune.study as study_mod
     from orchestrator.tune.pool import RankPool
 
@@ -197,12 +198,12 @@ def test_the_report_is_prepared_while_the_ranks_start_and_written_while_they_end
         calls.append(("plotting", None))
         return import_plotting(n_trials)
     monkeypatch.setattr(study_mod, "import_plotting", plotting)
-    write_outputs = study_mod.write_outputs
+    write_outputs = report_mod.write_outputs  # the study's outcome (outcome.py) writes through report.write_outputs
 
     def report(*args, **kwargs):
         calls.append(("report", None))
         return write_outputs(*args, **kwargs)
-    monkeypatch.setattr(study_mod, "write_outputs", report)
+    monkeypatch.setattr(report_mod, "write_outputs", report)
     cfg = make_cfg(*SHORT, "tune.n_trials=1", "tune.space.batch_size.type=categorical",
                    "tune.space.batch_size.choices=[16]", "tune.space.num_workers.high=0",
                    "tune.space.accumulation_steps.high=1", f"tune.storage=sqlite:///{tmp_path}/optuna.db")

@@ -1016,7 +1016,7 @@ def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monk
     spared, and the pick would be b64 w8 a1 (utilization 0.039 in steady state, b16 w8 a2's
     0.109). Left out, every config keeps up and the busiest is the pick; the study says which runs."""
     from orchestrator.tune import report
-    from orchestrator.tune import study as study_module
+    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job
     from orchestrator.tune.rules import best_trials, confirmed
     from orchestrator.tune.study import Tuner
 
@@ -1037,7 +1037,7 @@ def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monk
         thr, util = {64: (1430.0, 0.04), 16: (1420.0, 0.11)}[cfg.data.batch_size]
         return {"estimate": measured(thr, 0.01), "utilization_estimate": measured(util, 0.02)}
 
-    monkeypatch.setattr(study_module, "run_job", run_job)
+    monkeypatch.setattr(launch_module, "run_job", run_job)
     tuner._confirm(study, None)
     assert confirmed(study)["1"]["left_out"] == 1 and "left_out" not in confirmed(study)["0"]
     assert confirmed(study)["1"]["throughput"] == pytest.approx(1420.0)
@@ -1054,7 +1054,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
     never the pick though its trial led, and the summary says why."""
     from orchestrator.app import JobFailed
     from orchestrator.tune import report
-    from orchestrator.tune import study as study_module
+    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job
     from orchestrator.tune.rules import best_trials, confirmed, failed_confirmation
     from orchestrator.tune.study import Tuner
 
@@ -1075,7 +1075,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
         thr = {64: 1000.0, 128: 900.0}[cfg.data.batch_size]
         return {"estimate": measured(thr, 10.0), "utilization_estimate": measured(0.9, 0.01)}
 
-    monkeypatch.setattr(study_module, "run_job", run_job)
+    monkeypatch.setattr(launch_module, "run_job", run_job)
     tuner._confirm(study, None)
     assert runs.count(256) == 1 and runs.count(64) >= 2  # no second round for the one that failed
     assert set(confirmed(study)) == {"0", "2"} and failed_confirmation(study)["1"].startswith("out of memory")
@@ -1085,7 +1085,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
                                    storage="sqlite:///x.db", overrides=[], echo=True)
     assert summary["confirm_failed"]["1"].startswith("out of memory") and summary["best"]["number"] == 0
     # every candidate failing in its first round ends the confirmation, with none confirmed
-    monkeypatch.setattr(study_module, "run_job", lambda cfg, run_dir, **kw: (_ for _ in ()).throw(JobFailed("crash", {})))
+    monkeypatch.setattr(launch_module, "run_job", lambda cfg, run_dir, **kw: (_ for _ in ()).throw(JobFailed("crash", {})))
     study.set_user_attr("confirmed", {})
     study.set_user_attr("confirm_failed", {})
     tuner._confirm(study, None)

@@ -235,7 +235,7 @@ def test_tuners_sharing_a_study_confirm_once_and_report_one_pick(make_cfg, tmp_p
             study.set_user_attr("confirmed", {str(t.number): {} for t in confirm_candidates(study, self.t)})
 
     monkeypatch.setattr(Tuner, "_confirm_candidates", confirm)
-    monkeypatch.setattr("orchestrator.tune.study.WAIT_FOR_TRIALS_S", 0.1)
+    monkeypatch.setattr("orchestrator.tune.confirm.WAIT_FOR_TRIALS_S", 0.1)
     tuners = [Tuner(cfg, tmp_path / name, echo=False) for name in ("a", "b")]
     threads = [threading.Thread(target=t._confirm, args=(t._study(), None)) for t in tuners]
     for th in threads:

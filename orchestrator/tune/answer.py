@@ -192,31 +192,22 @@ def _optuna_best(study: Any) -> Any:
         return None
 
 
-def tell_mlflow(client: Any, study: Any, best: List[Any], t: TuneConfig, parent: Any) -> None:
-    """The same answer in MLflow: each confirmed trial's row gets its confirmed figures
-    (`confirmed_throughput` in samples/s, `confirmed_utilization_pct` in percent, and their
-    intervals), the pick's row the tags `pick=true` and `best=true`, and the study's row a
-    description (MLflow's note) that names the pick, its figures and the rule."""
-    import time
-
-    from mlflow.entities import Metric, RunTag
-
-    if client is None:
-        return
-    now, conf = int(time.time() * 1000), confirmed(study)
+def tell_mlflow(tracker: Any, study: Any, best: List[Any], t: TuneConfig, parent: Any) -> None:
+    """The same answer in MLflow, through the study's `tracker` (tracking.Tracker): each confirmed
+    trial's row gets its confirmed figures (`confirmed_throughput` in samples/s,
+    `confirmed_utilization_pct` in percent, and their intervals), the pick's row the tags
+    `pick=true` and `best=true`, and the study's row a description (MLflow's note) that names the
+    pick, its figures and the rule."""
+    conf = confirmed(study)
     runs = {tr.number: tr.user_attrs.get("mlflow_run_id") for tr in study.get_trials(deepcopy=False)}
     for number, m in conf.items():
-        run_id = runs.get(int(number))
-        if run_id:
-            client.log_batch(run_id, metrics=[Metric(name, value, now, 0) for name, value in confirmed_metrics(m).items()])
+        tracker.log_to(runs.get(int(number)), metrics=confirmed_metrics(m))
     if not best:
         return
     pick = best[0]
-    if runs.get(pick.number):
-        client.log_batch(runs[pick.number], tags=[RunTag("pick", "true"), RunTag("best", "true")])
+    tracker.log_to(runs.get(pick.number), tags={"pick": "true", "best": "true"})
     if parent:
-        client.log_batch(parent, tags=[RunTag("mlflow.note.content", description(study, pick, t)),
-                                       RunTag("pick_trial", str(pick.number))])
+        tracker.log_to(parent, tags={"mlflow.note.content": description(study, pick, t), "pick_trial": str(pick.number)})
 
 
 def confirmed_metrics(m: Dict[str, Any]) -> Dict[str, float]:

@@ -1,15 +1,27 @@
-"""The arithmetic of a study's confirmation runs (Tuner._confirm launches them): each candidate's
-runs combined into one set of figures, compared within their rounds, less the runs the host's
-other load disturbed. A run is its result (result.json: JobResult) with the round it was
-measured in under CONFIRM_ROUND."""
+"""A study's confirmation: its best candidates measured again in interleaved rounds of longer
+runs, by one tuner process of the study (`Confirmation`, mixed into study.Tuner, which gives it
+`cfg`, `t`, `name`, `storage`, `run_dir`, `optuna`, `_launch`, `_stop_if_disk_full`, `_reclaim_orphans`,
+`_say` and `_show`); and the arithmetic of its runs: each candidate's runs combined into one set
+of figures, compared within their rounds, less the runs the host's other load disturbed. A run
+is its result (result.json: JobResult) with the round it was measured in under CONFIRM_ROUND."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List, Set, Tuple
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+from ..app import JobFailed
 from ..measure.results import JobResult
 from ..measure.stats import combine, disturbed, round_drift, with_run_noise
+from ..rundir import process_tag
+from .goodput import judged, scale_of, study_b
+from .launch import trial_config
+from .report import best_words
+from .rules import confirm_candidates, confirmed, failed_confirmation, open_contest, reference_only
+from .space import knob_words
+from .steer import CONFIRM_LONGER, CONFIRM_MAX_ROUNDS, CONFIRM_ROUNDS, WAIT_FOR_TRIALS_S
+from .storage import study_lock
 
 CONFIRM_ROUND = "confirm_round"  # the round a confirmation run's result was measured in
 PRIOR_DOF = 2.0  # measured_run_noise: the weight of tune.run_noise, in degrees of freedom
@@ -102,3 +114,134 @@ def _scaled(est: Dict[str, Any], factor: float) -> Dict[str, Any]:
         return est
     iv = est.get("interval")
     return {**est, "mean": est["mean"] * factor, "interval": [iv[0] * factor, iv[1] * factor] if iv else None}
+
+
+class Confirmation:
+    """The confirmation rounds of a study (see the module's docstring)."""
+
+    def _confirm(self, study: Any, parent: Optional[str]) -> None:
+        """The confirmation, by one tuner process of the study: under the study's confirm lock,
+        once no other tuner runs a trial (their trials are candidates too); a tuner that gets the
+        lock after another confirmed finds nothing due and reports the same pick."""
+        with study_lock(self.storage, f"{self.name}.confirm"):
+            self._wait_for_trials(study)
+            self._confirm_candidates(study, parent)
+
+    def _wait_for_trials(self, study: Any) -> None:
+        """Until no other tuner runs a trial of the study (a dead tuner's are reclaimed; this
+        process runs none now), or for at most tune.trial_timeout_s (a tuner on another host that
+        died cannot be seen to)."""
+        said, until, me = False, time.monotonic() + self.t.trial_timeout_s, process_tag()
+        while True:
+            with study_lock(self.storage, self.name):
+                self._reclaim_orphans(study)
+                running = [tr for tr in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,))
+                           if tr.user_attrs.get("owner") != me]
+            if not running:
+                return
+            if time.monotonic() > until:
+                self._say(f"[tune] {_trials_words([tr.number for tr in running])} still running after "
+                          f"tune.trial_timeout_s={self.t.trial_timeout_s:g}: confirming without them")
+                return
+            if not said:
+                self._say(f"[tune] waiting for {_trials_words([tr.number for tr in running])} of another tuner "
+                          "before the confirmation")
+                said = True
+            time.sleep(WAIT_FOR_TRIALS_S)
+
+    def _confirm_candidates(self, study: Any, parent: Optional[str]) -> None:
+        """Re-measure the best candidates (rules.confirm_candidates) in CONFIRM_ROUNDS interleaved
+        rounds with CONFIRM_LONGER x longer windows and minimum time, and store their combined
+        figures in the study (`confirmed`): the pick is made from those, not from the single short
+        measurement that made a trial look best (its luck included). Past those rounds, up to
+        CONFIRM_MAX_ROUNDS, the leader and the candidates still within its noise
+        (rules.open_contest) are measured again, each round: the pick at the floor's edge is a
+        coin toss on two short runs."""
+        top = confirm_candidates(study, self.t)
+        numbers = sorted(tr.number for tr in top)
+        if len(top) == 1:
+            self._say(f"[tune] trial {numbers[0]} needs no confirmation: the other candidates' throughput and "
+                      "utilization intervals lie below its own")
+        if not self._confirmation_due(study):
+            return  # nothing to choose between, or already confirmed (a resumed, finished study)
+        self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds "
+                  f"(up to {CONFIRM_MAX_ROUNDS} while the pick is within the noise), windows x{CONFIRM_LONGER:g}")
+        runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
+        failed: Dict[str, str] = {}  # a candidate whose run failed is out: no more rounds, never the pick
+        active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
+        for r in range(CONFIRM_MAX_ROUNDS):
+            if r >= CONFIRM_ROUNDS:  # past the planned rounds: only while the pick is still open
+                active = self._still_open(study, top, runs)
+            active = [tr for tr in active if str(tr.number) not in failed]
+            if not active:
+                break
+            if r >= CONFIRM_ROUNDS:
+                grown, total = total, done + len(active) * (CONFIRM_MAX_ROUNDS - r)
+                self._say(f"[tune] round {r + 1}: trials {', '.join(str(tr.number) for tr in active)} "
+                          f"still within each other's noise, measured again"
+                          + (f": confirmation runs up to {total}, from {grown}" if total != grown else ""))
+            for tr in active[r % len(active):] + active[:r % len(active)]:
+                done += 1
+                self._confirm_run(study, tr, r, parent, done, total, runs, failed)
+        self._store_confirmed(study, runs, failed)
+
+    def _still_open(self, study: Any, top: List[Any], runs: Runs) -> List[Any]:
+        """The candidates still within the leader's noise on their runs so far (rules.open_contest)."""
+        ref = reference_only(study, self.t)  # measured beside them, not in the contest
+        still = set(open_contest(self._judged(study, combined({n: rs for n, rs in runs.items() if n != ref},
+                                                               self.t.run_noise)), self.t))
+        return [tr for tr in top if tr.number in still]
+
+    def _store_confirmed(self, study: Any, runs: Runs, failed: Dict[str, str]) -> None:
+        """The candidates' combined figures (`confirmed`), the runs left out and the candidates whose
+        runs failed, in the study's user attributes; each said."""
+        out = combined(runs, self.t.run_noise)  # a failed candidate's runs were dropped with it
+        said = left_out(runs)
+        for (n, r), why in said.items():
+            self._say(f"[tune] confirmation run of trial {n} in round {r + 1} {why}")
+        if said:
+            study.set_user_attr("confirm_left_out", {f"{n}-{r}": why for (n, r), why in said.items()})
+        for number, m in out.items():
+            tokens = f"  real tokens/s {m['tokens_per_s']:.0f}" if m.get("tokens_per_s") is not None else ""
+            self._say(f"[tune] confirmed trial {int(number):3d}: utilization {100 * m['utilization']:.1f}%  "
+                      f"throughput {m['throughput']:.1f}/s" + (f" +-{100 * m['rel_se']:.0f}%" if m["rel_se"] else "")
+                      + tokens)
+        if failed:
+            study.set_user_attr("confirm_failed", failed)
+        study.set_user_attr("confirmed", out)
+        self.confirmed_here = True
+
+    def _confirm_run(self, study: Any, tr: Any, r: int, parent: Optional[str], done: int, total: int,
+                     runs: Runs, failed: Dict[str, str]) -> None:
+        """One confirmation run of trial `tr` (round `r`), its result added to `runs`, or why it
+        failed to `failed`."""
+        tags = {"study_name": self.name, "run_kind": "confirm"} if parent else {}
+        cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER, b_noise=study_b(study))
+        self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
+        try:
+            runs[tr.number].append({**self._launch(
+                cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}",
+                extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
+                            tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
+                run_name=f"confirm trial {tr.number}"), CONFIRM_ROUND: r})
+        except JobFailed as exc:
+            self._stop_if_disk_full(exc, f"the confirmation of trial {tr.number}")
+            failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
+            runs.pop(tr.number, None)  # its earlier runs do not make it a contender again
+            self._say(f"[tune] confirmation of trial {tr.number} failed: {why}; a config that fails when run again "
+                      "is not the pick")
+        self._show(lambda p: p.ended(best_words(study, self.t)))
+
+    def _confirmation_due(self, study: Any) -> bool:
+        """Two or more candidates to confirm, not yet confirmed (a study interrupted there)."""
+        numbers = sorted(tr.number for tr in confirm_candidates(study, self.t))
+        return len(numbers) >= 2 and sorted(map(int, [*confirmed(study), *failed_confirmation(study)])) != numbers
+
+    def _judged(self, study: Any, conf: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        """Confirmed figures with their goodput at the study's noise scale."""
+        trials, scale = {str(tr.number): tr for tr in study.get_trials(deepcopy=False)}, scale_of(study)
+        return {n: judged(trials[n], f, scale) if n in trials else f for n, f in conf.items()}
+
+
+def _trials_words(numbers: List[int]) -> str:
+    return f"trial{'s' if len(numbers) != 1 else ''} {', '.join(map(str, numbers))}"

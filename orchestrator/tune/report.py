@@ -55,14 +55,30 @@ def _nested(values: Dict[str, Any]) -> Dict[str, Any]:
 def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, name: str, storage: str,
                   overrides: List[str], echo: bool, notes: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The study's files in `out_dir` (its `name`, `storage`, and the CLI `overrides` for the
-    rerun line; `notes`: stopped, edges, global_batch, pruning, see Tuner._notes); with `echo`,
-    the ranked table. Returns the summary (also summary.json)."""
+    rerun line; `notes`: stopped, edges, global_batch, pruning, see outcome.StudyOutcome._notes);
+    with `echo`, the ranked table. Returns the summary (also summary.json)."""
     notes = {"stopped": None, "edges": [], "global_batch": None, "pruning": {}, **(notes or {})}
     out_dir.mkdir(parents=True, exist_ok=True)
-    artifacts: List[str] = []
     trials = study.get_trials(deepcopy=False)
+    artifacts = [_write_trials_csv(study, trials, out_dir)]
+    summary = _summary(study, trials, best, t, name, storage, notes)
+    if best:
+        artifacts.append(_write_best(summary, best[0], t, out_dir, name, storage, overrides, notes))
+    summary["pick"] = record_pick(study, best, t)  # Optuna's readers see the same answer
+    if best:
+        summary["pick_advice"] = pick_advice(study, summary["pick"], out_dir / "trials" / f"{best[0].number:04d}", name)
+    summary["trial_overhead"] = _overhead(trials)
+    artifacts += _plots(study, best, out_dir, t, say=print if echo else lambda line: None)
+    write_json(out_dir / "summary.json", summary, indent=2)
+    artifacts.append(str(out_dir / "summary.json"))
+    summary["artifacts"] = artifacts
+    if echo:
+        _print_table(study, best, t, name, summary)
+    return summary
 
-    # trials.csv: every trial, its knobs, both figures and its state
+
+def _write_trials_csv(study: Any, trials: List[Any], out_dir: Path) -> str:
+    """trials.csv: every trial, its knobs, both figures, its confirmed figures and its state."""
     keys = sorted({k for tr in trials for k in tr.user_attrs.get("values", {})})
     csv_path = out_dir / "trials.csv"
     rows = io.StringIO(newline="")
@@ -79,8 +95,13 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
                     *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
                     score, a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""), a.get("error", "")])
     write_atomic(csv_path, rows.getvalue())
-    artifacts.append(str(csv_path))
+    return str(csv_path)
 
+
+def _summary(study: Any, trials: List[Any], best: List[Any], t: TuneConfig, name: str, storage: str,
+             notes: Dict[str, Any]) -> Dict[str, Any]:
+    """summary.json's body: the study, its trials' states, the baseline, the confirmation, how far
+    the pick stands from the runner-up and from the user's config, and the pick."""
     summary: Dict[str, Any] = {"study_name": name, "storage": redact(storage), "objective": t.objective.value,
                                "n_trials": counted(trials), "proposals": len(trials), "states": {}, "best": None,
                                "pareto_front": [], **notes}
@@ -104,44 +125,38 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     summary["versus_baseline"] = versus_baseline(study, t)
     if best:
         b = best[0]
-        values = b.user_attrs["values"]
         judged = figures(b, conf)
-        summary["best"] = {"number": b.number, "values": values, **{c: b.user_attrs.get(c) for c in COLUMNS},
+        summary["best"] = {"number": b.number, "values": b.user_attrs["values"], **{c: b.user_attrs.get(c) for c in COLUMNS},
                            **{k: judged.get(k) for k in CONFIRMED_COLUMNS if k in judged},
                            "confirmed": str(b.number) in conf}
         if t.objective is Objective.both:
             summary["pareto_front"] = [{"number": tr.number, "values": tr.user_attrs["values"],
                                         "utilization": tr.user_attrs["utilization"],
                                         "throughput": tr.user_attrs["throughput"]} for tr in best]
-        tuned = out_dir / "tuned"
-        tuned.mkdir(exist_ok=True)
-        best_yaml = tuned / "best.yaml"
-        # the learning rate (and its warmup) tune.lr_scaling gives the pick's global batch
-        values = {**values, **((notes.get("time_to_target") or {}).get("set") or {})}
-        rerun = orchestrator_command(["--config-dir", str(tuned.parent), *overrides, "+tuned=best"])
-        write_atomic(
-            best_yaml,
-            "# @package _global_\n"
-            f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
-            f"# Rerun: {rerun}\n"
-            + "".join(f"# Note: {line}\n" for line in _header_notes(notes))
-            + yaml.safe_dump(_nested({**values, **_tuned_tags(name, storage)}), sort_keys=True)
-        )
-        artifacts.append(str(best_yaml))
-        overrides = " ".join(shlex.quote(f"{k}={_override_value(v)}") for k, v in values.items())
-        summary["rerun"] = rerun
-        summary["rerun_overrides"] = overrides
-    summary["pick"] = record_pick(study, best, t)  # Optuna's readers see the same answer
-    if best:
-        summary["pick_advice"] = pick_advice(study, summary["pick"], out_dir / "trials" / f"{best[0].number:04d}", name)
-    summary["trial_overhead"] = _overhead(trials)
-    artifacts += _plots(study, best, out_dir, t, say=print if echo else lambda line: None)
-    write_json(out_dir / "summary.json", summary, indent=2)
-    artifacts.append(str(out_dir / "summary.json"))
-    summary["artifacts"] = artifacts
-    if echo:
-        _print_table(study, best, t, name, summary)
     return summary
+
+
+def _write_best(summary: Dict[str, Any], b: Any, t: TuneConfig, out_dir: Path, name: str, storage: str,
+                overrides: List[str], notes: Dict[str, Any]) -> str:
+    """tuned/best.yaml: the pick `b` as a Hydra override file, with the learning rate (and its
+    warmup) tune.lr_scaling gives its global batch; its rerun command and overrides go into
+    `summary`. Returns its path."""
+    tuned = out_dir / "tuned"
+    tuned.mkdir(exist_ok=True)
+    best_yaml = tuned / "best.yaml"
+    values = {**b.user_attrs["values"], **((notes.get("time_to_target") or {}).get("set") or {})}
+    rerun = orchestrator_command(["--config-dir", str(tuned.parent), *overrides, "+tuned=best"])
+    write_atomic(
+        best_yaml,
+        "# @package _global_\n"
+        f"# Best trial {b.number} of study '{name}' (objective {t.objective.value}).\n"
+        f"# Rerun: {rerun}\n"
+        + "".join(f"# Note: {line}\n" for line in _header_notes(notes))
+        + yaml.safe_dump(_nested({**values, **_tuned_tags(name, storage)}), sort_keys=True)
+    )
+    summary["rerun"] = rerun
+    summary["rerun_overrides"] = " ".join(shlex.quote(f"{k}={_override_value(v)}") for k, v in values.items())
+    return str(best_yaml)
 
 
 def _override_value(v: Any) -> str:
@@ -300,6 +315,15 @@ def _plots(study: Any, best: List[Any], out_dir: Path, t: TuneConfig, say: Calla
 
 
 def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary: Dict[str, Any]) -> None:
+    """The ranked table of the completed trials on the console, then what the summary says of the pick."""
+    console().print(_table(study, best, t, name, summary))
+    for line in _verdict_lines(study, best, t, summary):
+        print(line)
+
+
+def _table(study: Any, best: List[Any], t: TuneConfig, name: str, summary: Dict[str, Any]) -> Any:
+    """The completed trials ranked (a rich Table): knobs, figures (confirmed where re-measured),
+    verdict and notes."""
     from rich.table import Table
 
     best_numbers = {b.number for b in best}
@@ -330,50 +354,59 @@ def _print_table(study: Any, best: List[Any], t: TuneConfig, name: str, summary:
             real = ("-" if f.get("goodput") is None else f"{f['goodput']:.1f} (x{f['efficiency']:.2g})",)
         table.add_row(str(i), str(tr.number), a.get("proposed_by", "-"), knobs, f"{100 * f['utilization']:.1f}%",
                       shown, *real, a.get("verdict", "-"), " ".join(notes))
-    console().print(table)
-    floor = floor_line(study, best, t)
-    if floor:
-        print(floor)
+    return table
+
+
+def _verdict_lines(study: Any, best: List[Any], t: TuneConfig, summary: Dict[str, Any]) -> List[str]:
+    """What the console says under the table: the floor, how far the pick stands from the
+    runner-up and from the user's config, why the study stopped, what was not picked or not
+    launched, where the time went, the pick's edges and global batch, its time to the target,
+    and the pick with its rerun command."""
+    lines = [floor] if (floor := floor_line(study, best, t)) else []
     sep = summary.get("separation") or {}
     if sep.get("separated") is False:
         figure = "real tokens/s" if sep["figure"] == "tokens_per_s" else sep["figure"]
-        print(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
-              f"(their {figure} intervals overlap): either is as good")
+        lines.append(f"[tune] trial {sep['winner']} is not ahead of trial {sep['runner_up']} by more than the noise "
+                     f"(their {figure} intervals overlap): either is as good")
     vs = summary.get("versus_baseline") or {}
     if vs and vs["best"] != vs["baseline"]:
-        print(f"[tune] trial {vs['best']} against your config (trial {vs['baseline']}), "
-              + ("measured side by side" if vs["side_by_side"] else "single trials measured apart")
-              + f": {vs['throughput_ratio']:.2f}x the samples/s ({vs['throughput_ratio_lo']:.2f}-"
-              f"{vs['throughput_ratio_hi']:.2f}), utilization {100 * vs['utilization']:.1f}% against "
-              f"{100 * vs['baseline_utilization']:.1f}%")
+        lines.append(f"[tune] trial {vs['best']} against your config (trial {vs['baseline']}), "
+                     + ("measured side by side" if vs["side_by_side"] else "single trials measured apart")
+                     + f": {vs['throughput_ratio']:.2f}x the samples/s ({vs['throughput_ratio_lo']:.2f}-"
+                     f"{vs['throughput_ratio_hi']:.2f}), utilization {100 * vs['utilization']:.1f}% against "
+                     f"{100 * vs['baseline_utilization']:.1f}%")
     if summary.get("stopped"):
-        print(f"[tune] stopped early: {summary['stopped']['why']}")
+        lines.append(f"[tune] stopped early: {summary['stopped']['why']}")
     if summary["refused"]:
-        print(f"[tune] not picked: {_trials([r['trial'] for r in summary['refused']])} "
-              f"train{'s' if len(summary['refused']) == 1 else ''} one optimizer "
-              "step per epoch (the global batch covers the dataset); allow with tune.allow_large_global_batch=true")
+        lines.append(f"[tune] not picked: {_trials([r['trial'] for r in summary['refused']])} "
+                     f"train{'s' if len(summary['refused']) == 1 else ''} one optimizer step per epoch (the global "
+                     "batch covers the dataset); allow with tune.allow_large_global_batch=true")
     if summary["pruning"]:
-        print(_pruning_line(summary["pruning"]))
+        lines.append(_pruning_line(summary["pruning"]))
     if summary.get("not_launched"):
-        print(f"[tune] not launched: {_trials([r['trial'] for r in summary['not_launched']])}, which the "
-              "job model predicts cannot reach the objective's floor (trials.csv: reason)")
-    share = summary.get("measured_share") or {}
-    if share.get("wall_s"):
-        spent = share.get("spent") or {}
-        rest = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in spent.items() if k != "measuring")
-        print(f"[tune] measuring took {share['measured_s']:.1f}s of the study's {share['wall_s']:.1f}s "
-              f"({100 * share['share']:.0f}%)" + (f"; the rest: {rest}" if rest else ""))
-    for edge in summary["edges"]:
-        print(f"[tune] edge: {advice(edge, t.extend_edges)}")
+        lines.append(f"[tune] not launched: {_trials([r['trial'] for r in summary['not_launched']])}, which the "
+                     "job model predicts cannot reach the objective's floor (trials.csv: reason)")
+    lines += _share_lines(summary.get("measured_share") or {})
+    lines += [f"[tune] edge: {advice(edge, t.extend_edges)}" for edge in summary["edges"]]
     if summary["global_batch"]:
-        print(f"[tune] global batch: {summary['global_batch']['note']}")
-    for line in time_to_target_lines(summary.get("time_to_target") or {}):
-        print(f"[tune] {line}")
+        lines.append(f"[tune] global batch: {summary['global_batch']['note']}")
+    lines += [f"[tune] {line}" for line in time_to_target_lines(summary.get("time_to_target") or {})]
     if summary.get("best"):
         unfinished = (summary.get("stopped") or {}).get("counted")
-        best = "best" if unfinished is None else f"best so far (not final: {unfinished} of {t.n_trials} trials)"
-        print(f"[tune] {best}: trial {summary['best']['number']}: {summary['rerun_overrides']}")
-        print(f"[tune] rerun it: {summary['rerun']}")
+        best_word = "best" if unfinished is None else f"best so far (not final: {unfinished} of {t.n_trials} trials)"
+        lines.append(f"[tune] {best_word}: trial {summary['best']['number']}: {summary['rerun_overrides']}")
+        lines.append(f"[tune] rerun it: {summary['rerun']}")
+    return lines
+
+
+def _share_lines(share: Dict[str, Any]) -> List[str]:
+    """Where the study's time went (outcome.StudyOutcome._measured_share), in one line."""
+    if not share.get("wall_s"):
+        return []
+    spent = share.get("spent") or {}
+    rest = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in spent.items() if k != "measuring")
+    return [f"[tune] measuring took {share['measured_s']:.1f}s of the study's {share['wall_s']:.1f}s "
+            f"({100 * share['share']:.0f}%)" + (f"; the rest: {rest}" if rest else "")]
 
 
 def time_to_target_lines(tt: Dict[str, Any]) -> List[str]:

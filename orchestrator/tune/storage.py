@@ -122,6 +122,7 @@ def study_storage(url: str) -> Any:
     from optuna.trial import FrozenTrial
 
     class OwnedStorage(_TakenOwned, optuna.storages.RDBStorage):
+        # private: Optuna's _CachedStorage, which wraps every RDBStorage, calls this, not create_new_trial
         def _create_new_trial(self, study_id: int, template_trial: Optional[FrozenTrial] = None) -> FrozenTrial:
             if template_trial is None:
                 template_trial = _owned_trial()
