@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,6 +27,9 @@ from .errors import config_library_error, format_error
 from .schema import Config, ConfigError, Mode, register_configs, to_config
 from .slurm import secondary_task
 from .stores import redact, redact_files
+
+if TYPE_CHECKING:
+    from .app import JobFailed
 
 register_configs()
 
@@ -70,24 +73,17 @@ def main(dcfg: DictConfig) -> None:
 
 
 def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -> int:
-    """Run one job and print its outcome; returns the exit code."""
-    from .app import JobCheckpointed, JobDiverged, JobFailed, NothingToResume, RecordFailed, print_summary, run_job
-    from .measure.results import JobResult
-    from .rundir import RecordError, RunDirOwned, Status, remove_if_unused, result_path, write_json
+    """Run one job (or a study) and print its outcome; returns the exit code."""
+    from .app import JobCheckpointed, JobFailed, print_summary, run_job
+    from .resume import NothingToResume
+    from .rundir import RecordError, RunDirOwned
     from .tune.study import StudyFailed
 
     try:
         cfg = to_config(dcfg)
         print(f"[orchestrator] run dir: {run_dir}")
-        if cfg.mode is Mode.tune and cfg.tune.workers > 1:
-            return _run_workers(cfg, run_dir, overrides)
         if cfg.mode is Mode.tune:
-            from .tune.study import run_study
-
-            summary = run_study(cfg, run_dir, overrides=overrides)
-            if summary["status"] == Status.NOTHING_TO_RUN and remove_if_unused(run_dir):
-                print(f"[orchestrator] nothing ran: {run_dir} removed")
-            return 0
+            return _run_study(cfg, run_dir, overrides)
         _arm_checkpoint_signal(cfg, run_dir, note="sweep_id" not in tags)
         result = run_job(cfg, run_dir, extra_tags=tags)
     except JobCheckpointed as exc:
@@ -99,33 +95,14 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except ConfigError as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        out = result_path(run_dir)
-        if not out.exists():  # a refused resume runs in the run it names: leave its records alone
-            try:
-                write_json(out, JobResult(status=Status.INVALID, extra={"error": redact(str(exc))}).to_dict())
-            except RecordError:
-                pass  # the config error is the one to read
-        return EXIT_CONFIG
+        return _refused(exc, run_dir)
     except StudyFailed as exc:
         print(f"error: tune: study stopped: {redact(str(exc))} (run dir: {run_dir})", file=sys.stderr)
         return EXIT_FAILED
-    except RecordFailed as exc:  # the job's record could not be written (a full disk): one line
-        print(f"error: {exc}; the run ended FAILED (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
-        return EXIT_FAILED
+    except JobFailed as exc:  # a failed, diverged or unrecorded job (RecordFailed)
+        return _job_failed(exc)
     except RecordError as exc:  # before launch (config.yaml), or a study's outputs
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except JobDiverged as exc:
-        print(f"error: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
-        return EXIT_DIVERGED
-    except JobFailed as exc:
-        from .supervise import TRACEBACK_IN
-
-        error = exc.result.get("error", str(exc))
-        if error != str(exc) and TRACEBACK_IN not in str(exc):  # what the launcher said, when no rank said why
-            print(redact(error), file=sys.stderr)
-        print(f"error: job failed: {redact(str(exc))} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
         print("error: terminated (SIGTERM); every rank was stopped", file=sys.stderr)
@@ -135,14 +112,69 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print("error: interrupted; every rank was stopped", file=sys.stderr)
         _resume_hint(run_dir, overrides)
         sys.exit(EXIT_SIGINT)
-    if cfg.tags.get("tuned_study") and cfg.tags.get("tuned_storage"):  # the rerun of a study's pick
+    print_summary(_with_rerun_advice(result, cfg, run_dir), run_dir)
+    return 0
+
+
+def _run_study(cfg: Config, run_dir: Path, overrides: list) -> int:
+    """mode=tune: the study here, or its workers as a SLURM job array (tune.workers > 1); a study
+    that found nothing to run leaves no empty run dir behind."""
+    if cfg.tune.workers > 1:
+        return _run_workers(cfg, run_dir, overrides)
+    from .rundir import Status, remove_if_unused
+    from .tune.study import run_study
+
+    summary = run_study(cfg, run_dir, overrides=overrides)
+    if summary["status"] == Status.NOTHING_TO_RUN and remove_if_unused(run_dir):
+        print(f"[orchestrator] nothing ran: {run_dir} removed")
+    return 0
+
+
+def _refused(exc: ConfigError, run_dir: Path) -> int:
+    """A config refused before launch: its one line, and result.json INVALID saying it (unless the
+    run dir holds a result already: a refused resume leaves the run's records alone). Exit 2."""
+    from .measure.results import JobResult
+    from .rundir import RecordError, Status, result_path, write_json
+
+    print(f"error: {redact(str(exc))}", file=sys.stderr)
+    out = result_path(run_dir)
+    if not out.exists():
+        try:
+            write_json(out, JobResult(status=Status.INVALID, extra={"error": redact(str(exc))}).to_dict())
+        except RecordError:
+            pass  # the config error is the one to read
+    return EXIT_CONFIG
+
+
+def _job_failed(exc: "JobFailed") -> int:
+    """A job that ran and did not finish: one line with its run dir (and what the launcher said,
+    when no rank said why). Exit 4 when it diverged, else 1."""
+    from .app import JobDiverged, RecordFailed
+    from .supervise import TRACEBACK_IN
+
+    if isinstance(exc, RecordFailed):  # the job's record could not be written (a full disk): one line
+        print(f"error: {exc}; the run ended FAILED (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        return EXIT_FAILED
+    if isinstance(exc, JobDiverged):
+        print(f"error: {exc} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+        return EXIT_DIVERGED
+    error = exc.result.get("error", str(exc))
+    if error != str(exc) and TRACEBACK_IN not in str(exc):  # what the launcher said, when no rank said why
+        print(redact(error), file=sys.stderr)
+    print(f"error: job failed: {redact(str(exc))} (run dir: {exc.result.get('run_dir')})", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _with_rerun_advice(result: dict, cfg: Config, run_dir: Path) -> dict:
+    """The rerun of a study's pick: its advice checked against the study that picked this config,
+    in place of the job's own diagnosis when they agree."""
+    if cfg.tags.get("tuned_study") and cfg.tags.get("tuned_storage"):
         from .tune.advise import rerun_advice
 
         checked = rerun_advice(run_dir, cfg.tags["tuned_study"], cfg.tags["tuned_storage"])
         if checked is not None:  # advice that agrees with the study that picked this config
-            result = {**result, "diagnosis": checked}
-    print_summary(result, run_dir)
-    return 0
+            return {**result, "diagnosis": checked}
+    return result
 
 
 def _run_workers(cfg: Config, run_dir: Path, overrides: list) -> int:
@@ -230,7 +262,7 @@ def resume_in_place(argv: List[str]) -> List[str]:
     values = [m.group(1) for m in map(RESUME_ARG.match, argv) if m]
     if not values or values[-1] in ("", "null", "None") or {"-m", "--multirun"} & set(argv):
         return argv
-    from .checkpoint import resolve_resume
+    from .resume import resolve_resume
 
     run_dir = resolve_resume(values[-1])
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir="))]
@@ -296,20 +328,29 @@ def refuse_if_owned(argv: List[str]) -> None:
         sys.exit(EXIT_CONFIG)
 
 
-def cli() -> None:
-    # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    odd = odd_override(sys.argv[1:])
+def check_command_line(argv: List[str]) -> List[str]:
+    """What the command line refuses before Hydra makes a run dir, each in one line (exit 2): an
+    override without key or value, a resume of nothing, a run dir another live job owns. Returns
+    the command pointed at the run it resumes (a requeued SLURM job's own, trainer.resume's dir).
+    The job's own checks follow once its config is composed (checks.preflight, in run_job)."""
+    odd = odd_override(argv)
     if odd is not None:
         print(f"error: {redact(odd)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     try:
-        sys.argv = [sys.argv[0], *resume_in_place(resume_requeued(sys.argv[1:]))]
+        argv = resume_in_place(resume_requeued(argv))
     except ValueError as exc:  # a resume of nothing: refused before any run dir is made
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    refuse_if_owned(sys.argv[1:])
+    refuse_if_owned(argv)
+    return argv
+
+
+def cli() -> None:
+    # We print Hydra's compose errors ourselves (one line); HYDRA_FULL_ERROR makes Hydra raise them.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.argv = [sys.argv[0], *check_command_line(sys.argv[1:])]
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # compose-time errors

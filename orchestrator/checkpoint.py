@@ -14,6 +14,8 @@ stray `.tmp` that nothing reads. `find_latest` still verifies what it picks (a s
 part its metadata names is there, whole) and falls back to the previous checkpoint if the newest
 does not load. Ranks on several machines need the run dir on a shared filesystem for a sharded
 checkpoint to be complete.
+
+Whether a job resumes one, and which, is resume.py's decision.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from .rundir import write_atomic, write_json
 
-__all__ = ["MAY_CHANGE", "changed_keys", "find_latest", "load", "load_sharded", "meta_of", "resolve_resume", "save"]
+__all__ = ["find_latest", "good_before", "load", "load_sharded", "meta_of", "save"]
 
 DIR = "checkpoints"
 KEEP = 2  # checkpoints kept on disk (the newest and the one before it)
@@ -166,58 +168,3 @@ def meta_of(path: Path) -> Dict[str, Any]:
 
 def load(path: Path) -> Dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def resolve_resume(value: str, outputs: Path = Path("outputs")) -> Path:
-    """`trainer.resume`: a run dir, or `latest` (the newest run dir under outputs/ holding a
-    checkpoint). Returns the run dir; raises ValueError naming the field."""
-    if value == "latest":
-        dirs = [p.parent.parent for p in outputs.glob("**/checkpoints/latest")]
-        dirs = [d for d in dirs if find_latest(d) is not None]
-        if not dirs:
-            raise ValueError(f"trainer.resume: no run under {outputs}/ has a checkpoint (set trainer.checkpoint_every)")
-        return max(dirs, key=lambda d: (d / DIR / "latest").stat().st_mtime).resolve()
-    run_dir = Path(value).expanduser().resolve()
-    if not run_dir.is_dir():
-        raise ValueError(f"trainer.resume: '{value}' is not a run directory; allowed: a run dir or latest")
-    if find_latest(run_dir) is None:
-        raise ValueError(f"trainer.resume: {run_dir} holds no complete checkpoint")
-    return run_dir
-
-
-# What a resume may change: how long and how often, where it is recorded, the loader's speed knobs,
-# the machines' addresses and how the global batch is split between ranks (the same global batches
-# either way, runtime/balance.py). Everything else (model and data targets and args, batch size,
-# accumulation, seed, optimizer, backend, world size, ...) was fixed by the checkpoint and must
-# match the run's config.yaml. Prefixes of dotted keys.
-MAY_CHANGE = (
-    "mode", "tags", "tune.", "tracking.",
-    "trainer.max_steps", "trainer.epochs", "trainer.checkpoint_every", "trainer.checkpoint_signal", "trainer.timeout_s",
-    "trainer.resume",
-    "trainer.log_every", "trainer.window_steps", "trainer.warmup_steps", "trainer.profile_steps",
-    "trainer.save_model", "trainer.memory_cap_mb", "trainer.window_s", "trainer.rel_precision",
-    "trainer.min_measure_s", "trainer.max_measure_s", "trainer.peak_tflops", "trainer.loader_autotune",
-    "trainer.eval_every", "trainer.val_metric", "trainer.target_loss", "data.val.",
-    "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
-    "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
-    "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance", "parallelism.balance_tolerance",
-    "parallelism.oversubscribe",
-)
-
-
-def changed_keys(saved: Dict[str, Any], new: Dict[str, Any]) -> list:
-    """(key, saved value, new value) for every flattened key a resume may not change."""
-    keys = sorted(set(saved) | set(new))
-    return [(k, saved.get(k), new.get(k)) for k in keys
-            if not k.startswith(MAY_CHANGE) and str(saved.get(k)) != str(new.get(k))]
-
-
-def trains_further(saved: Any, new: Any, steps_done: int, steps_per_epoch: Optional[int]) -> bool:
-    """Would the new trainer config (max_steps, epochs) train past `steps_done`, where the saved
-    one finished? Without the epoch length (older results), any raised limit counts."""
-    if steps_per_epoch:
-        total = steps_per_epoch * new.epochs
-        return (min(total, new.max_steps) if new.max_steps else total) > steps_done
-    if new.epochs > saved.epochs:
-        return True
-    return saved.max_steps != 0 and (new.max_steps == 0 or new.max_steps > saved.max_steps)

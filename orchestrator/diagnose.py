@@ -109,64 +109,83 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
              handoff: Handoff = _default_handoff) -> Diagnosis:
     """`job` is the merged result (report.merge); `device_mem_mb` the memory one rank can use;
     `handoff` the measured worker hand-off cost (only asked for when workers are in question)."""
-    d, t, p = cfg.data, cfg.trainer, cfg.parallelism
     inp = job.get("data_wait_frac", 0.0) + job.get("h2d_frac", 0.0)
     comm = job.get("comm_frac", 0.0)
-    busy = job.get("compute_frac", 0.0) + job.get("optimizer_frac", 0.0)
     cuda = str((job.get("per_rank") or [{}])[0].get("device", "cpu")).startswith("cuda")
     peak = job.get("peak_mem_mb") or 0.0
     mem_share = peak / device_mem_mb if device_mem_mb else 0.0
-    dev = "the memory cap" if t.memory_cap_mb and not cuda else "the device"  # on CPU the cap is the limit (meter.memory_stats)
+    # on CPU the cap is the limit (meter.memory_stats)
+    dev = "the memory cap" if cfg.trainer.memory_cap_mb and not cuda else "the device"
     step = job.get("step_time_s") or 0.0
 
     if mem_share >= MEMORY_FULL:
-        moves = [Move({"data.batch_size": max(1, d.batch_size // 2), "trainer.accumulation_steps": t.accumulation_steps * 2},
-                      f"peak memory is {_pct(mem_share)} of {dev}; half the batch takes half the activations, and "
-                      "twice the accumulation keeps the global batch (the same model math)")]
-        shard = _shard_move(job, cfg, peak)
-        if shard is not None:  # first when the replicated model state is most of the peak
-            moves.insert(0 if shard[1] else 1, shard[0])
-        if not t.amp and cuda:
-            moves.append(Move({"trainer.amp": True}, "bf16/fp16 activations take half the memory"))
-        return Diagnosis("memory-bound", f"peak memory {peak:.0f} MB is {_pct(mem_share)} of the {device_mem_mb:.0f} MB "
-                                         f"available (>= {_pct(MEMORY_FULL)})", moves)
-
+        return _memory_bound(job, cfg, peak, mem_share, device_mem_mb, dev, cuda)
     if inp >= INPUT_BOUND:
         diag = Diagnosis("input-bound", f"the step waits on input {_pct(inp)} of the time (data "
                                         f"{_pct(job.get('data_wait_frac', 0))}, h2d {_pct(job.get('h2d_frac', 0))}; "
                                         f">= {_pct(INPUT_BOUND)})")
         _input_moves(diag, job, cfg, cuda, handoff)
         return diag
-
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1 and cfg.backend.name is BackendName.fsdp:
         return Diagnosis("communication-bound", f"exposed communication (all-gathers, reduce-scatters) is {_pct(comm)} "
                                                 f"of the step (>= {_pct(COMM_BOUND)})", _fsdp_comm_moves(cfg, comm, step, job))
-
     if comm >= COMM_BOUND and job.get("world_size", 1) > 1:
-        moves = []
-        if mem_share and mem_share * 4 < MEMORY_FULL:  # 4x the activations fit: the larger batch first
-            moves.append(Move({"data.batch_size": d.batch_size * 4},
-                              f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per "
-                              f"4x the samples divides it by 4 per sample, and unlike accumulation the larger batch also "
-                              f"runs larger kernels and pays the per-step overheads once per 4x the samples (peak memory "
-                              f"is {_pct(mem_share)} of {dev}); {_global_note(cfg, 4, job)}"))
-        moves.append(Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
-                          f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
-                          f"samples divides it by 4 per sample, at the same memory; {_global_note(cfg, 4, job)}"))
-        if cfg.backend.name is BackendName.horovod and not cfg.backend.fp16_compression:
-            moves.append(Move({"backend.fp16_compression": True}, "half the bytes on the wire, the same model math up to "
-                                                                  "fp16 rounding of the gradients"))
-        notes = []
-        if p.nnodes > 1:
-            notes.append("check the inter-node network: fewer, larger nodes communicate less")
-        return Diagnosis("communication-bound", f"exposed communication is {_pct(comm)} of the step (>= {_pct(COMM_BOUND)})",
-                         moves, notes)
+        return _allreduce_bound(job, cfg, comm, step, mem_share, dev)
+    return _compute_bound(job, cfg, inp, comm, mem_share, dev, cuda)
 
+
+def _memory_bound(job: Dict[str, Any], cfg: Config, peak: float, mem_share: float, device_mem_mb: Optional[float],
+                  dev: str, cuda: bool) -> Diagnosis:
+    """The peak memory is at the limit: half the batch at twice the accumulation (the same model
+    math), sharding the model state when it is most of the peak, amp on a GPU."""
+    d, t = cfg.data, cfg.trainer
+    moves = [Move({"data.batch_size": max(1, d.batch_size // 2), "trainer.accumulation_steps": t.accumulation_steps * 2},
+                  f"peak memory is {_pct(mem_share)} of {dev}; half the batch takes half the activations, and "
+                  "twice the accumulation keeps the global batch (the same model math)")]
+    shard = _shard_move(job, cfg, peak)
+    if shard is not None:  # first when the replicated model state is most of the peak
+        moves.insert(0 if shard[1] else 1, shard[0])
+    if not t.amp and cuda:
+        moves.append(Move({"trainer.amp": True}, "bf16/fp16 activations take half the memory"))
+    return Diagnosis("memory-bound", f"peak memory {peak:.0f} MB is {_pct(mem_share)} of the {device_mem_mb:.0f} MB "
+                                     f"available (>= {_pct(MEMORY_FULL)})", moves)
+
+
+def _allreduce_bound(job: Dict[str, Any], cfg: Config, comm: float, step: float, mem_share: float,
+                     dev: str) -> Diagnosis:
+    """Exposed all-reduces (ddp, horovod): fewer of them per sample (a 4x batch where it fits,
+    4x accumulation), half the bytes on horovod's wire; a note on the network across nodes."""
+    d, t = cfg.data, cfg.trainer
     moves = []
-    if not t.amp and cuda:  # on CPU, bf16 autocast is often slower than fp32: not advised there
+    if mem_share and mem_share * 4 < MEMORY_FULL:  # 4x the activations fit: the larger batch first
+        moves.append(Move({"data.batch_size": d.batch_size * 4},
+                          f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per "
+                          f"4x the samples divides it by 4 per sample, and unlike accumulation the larger batch also "
+                          f"runs larger kernels and pays the per-step overheads once per 4x the samples (peak memory "
+                          f"is {_pct(mem_share)} of {dev}); {_global_note(cfg, 4, job)}"))
+    moves.append(Move({"trainer.accumulation_steps": t.accumulation_steps * 4},
+                      f"exposed communication is {_ms(comm * step)} of a {_ms(step)} step; one all-reduce per 4x the "
+                      f"samples divides it by 4 per sample, at the same memory; {_global_note(cfg, 4, job)}"))
+    if cfg.backend.name is BackendName.horovod and not cfg.backend.fp16_compression:
+        moves.append(Move({"backend.fp16_compression": True}, "half the bytes on the wire, the same model math up to "
+                                                              "fp16 rounding of the gradients"))
+    notes = []
+    if cfg.parallelism.nnodes > 1:
+        notes.append("check the inter-node network: fewer, larger nodes communicate less")
+    return Diagnosis("communication-bound", f"exposed communication is {_pct(comm)} of the step (>= {_pct(COMM_BOUND)})",
+                     moves, notes)
+
+
+def _compute_bound(job: Dict[str, Any], cfg: Config, inp: float, comm: float, mem_share: float, dev: str,
+                   cuda: bool) -> Diagnosis:
+    """None of the others: the device computes most of the step; amp on a GPU, a larger batch
+    where twice fits."""
+    busy = job.get("compute_frac", 0.0) + job.get("optimizer_frac", 0.0)
+    moves = []
+    if not cfg.trainer.amp and cuda:  # on CPU, bf16 autocast is often slower than fp32: not advised there
         moves.append(Move({"trainer.amp": True}, "tensor cores run bf16/fp16 several times faster than fp32"))
     if mem_share and mem_share < 0.5:
-        moves.append(Move({"data.batch_size": d.batch_size * 2},
+        moves.append(Move({"data.batch_size": cfg.data.batch_size * 2},
                           f"peak memory is {_pct(mem_share)} of {dev}, so twice the batch fits; larger batches run "
                           f"more efficient kernels and pay per-step overheads half as often; {_global_note(cfg, 2, job)}"))
     return Diagnosis("compute-bound", f"compute + optimizer take {_pct(busy)} of the step; input {_pct(inp)}, "
@@ -213,45 +232,68 @@ def _fsdp_comm_moves(cfg: Config, comm: float, step: float, job: Dict[str, Any])
 
 
 def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, handoff: Handoff) -> None:
+    """The moves of an input-bound job: faster copies when host-to-device copies dominate, else
+    loader workers, or a larger batch where a worker's hand-off would cost what it saves."""
     d, t = cfg.data, cfg.trainer
+    if job.get("h2d_frac", 0.0) > job.get("data_wait_frac", 0.0):
+        _copy_moves(diag, job, cfg, cuda)
+        return
     step = job.get("step_time_s") or 0.0
     wait = step * job.get("data_wait_frac", 0.0) / t.accumulation_steps  # per micro-batch
     other = max(0.0, step / t.accumulation_steps - wait)  # what the rest of a micro-step takes
-    if job.get("h2d_frac", 0.0) > job.get("data_wait_frac", 0.0):
-        if cuda and not d.pin_memory:
-            diag.moves.append(Move({"data.pin_memory": True}, f"host-to-device copies take {_pct(job['h2d_frac'])} of the "
-                                                             "step; pinned memory makes them faster and asynchronous"))
-        diag.notes.append("host-to-device copies dominate the input time: keep inputs compact (uint8 images, "
-                          "converted on the device)")
-        return
-    bigger = Move({"data.batch_size": d.batch_size * 4}, "")
     batch_bytes = int(job.get("item_bytes") or 0) * d.batch_size
     cost = handoff(batch_bytes, d.batch_size) if batch_bytes else {"seconds": 1e-3, "source": "an estimate"}
     model = _job_model(job, cfg, handoff)
     cap = cfg.tune.max_workers if cfg.tune.max_workers is not None else \
         workers_cap(cfg, (job.get("input_cost") or {}).get("cores") or (os.cpu_count() or 1))
     if d.num_workers == 0:
-        if wait > WORKERS_WORTH_IT * cost["seconds"]:
-            if model is not None:
-                n = model.best_workers(d.batch_size, t.accumulation_steps, cap)
-                if n > 0:
-                    diag.moves.append(Move({"data.num_workers": n, "data.persistent_workers": True},
-                                           _workers_why(model, cfg, n, cost)))
-                    return
-            else:
-                n = min(cap, max(2, math.ceil(wait / max(other, cost["seconds"]))))
-                diag.moves.append(Move(
-                    {"data.num_workers": n, "data.persistent_workers": True},
-                    f"building a batch takes {_ms(wait)} in the training process, and handing one over from a worker "
-                    f"costs about {_ms(cost['seconds'])} ({cost['source']}); {n} workers build batches while the step "
-                    f"computes ({_ms(other)} of other work per batch)"))
+        _in_process_moves(diag, job, cfg, wait, other, cost, model, cap)
+    else:
+        _worker_moves(diag, job, cfg, wait, cost, model, cap)
+
+
+def _copy_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool) -> None:
+    """Host-to-device copies take most of the input time: pinned memory on a GPU, compact inputs."""
+    if cuda and not cfg.data.pin_memory:
+        diag.moves.append(Move({"data.pin_memory": True}, f"host-to-device copies take {_pct(job['h2d_frac'])} of the "
+                                                         "step; pinned memory makes them faster and asynchronous"))
+    diag.notes.append("host-to-device copies dominate the input time: keep inputs compact (uint8 images, "
+                      "converted on the device)")
+
+
+def _in_process_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, wait: float, other: float,
+                      cost: Dict[str, Any], model: Optional[JobModel], cap: int) -> None:
+    """The training process builds its batches (data.num_workers=0): workers, when a batch takes
+    longer to build than a worker's hand-off costs; else a 4x batch amortizes the per-batch overhead."""
+    d, t = cfg.data, cfg.trainer
+    if wait > WORKERS_WORTH_IT * cost["seconds"]:
+        if model is not None:
+            n = model.best_workers(d.batch_size, t.accumulation_steps, cap)
+            if n > 0:
+                diag.moves.append(Move({"data.num_workers": n, "data.persistent_workers": True},
+                                       _workers_why(model, cfg, n, cost)))
                 return
-        bigger.why = (f"building a batch takes only {_ms(wait)} in the training process, less than the "
-                      f"{_ms(cost['seconds'])} a worker hand-off costs here ({cost['source']}), so workers would make "
-                      f"this job slower; the per-batch overhead dominates and a 4x batch amortizes it; "
-                      f"{_global_note(cfg, 4, job)}")
-        diag.moves.append(bigger)
-        return
+        else:
+            n = min(cap, max(2, math.ceil(wait / max(other, cost["seconds"]))))
+            diag.moves.append(Move(
+                {"data.num_workers": n, "data.persistent_workers": True},
+                f"building a batch takes {_ms(wait)} in the training process, and handing one over from a worker "
+                f"costs about {_ms(cost['seconds'])} ({cost['source']}); {n} workers build batches while the step "
+                f"computes ({_ms(other)} of other work per batch)"))
+            return
+    diag.moves.append(Move({"data.batch_size": d.batch_size * 4}, (
+        f"building a batch takes only {_ms(wait)} in the training process, less than the "
+        f"{_ms(cost['seconds'])} a worker hand-off costs here ({cost['source']}), so workers would make "
+        f"this job slower; the per-batch overhead dominates and a 4x batch amortizes it; "
+        f"{_global_note(cfg, 4, job)}")))
+
+
+def _worker_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, wait: float, cost: Dict[str, Any],
+                  model: Optional[JobModel], cap: int) -> None:
+    """Workers build the batches and the step still waits: a 4x batch when the wait is the hand-off
+    itself; else the number of workers the job model (or twice as many) says, a deeper queue, a 4x batch."""
+    d, t = cfg.data, cfg.trainer
+    bigger = Move({"data.batch_size": d.batch_size * 4}, "")
     if wait <= 1.5 * cost["seconds"]:  # the wait is the hand-off itself: more workers cannot lower it
         bigger.why = (f"the step waits {_ms(wait)} per batch, about what one worker hand-off costs here "
                       f"({_ms(cost['seconds'])}, {cost['source']}): more workers cannot lower it, a 4x batch pays it a "

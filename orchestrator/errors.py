@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import re
 import typing
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 
@@ -84,63 +84,89 @@ def format_error(exc: BaseException, root: type) -> str:
     while chain[-1].__cause__ is not None:
         chain.append(chain[-1].__cause__)
     text = "\n".join(str(e) for e in chain)
+    key = next((getattr(e, "full_key", None) for e in chain if getattr(e, "full_key", None)), None)
+    return (_malformed_override(chain, root) or _unknown_choice(text) or _unquoted_commas(text)
+            or _unknown_key(text, key, root) or _value_problem(chain, text, key, root)
+            or _first_line(exc, key))
+
+
+def _malformed_override(chain: List[BaseException], root: type) -> Optional[str]:
+    """An override Hydra's parser refused (its grammar's words replaced by ours)."""
     from hydra.errors import OverrideParseException
 
     parse = next((e for e in chain if isinstance(e, OverrideParseException)), None)
     if parse is not None and getattr(parse, "override", None):
         return _malformed(parse, root)
+    return None
 
+
+def _unknown_choice(text: str) -> Optional[str]:
+    """A config group given an option it does not have: the options it has."""
     m = re.search(r"Could not find '([^']+)/([^']+)'.*?Available options in '[^']+':\s*(.*)", text, re.S)
-    if m:
-        group, bad, opts = m.group(1), m.group(2), m.group(3)
-        options = []
-        for line in opts.splitlines():
-            line = line.strip()
-            if not line or line.startswith("Config search path"):
-                if options:
-                    break
-                continue
-            if not line.endswith("_schema"):
-                options.append(line)
-        return f"{group.replace('/', '.')}: unknown choice '{bad}'; allowed: {', '.join(options)}"
+    if not m:
+        return None
+    group, bad, opts = m.group(1), m.group(2), m.group(3)
+    options = []
+    for line in opts.splitlines():
+        line = line.strip()
+        if not line or line.startswith("Config search path"):
+            if options:
+                break
+            continue
+        if not line.endswith("_schema"):
+            options.append(line)
+    return f"{group.replace('/', '.')}: unknown choice '{bad}'; allowed: {', '.join(options)}"
 
+
+def _unquoted_commas(text: str) -> Optional[str]:
+    """A value with commas Hydra read as a sweep outside -m: how to quote it."""
     m = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
-    if m:
-        # the outer double quotes keep the inner single quotes through a POSIX shell
-        return (f"{m.group(1)}: a value with commas must be quoted, e.g. \"{m.group(1)}='{m.group(2)}'\" "
-                "(unquoted commas mean a multirun sweep, with -m)")
+    if not m:
+        return None
+    # the outer double quotes keep the inner single quotes through a POSIX shell
+    return (f"{m.group(1)}: a value with commas must be quoted, e.g. \"{m.group(1)}='{m.group(2)}'\" "
+            "(unquoted commas mean a multirun sweep, with -m)")
 
+
+def _unknown_key(text: str, key: Optional[str], root: type) -> Optional[str]:
+    """A key the schema does not have: the keys its parent has, or how to add one to a free-form node."""
     m = re.search(r"Key '([^']+)' (?:not in|is not in struct)", text)
-    key = next((getattr(e, "full_key", None) for e in chain if getattr(e, "full_key", None)), None)
-    if m:
-        full = key or m.group(1)
-        parent = full.rsplit(".", 1)[0] if "." in full else ""
-        allowed = _allowed_keys(parent, root)
-        if allowed:
-            return f"{full}: unknown key in {parent or 'config'}; allowed: {allowed}"
-        return f"{full}: not in the config; to add a key to a free-form node write +{full}=..."
+    if not m:
+        return None
+    full = key or m.group(1)
+    parent = full.rsplit(".", 1)[0] if "." in full else ""
+    allowed = _allowed_keys(parent, root)
+    if allowed:
+        return f"{full}: unknown key in {parent or 'config'}; allowed: {allowed}"
+    return f"{full}: not in the config; to add a key to a free-form node write +{full}=..."
 
+
+def _value_problem(chain: List[BaseException], text: str, key: Optional[str], root: type) -> Optional[str]:
+    """A value the field's type refuses (an enum's other word, a number that is not one, a
+    validation error), or a required field left without one: what the field allows."""
     m = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", text)
     if m and key:
         return f"{key}: invalid value '{m.group(1)}'; allowed: {m.group(2)}"
-
     m = re.search(r"Value '([^']*)' (?:of type '[^']*' )?could not be converted to (\w+)", text)
     if m and key:
         allowed = _describe(_field_type(key, root))
         return f"{key}: '{m.group(1)}' is not a valid {m.group(2)}" + (f"; allowed: {allowed}" if allowed else "")
-
     from omegaconf.errors import ValidationError
 
+    missing = re.search(r"[Mm]issing mandatory value", text)
     invalid = next((e for e in chain if isinstance(e, ValidationError) and getattr(e, "full_key", None)), None)
-    if invalid is not None and not re.search(r"[Mm]issing mandatory value", text):
+    if invalid is not None and not missing:
         line = _bad_value(invalid, invalid.full_key, root)
         if line:
             return line
-
-    if key and re.search(r"[Mm]issing mandatory value", text):
+    if key and missing:
         example = {"model._target_": "mypkg.nets.Net", "data._target_": "mypkg.data.make_dataset"}.get(key, "...")
         return f"{key}: required, and no value was given; set it, e.g. {key}={example}"
+    return None
 
+
+def _first_line(exc: BaseException, key: Optional[str]) -> str:
+    """None of the known shapes: the error's first line, with the key it names."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{key}: {first}" if key and key not in first else first
 

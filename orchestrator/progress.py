@@ -3,7 +3,7 @@ loss, samples/s, ETA; a study's trial k/N, the running trial's knobs and elapsed
 so far with its interval), otherwise one plain line every few seconds; and the console the
 summaries print on (wide when piped, so rich never splits a path or a table row).
 
-app.LiveLog feeds a JobProgress from the ranks' events; tune/study.py feeds a StudyProgress.
+livelog.LiveLog feeds a JobProgress from the ranks' events; tune/study.py feeds a StudyProgress.
 """
 
 from __future__ import annotations

@@ -312,10 +312,8 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
             now = time.monotonic()
             read_files = now - files_read >= FILES_POLL_S
             files_read = now if read_files else files_read
-            if on_events is not None and read_files:
-                batch = events.poll()
-                if batch:
-                    on_events(batch)
+            if read_files:
+                _deliver(events, on_events)
             if done():
                 rc = proc.poll()  # again: it may have exited since
                 outcome.returncode = 0 if rc is None else rc
@@ -323,14 +321,9 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
             if rc is not None:  # a kept-alive launcher exited before finishing the job
                 outcome.returncode = rc if rc != 0 else -1
                 break
-            if timeout_s and time.monotonic() - start > timeout_s:
-                outcome.timed_out = True
-            elif should_stop is not None and should_stop():
-                outcome.stopped = True
-            elif memory_cap_mb and now - memory_checked >= MEMORY_POLL_S:
-                memory_checked = now
-                outcome.over_memory = over_memory(proc, memory_cap_mb)
-            if outcome.timed_out or outcome.stopped or outcome.over_memory:
+            check_memory = bool(memory_cap_mb) and now - memory_checked >= MEMORY_POLL_S
+            memory_checked = now if check_memory else memory_checked
+            if _past_a_limit(outcome, proc, time.monotonic() - start, timeout_s, should_stop, memory_cap_mb, check_memory):
                 launched.kill()
                 outcome.returncode = proc.returncode
                 break
@@ -348,12 +341,37 @@ def watch(launched: Launched, run_dir: Path, *, done: Callable[[], bool], timeou
     except BaseException:
         launched.kill(grace_s=2.0)
         raise
-    if proc.poll() is not None:
-        launched.reader.join(timeout=5.0)  # the last lines it printed
+    return _how_it_ended(launched, run_dir, events, on_events, outcome)
+
+
+def _deliver(events: EventTail, on_events: Optional[Callable[[List[tuple[int, Event]]], None]]) -> None:
+    """The ranks' new events, to the caller (when it asked for them)."""
     if on_events is not None:
         batch = events.poll()
         if batch:
             on_events(batch)
+
+
+def _past_a_limit(outcome: Outcome, proc: subprocess.Popen, elapsed_s: float, timeout_s: float,
+                  should_stop: Optional[Callable[[], bool]], memory_cap_mb: float, check_memory: bool) -> bool:
+    """Whether the job passed a limit: the timeout, the caller's stop, the memory cap (measured
+    when `check_memory`); the one it passed is set on `outcome`."""
+    if timeout_s and elapsed_s > timeout_s:
+        outcome.timed_out = True
+    elif should_stop is not None and should_stop():
+        outcome.stopped = True
+    elif check_memory:
+        outcome.over_memory = over_memory(proc, memory_cap_mb)
+    return bool(outcome.timed_out or outcome.stopped or outcome.over_memory)
+
+
+def _how_it_ended(launched: Launched, run_dir: Path, events: EventTail,
+                  on_events: Optional[Callable[[List[tuple[int, Event]]], None]], outcome: Outcome) -> Outcome:
+    """Once the watch ends: the last events and output lines, and the error of the rank that
+    failed first (else the output's tail, when the job did not end well)."""
+    if launched.proc.poll() is not None:
+        launched.reader.join(timeout=5.0)  # the last lines it printed
+    _deliver(events, on_events)
     outcome.output_tail = list(launched.tail)
     outcome.failed_rank, outcome.error = _first_error(run_dir, "\n".join(launched.tail))
     if not outcome.ok and not outcome.error:

@@ -23,7 +23,7 @@ from .stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, stor
 PROJECT_STORE = PROJECT / "outputs" / "mlflow.db"  # what scripts/ui.sh (`make ui`) serves
 UI_URL = "http://127.0.0.1:5000"  # `make ui`
 
-# A job's summary metrics (record); per-window ones are logged live by app.LiveLog.
+# A job's summary metrics (record); per-window ones are logged live by livelog.LiveLog.
 SUMMARY_METRICS = ("utilization", "throughput", "step_time_s", "data_wait_frac", "h2d_frac", "compute_frac",
                    "comm_frac", "optimizer_frac", "peak_mem_mb", "final_loss", "first_loss", "wall_s", "mfu",
                    "nvml_util", "sm_active", "flops_per_sample", "tokens_per_s", "padding_frac", "eval_s", "eval_frac",

@@ -109,7 +109,7 @@ def test_devices_this_machine_lacks_are_refused_before_launch(make_cfg, tmp_path
     (dict(returncode=3), 0, ("FAILED", "launcher exited with code 3")),
 ])
 def test_outcome_classification(outcome, reported, expected):
-    from orchestrator.app import classify
+    from orchestrator.finish import classify
     from orchestrator.supervise import Outcome
 
     assert classify(Outcome(**outcome), reported, 2, 5.0) == expected

@@ -157,7 +157,7 @@ def test_a_runs_progress_shows_the_samples_per_second_its_summary_reports():
     run delivered 1200/s."""
     import types
 
-    from orchestrator.app import LiveLog
+    from orchestrator.livelog import LiveLog
 
     progress = JobProgress(live=False, every_s=3600)
     live = LiveLog(types.SimpleNamespace(log_metrics=lambda points: None, uri="-"), 1, progress=progress)

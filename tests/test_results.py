@@ -56,7 +56,7 @@ def test_the_stop_rule_the_live_log_and_the_merge_read_the_same_job_window():
     """Two ranks with different step times: the loop's all-reduced figures (what the stop rule,
     the window sizing and the loader autotune get), the live log's job points (MLflow and the
     pruner) and the merged result's windows (its estimates, the tuner's) are job_window's."""
-    from orchestrator.app import LiveLog
+    from orchestrator.livelog import LiveLog
     from orchestrator.merge import job_windows, merge
     from orchestrator.runtime.loop import Run
 

@@ -198,6 +198,38 @@ def test_resume_rejects_bad_input(make_cfg, tmp_path):
         run_job(make_cfg(f"trainer.resume={tmp_path / 'two'}"), tmp_path / "c", echo=False)
 
 
+def test_the_resume_decision_is_one_typed_answer(make_cfg, tmp_path):
+    """resume.decide: start fresh, resume from a checkpoint (in the run dir it continues), or
+    refuse with one line (a wrong config: ConfigError; a finished run trained no further:
+    NothingToResume); it touches nothing, and preflight raises its refusal before any run dir is made."""
+    from orchestrator.checks import preflight
+    from orchestrator.resume import NothingToResume, Refuse, ResumeFrom, StartFresh, decide
+    from orchestrator.schema import ConfigError, to_yaml
+
+    fresh = decide(make_cfg(), tmp_path / "new")
+    assert isinstance(fresh, StartFresh) and fresh.run_dir == tmp_path / "new" and not (tmp_path / "new").exists()
+    refused = decide(make_cfg("trainer.resume=/nope"), tmp_path / "new")
+    assert refused == Refuse("trainer.resume: '/nope' is not a run directory; allowed: a run dir or latest")
+    assert isinstance(refused.error(), ConfigError)
+
+    run = tmp_path / "run"
+    checkpoint.save(run, 8, {}, {"step": 8, "world_size": 1, "mlflow_run_id": "abc"})
+    (run / "config.yaml").write_text(to_yaml(make_cfg("trainer.max_steps=8")))
+    resumed = decide(make_cfg("trainer.max_steps=8", f"trainer.resume={run}"), tmp_path / "new")
+    assert isinstance(resumed, ResumeFrom) and resumed.run_dir == run.resolve() and resumed.step == 8
+    assert resumed.checkpoint["mlflow_run_id"] == "abc"
+    (run / "result.json").write_text(json.dumps({"status": "FINISHED", "steps": 8, "steps_per_epoch": 128}))
+    done = decide(make_cfg("trainer.max_steps=8", f"trainer.resume={run}"), tmp_path / "new")
+    assert isinstance(done, Refuse) and done.finished and done.line.startswith(f"nothing to resume: {run.resolve()} ")
+    assert isinstance(done.error(), NothingToResume)
+    changed = decide(make_cfg("trainer.max_steps=9", "data.batch_size=64", f"trainer.resume={run}"), tmp_path / "new")
+    assert isinstance(changed, Refuse) and not changed.finished and "data.batch_size (32 -> 64)" in changed.line
+    with pytest.raises(NothingToResume):
+        preflight(make_cfg("trainer.max_steps=8", f"trainer.resume={run}"), tmp_path / "new")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "result.json"]
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_resume_logs_no_loss_point_twice(make_cfg, tmp_path):
     """The steps a resume redoes (after its checkpoint, up to where the failed attempt got) were
     logged by that attempt: MLflow's loss history holds each step once."""
@@ -215,15 +247,16 @@ def test_a_resume_logs_no_loss_point_twice(make_cfg, tmp_path):
 
 def test_a_checkpoint_without_its_json_sidecar_is_read_from_the_pt(make_cfg, tmp_path):
     """The .pt holds the metadata too: a lost or damaged sidecar does not hide an intact checkpoint."""
-    from orchestrator.app import resume_point
+    from orchestrator.resume import ResumeFrom, decide
 
     checkpoint.save(tmp_path / "run", 5, {}, {"step": 5, "world_size": 1})
     checkpoint.save(tmp_path / "run", 10, {}, {"step": 10, "world_size": 1})
     (tmp_path / "run" / "checkpoints" / "step_00000010.json").unlink()
     (tmp_path / "run" / "checkpoints" / "step_00000005.json").write_text("{trunc")
     assert checkpoint.find_latest(tmp_path / "run").name == "step_00000010.pt"
-    run_dir, meta = resume_point(make_cfg(f"trainer.resume={tmp_path / 'run'}"))
-    assert run_dir == (tmp_path / "run").resolve() and meta["step"] == 10
+    decision = decide(make_cfg(f"trainer.resume={tmp_path / 'run'}"), tmp_path / "elsewhere")
+    assert isinstance(decision, ResumeFrom) and decision.step == 10
+    assert decision.run_dir == (tmp_path / "run").resolve() and decision.cfg.trainer.resume == str(decision.run_dir)
     assert checkpoint.good_before(tmp_path / "run", 10).name == "step_00000005.pt"
 
 
@@ -268,15 +301,15 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
 def test_resume_skips_an_unreadable_record(make_cfg, tmp_path, capsys):
     """A result.json left empty (a full disk, before records were written atomically) does not
     block the resume: it is skipped with a one-line note."""
-    from orchestrator.app import resume_point
+    from orchestrator.resume import ResumeFrom, decide
     from orchestrator.schema import to_yaml
 
     run_dir = tmp_path / "run"
     checkpoint.save(run_dir, 5, {}, {"step": 5, "world_size": 1})
     (run_dir / "config.yaml").write_text(to_yaml(make_cfg()))
     (run_dir / "result.json").write_text("")
-    found, meta = resume_point(make_cfg(f"trainer.resume={run_dir}"))
-    assert found == run_dir.resolve() and meta["step"] == 5
+    decision = decide(make_cfg(f"trainer.resume={run_dir}"), tmp_path / "elsewhere")
+    assert isinstance(decision, ResumeFrom) and decision.run_dir == run_dir.resolve() and decision.step == 5
     notes = [line for line in capsys.readouterr().out.splitlines() if "result.json" in line]
     assert len(notes) == 1 and "unreadable" in notes[0] and str(run_dir.resolve() / "result.json") in notes[0]
 

@@ -291,7 +291,8 @@ def test_checkpoint_signal_tasks_and_the_requeued_run_dir(make_cfg, tmp_path, mo
 
     from orchestrator import checkpoint
     from orchestrator.__main__ import resume_requeued
-    from orchestrator.app import _clear_stale_request, _mlflow_status
+    from orchestrator.attempts import clear_stale_request
+    from orchestrator.finish import mlflow_status
     from orchestrator.rundir import checkpoint_request_path, write_json
 
     cfg = slurm.resolve(make_cfg("backend=ddp"), ALLOC, say=lambda _: None)
@@ -328,12 +329,12 @@ def test_checkpoint_signal_tasks_and_the_requeued_run_dir(make_cfg, tmp_path, mo
     request = checkpoint_request_path(run_dir)
     request.write_text("SIGUSR1\n")
     os.utime(request, (0, 0))
-    _clear_stale_request(run_dir)
+    clear_stale_request(run_dir)
     assert not request.exists()
     request.write_text("SIGUSR1\n")
-    _clear_stale_request(run_dir)
+    clear_stale_request(run_dir)
     assert request.exists()
-    assert [_mlflow_status({"status": s, "requeue": q}) for s, q in (("CHECKPOINTED", "42"), ("CHECKPOINTED", None),
+    assert [mlflow_status({"status": s, "requeue": q}) for s, q in (("CHECKPOINTED", "42"), ("CHECKPOINTED", None),
                                                                       ("FINISHED", None))] == ["SCHEDULED", "KILLED", "FINISHED"]
 
 

@@ -166,7 +166,7 @@ class WindowFigures:
 
 def job_window(ranks: Sequence[WindowFigures]) -> WindowFigures:
     """The job's window i from every rank's window i (the ranks close windows at the same steps).
-    The one definition the stop rule (runtime/loop), the live log and its pruner (app.LiveLog)
+    The one definition the stop rule (runtime/loop), the live log and its pruner (livelog.LiveLog)
     and the merged result (merge.job_windows, the tuner's estimates) read:
 
     - throughput and real tokens/s: the ranks' summed (the job's samples over the window; tokens
@@ -304,7 +304,7 @@ PER_RANK_FIELDS = (
 
 @dataclass
 class JobResult(_Record):
-    """result.json: the job's result (merge.merge, completed by app.run_job). Typed: what the
+    """result.json: the job's result (merge.merge, completed by finish.settle). Typed: what the
     summary, the tuner and a resume read; the rest (the device figures, input_cost, the
     diagnosis, balance, loader_autotune, the MLflow run, errors) travels in `extra` as written."""
 

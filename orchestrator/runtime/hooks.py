@@ -116,7 +116,7 @@ class BalanceHook(Hook):
 
 class CheckpointHook(Hook):
     """trainer.checkpoint_every: a checkpoint every that many steps and at the end of the run
-    (raising max_steps or epochs then continues from there); see orchestrator/checkpoint.py."""
+    (raising max_steps or epochs then continues from there); see orchestrator/checkpoint.py and resume.py."""
 
     def __init__(self, ckpt_dir: Path, every: int, mlflow_run_id: Optional[str], start_step: int) -> None:
         self.ckpt_dir, self.every, self.mlflow_run_id, self.start_step = ckpt_dir, every, mlflow_run_id, start_step
