@@ -16,10 +16,11 @@ Workloads (tracking off, everything under one temporary directory):
    printed: trials to 0.95, and the pick's score after each trial. Where several configs lie
    within the references' own run-to-run spread of the best (input_bound: four 4-worker configs
    within 4% in throughput), reaching 0.97 means drawing the one the references ranked first.
-2. Default space (conf/tune/default.yaml on this machine: batch 8..512, workers 0..2 x cores,
-   accumulation 1..8, prefetch 1..8 with workers; ~1,800 configs): guided with 12 trials vs random
-   with 48, seeds 0..2, default settings otherwise (confirmation on; patience off for random so it
-   uses its 48). The distinct picks of a workload are then run side by side in steady state
+2. Default space as users get it (conf/tune/default.yaml on this machine: batch 8..512, workers
+   0..2 x cores, prefetch 1..8 with workers, the user's global batch held, accumulation derived:
+   99 configs on input_bound, 17 on comm_heavy, 66 on transformer_lm; ~1,800 with
+   tune.global_batch=free): guided with 12 trials vs random with 48, seeds 0..2, default settings
+   otherwise (confirmation on; patience off for random so it uses its 48). The distinct picks of a workload are then run side by side in steady state
    (interleaved, 2 rounds) and scored against the best of them. Target: guided's median score >=
    random-48's minus 0.03 (the noise; a 3% difference is not a win either way) on every workload.
 3. Each study's wall time is printed.
@@ -117,7 +118,8 @@ def default_part(name: str, spec: Dict[str, Any], seeds: int, tmp: Path) -> Dict
     common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db"]
     cfg = compose_config(common)
     space = SearchSpace(cfg)
-    print(f"\n== {name}: default space, {space.grid_size()} configs, load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"\n== {name}: default space, {space.grid_size()} configs (global batch {space.global_batch or 'free'}), "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
     picks: Dict[str, List[Dict[str, Any]]] = {s: [] for s in DEFAULT_TRIALS}
     for sampler, n in DEFAULT_TRIALS.items():
         for seed in range(seeds):

@@ -25,23 +25,25 @@ Parts (--part, any subset, in this order; all of them by default):
            Points already in the cache are not measured again.
   studies  per task, per sampler (--samplers), per seed (--seeds): `run_study` with 6 trials on
            the task's space, tune.baseline=true when the user's config is a grid point, the
-           product's defaults otherwise (confirm_top, pruner, patience; only extend_edges is off:
-           a pick outside the grid could not be scored). Stored: the pick, the study's wall time,
+           product's defaults otherwise (confirm_top, pruner, patience; extend_edges is off and the
+           global batch free: the space is the whole grid, and a pick outside it could not be scored). Stored: the pick, the study's wall time,
            its measured seconds (trials + confirmation runs) and their share of the wall time,
            launched trials, the path of configs tried. A stored (label, task, sampler, seed) is
            not run again. Then every pick (of this label) whose reference is a single run is
            settled like the near-best ones (3 runs, interleaved): a pick is scored by it.
   default  per task, a 12-trial guided study on the DEFAULT space (conf/tune/default.yaml, no
-           space overrides); its pick and the task's steady grid-best are then run side by side in
-           steady state (2 interleaved rounds, the same reference runs): ratio = the pick's score
-           against the grid-best by the objective's rule (bench.lib.quality; > 1 is shown as 1).
+           space overrides, the product's defaults: the user's global batch held); its pick and the
+           steady best of the grid points that train that global batch (held_points) are then run
+           side by side in steady state (2 interleaved rounds, the same reference runs): ratio = the
+           pick's score against that best by the objective's rule (bench.lib.quality; > 1 is shown as 1).
   resettle per task, the references that decide its scores (the configs near the steady best and
            every pick of every label) measured again side by side, --rounds runs each, interleaved;
            today's mean replaces them (the earlier figures are kept as "steady_before", each run's
            as "samples"): references settled hours or days apart differ by the host's drift.
            Configs that today's figures moved near the best get a second look beside it.
   score    reads the cache and prints one table: per task and label, each sampler's median / worst
-           seed score, the default-space ratio, the guided studies' median wall time and measured
+           seed score, the default-space ratio ("(free)": stored before the default held the global
+           batch, scored against the whole grid), the guided studies' median wall time and measured
            share, the load averages. Score of a pick = bench.lib.quality(steady grid, pick,
            floor) (the utilization objective's rule: its steady utilization / the grid-best's
            when its steady throughput is within tune.throughput_floor of the best, else its
@@ -429,6 +431,14 @@ def side_by_side(jobs: Jobs, arms: Dict[str, Tuple[Config, Figures]], rounds: in
     return out
 
 
+def held_points(space: SearchSpace, steady: Dict[Point, Figures]) -> Dict[Point, Figures]:
+    """The grid points `space` can reach: those that train the global batch it holds (all when free).
+    The default space holds the user's, so its pick is judged against the best at that batch."""
+    if space.global_batch is None:
+        return dict(steady)
+    return {p: f for p, f in steady.items() if p[0] * p[2] * space.world == space.global_batch}
+
+
 def default_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> None:
     if name in load(args.cache).get("default", {}).get(args.label, {}):
         return
@@ -443,11 +453,18 @@ def default_part(name: str, spec: Dict[str, Any], args: argparse.Namespace, tmp:
     sname = f"zoo-{name}-{args.label}-default-{time.time_ns()}"
     overrides = [*base(spec, tmp), "tune.sampler=guided", f"tune.n_trials={n}", f"tune.study_name={sname}"]
     cfg = compose_config(overrides)
-    print(f"\n== {name} default space ({args.label}): {SearchSpace(cfg).grid_size()} configs, {n} guided trials, "
+    space = SearchSpace(cfg)
+    held = held_points(space, steady)
+    if not held:
+        print(f"\n== {name} default: no grid point trains the global batch {space.global_batch} that the default "
+              "space holds: not scored")
+        return
+    print(f"\n== {name} default space ({args.label}): {space.grid_size()} configs (global batch "
+          f"{space.global_batch or 'free'}), {n} guided trials, scored against {len(held)} grid points, "
           f"load average {load_avg():.2f}", flush=True)
     rec, best = run(sname, overrides, tmp)
-    gbest = objective_best(steady, floor)
-    out: Dict[str, Any] = {**rec, "values": None, "grid_best": list(gbest), "ratio": 0.0}
+    gbest = objective_best(held, floor)
+    out: Dict[str, Any] = {**rec, "values": None, "grid_best": list(gbest), "held": space.global_batch, "ratio": 0.0}
     if best:
         values = best["values"]
         gvalues = values_of(SearchSpace(grid_cfg), gbest)
@@ -516,7 +533,7 @@ def score_part(args: argparse.Namespace, names: List[str]) -> bool:
         partial = "" if len(steady) == len(grid) else f" [grid {len(steady)}/{len(grid)}]"
         top = ceiling(steady, floor)
         rows.append([name + partial, label, *cells, med_worst(aware), f"{top[0]:.3f}/{top[1]:.3f}" if top else "-",
-                     f"{dflt['ratio']:.3f}" if dflt else "-",
+                     f"{dflt['ratio']:.3f}" + ("" if "held" in dflt else " (free)") if dflt else "-",
                      f"{statistics.median(r['wall_s'] for r in guided):.0f}s" if guided else "-",
                      f"{100 * share:.0f}%" if share is not None else "-",
                      f"{max(gload, default=float('nan')):.1f}/{statistics.median(sload) if sload else float('nan'):.1f}"])

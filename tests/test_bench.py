@@ -51,3 +51,49 @@ def test_a_zoo_task_runs_on_ranks_that_import_it_from_the_working_directory(tmp_
                           "+data.args.size=256"])
     result = run_job(cfg, tmp_path / "run", echo=False, plots=False)
     assert result["status"] == "FINISHED" and result["steps"] == 4
+
+
+def _grids():
+    """(name, base overrides, grid space) of every grid the benchmarks measure and search."""
+    from bench.bench_samplers import SPACES
+    from bench.lib import WORKLOADS
+    from bench.zoo import TASKS
+
+    for name, spec in WORKLOADS.items():
+        yield from ((f"{name} {kind}", spec["overrides"], spec[kind]) for kind in ("space", "quick"))
+    yield "transformer_lm space", SPACES["transformer_lm"]["overrides"], SPACES["transformer_lm"]["space"]
+    yield from ((f"zoo {name}", spec["overrides"], spec["space"]) for name, spec in TASKS.items())
+
+
+def test_every_grid_point_is_a_point_of_the_space_the_benchmarks_search():
+    """The benchmarks' studies search their whole grid (the global batch free, whatever the
+    product's default): each grid point becomes a trial's values, and those values are that point."""
+    import itertools
+
+    from bench.lib import KNOBS, point_of, space_overrides, values_of
+    from orchestrator.tune.space import SearchSpace
+
+    for name, overrides, space in _grids():
+        space_ = SearchSpace(compose_config([*overrides, "tracking.enabled=false", *space_overrides(space)]))
+        assert space_.global_batch is None, name
+        for p in itertools.product(*(space[k] for k in KNOBS)):
+            assert point_of(values_of(space_, p)) == p, (name, p)
+
+
+def test_the_zoo_default_study_is_scored_against_the_grid_points_that_train_its_global_batch():
+    """bench_zoo's default-space study runs under the product's defaults (the user's global batch
+    held): its pick is judged against the best of the grid points at that global batch only."""
+    from bench.bench_zoo import grid_of, held_points
+    from bench.zoo import TASKS
+    from orchestrator.tune.space import SearchSpace
+
+    steady = {p: {"throughput": 1.0, "utilization": 1.0} for p in grid_of(TASKS["storage_1"]["space"])}
+    space = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false"]))
+    assert space.global_batch == 32  # the user's b32 a1, one rank
+    assert sorted({(b, a) for b, _, a in held_points(space, steady)}) == [(16, 2), (32, 1)]
+    ddp = SearchSpace(compose_config([*TASKS["comm_ddp"]["overrides"], "tracking.enabled=false"]))
+    steady = {p: {"throughput": 1.0, "utilization": 1.0} for p in grid_of(TASKS["comm_ddp"]["space"])}
+    assert sorted({(b, a) for b, _, a in held_points(ddp, steady)}) == [(8, 2), (16, 1)]  # 2 ranks: 32 in all
+    free = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false",
+                                       "tune.global_batch=free"]))
+    assert held_points(free, steady) == steady
