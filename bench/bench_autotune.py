@@ -66,7 +66,7 @@ def reached(half: Dict[str, Any], target: float) -> float:
 
 def best_fixed(tmp: Path, trials: int) -> Dict[str, Any]:
     cfg = compose_config([*COMMON, "mode=tune", f"data.read_latency_ms={LATENCY_MS}", f"tune.n_trials={trials}",
-                       "tune.objective=throughput", f"tune.storage=sqlite:///{tmp}/optuna.db", "~tune.space.batch_size",
+                       "tune.objective=throughput", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off", "~tune.space.batch_size",
                        "~tune.space.accumulation_steps", "~tune.space.pin_memory", "tune.extend_edges=false"])
     summary = run_study(cfg, tmp / "study", echo=False)
     values = summary["best"]["values"]

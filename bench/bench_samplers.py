@@ -83,7 +83,7 @@ def needed(trials: List[Any], steady: Dict[Point, Dict[str, float]], floor: floa
 def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: Path,
               cache: Optional[Path]) -> Dict[str, Any]:
     grid: List[Point] = list(itertools.product(*(spec["space"][k] for k in KNOBS)))
-    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
+    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off",
               f"tune.n_trials={GRID_TRIALS}", "tune.confirm_top=0", "tune.patience=0",
               *space_overrides(spec["space"])]
     cfg = compose_config(common)
@@ -115,7 +115,7 @@ def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: P
 
 
 def default_part(name: str, spec: Dict[str, Any], seeds: int, tmp: Path) -> Dict[str, Any]:
-    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db"]
+    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off"]
     cfg = compose_config(common)
     space = SearchSpace(cfg)
     print(f"\n== {name}: default space, {space.grid_size()} configs (global batch {space.global_batch or 'free'}), "

@@ -72,7 +72,7 @@ def study(cluster: SlurmCluster, workers: int, tmp: Path, trials: int) -> dict:
     """workers 0: a local tuner; else a SLURM job array of that many workers."""
     tag = f"w{workers}"
     args = [*TUNE, f"tune.n_trials={trials}", f"tune.study_name={tag}", f"hydra.run.dir={tmp / tag}",
-            f"tune.storage=journal:///{tmp / tag}.log"]  # one storage for all three
+            f"tune.storage=journal:///{tmp / tag}.log", "tune.warm_start=off"]  # one storage for all three
     if workers:
         args += ["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=30", f"tune.workers={workers}"]
     t0 = time.monotonic()

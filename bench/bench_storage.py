@@ -37,7 +37,7 @@ TRIALS = 12
 def study_wall_time(storage: str, processes: int, tmp: Path) -> float:
     name = f"bench-{processes}"
     args = [sys.executable, "-m", "orchestrator", "mode=tune", "experiment=input_bound", "data.read_latency_ms=1",
-            "tracking.enabled=false", f"tune.n_trials={TRIALS}", f"tune.study_name={name}", f"tune.storage={storage}",
+            "tracking.enabled=false", f"tune.n_trials={TRIALS}", f"tune.study_name={name}", f"tune.storage={storage}", "tune.warm_start=off",
             "tune.pruner=none", "tune.space.batch_size.high=64", "tune.max_workers=4"]
     t0 = time.monotonic()
     procs = [subprocess.Popen([*args, f"hydra.run.dir={tmp}/{name}-{i}"], cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -166,7 +166,7 @@ def pick_to_target(name: str, policy: str, base: List[str], cap: List[str], budg
     """The policy's study, then its pick trained to the target."""
     t0 = time.monotonic()
     summary = run_study(compose_cfg([*base, "mode=tune", "tracking.enabled=false", f"tune.n_trials={args.trials}",
-                                     f"tune.seed={seed}", f"tune.storage=sqlite:///{here}/optuna.db",
+                                     f"tune.seed={seed}", f"tune.storage=sqlite:///{here}/optuna.db", "tune.warm_start=off",
                                      *space_of(name), *POLICIES[policy]]),
                         here / "studies" / policy, echo=False)
     picked = summary.get("rerun_overrides") or []

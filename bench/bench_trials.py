@@ -84,7 +84,7 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, tmp: Path, cach
         space_spec[KNOBS[-1]] = space_spec[KNOBS[-1]][::2]
     grid: List[Point] = list(itertools.product(*(space_spec[k] for k in KNOBS)))
     n_trials = max(1, math.floor(TRIALS_SHARE * len(grid)))
-    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
+    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off",
               "tune.baseline=false", f"tune.n_trials={n_trials}", *space_overrides(space_spec)]
     cfg = compose_config(common)
     space, floor = SearchSpace(cfg), cfg.tune.throughput_floor

@@ -126,7 +126,7 @@ def bench_workload(name: str, spec: Dict[str, Any], quick: bool, rounds: int, tm
     space_spec = spec["quick" if quick else "space"]
     grid: List[Point] = list(itertools.product(*(space_spec[k] for k in KNOBS)))
     n_trials = max(1, math.floor(TARGET_TRIALS * len(grid)))
-    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
+    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off",
               f"tune.study_name=bench-{name}", "tune.baseline=false", f"tune.n_trials={n_trials}",
               *space_overrides(space_spec)]
     cfg = compose_config(common)

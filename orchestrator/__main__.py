@@ -78,12 +78,14 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
     from .resume import NothingToResume
     from .rundir import RecordError, RunDirOwned
     from .tune.study import StudyFailed
+    from .tune.warm import apply_tuned
 
     try:
         cfg = to_config(dcfg)
         print(f"[orchestrator] run dir: {run_dir}")
         if cfg.mode is Mode.tune:
             return _run_study(cfg, run_dir, overrides)
+        cfg = apply_tuned(cfg, print)  # trainer.tuned: a study's pick, or cfg as it is
         _arm_checkpoint_signal(cfg, run_dir, note="sweep_id" not in tags)
         result = run_job(cfg, run_dir, extra_tags=tags)
     except JobCheckpointed as exc:
@@ -112,7 +114,7 @@ def run_from_cli(dcfg: DictConfig, run_dir: Path, tags: dict, overrides: list) -
         print("error: interrupted; every rank was stopped", file=sys.stderr)
         _resume_hint(run_dir, overrides)
         sys.exit(EXIT_SIGINT)
-    print_summary(_with_rerun_advice(result, cfg, run_dir), run_dir)
+    print_summary(_with_rerun_advice(result, cfg, run_dir, overrides), run_dir)
     return 0
 
 
@@ -165,13 +167,22 @@ def _job_failed(exc: "JobFailed") -> int:
     return EXIT_FAILED
 
 
-def _with_rerun_advice(result: dict, cfg: Config, run_dir: Path) -> dict:
+def _with_rerun_advice(result: dict, cfg: Config, run_dir: Path, overrides: list) -> dict:
     """The rerun of a study's pick: its advice checked against the study that picked this config,
-    in place of the job's own diagnosis when they agree."""
+    in place of the job's own diagnosis when they agree; a line when its samples/s left the
+    interval the study confirmed the pick at, with the command that re-tunes from that study."""
     if cfg.tags.get("tuned_study") and cfg.tags.get("tuned_storage"):
-        from .tune.advise import rerun_advice
+        from .commands import orchestrator_command
+        from .tune.advise import rerun_advice, study_drift
 
-        checked = rerun_advice(run_dir, cfg.tags["tuned_study"], cfg.tags["tuned_storage"])
+        study, storage = cfg.tags["tuned_study"], cfg.tags["tuned_storage"]
+        retune = orchestrator_command([*(o for o in overrides if not o.startswith(("trainer.tuned=", "+tuned="))),
+                                       "mode=tune", f"tune.warm_start={study}", f"tune.storage={storage}"])
+        note = study_drift(run_dir, result, study, storage, retune)
+        if note:
+            print(f"[tuned] {note}")
+            result = {**result, "drift": note}
+        checked = rerun_advice(run_dir, study, storage)
         if checked is not None:  # advice that agrees with the study that picked this config
             return {**result, "diagnosis": checked}
     return result

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from .attempts import clear_stale_request, close_dead_attempt, open_attempt
 from .checks import Checked, check_launch, preflight
+from .fingerprint import fingerprint
 from .finish import add_load_report, mlflow_status, settle, write_result
 from .launch import Launch, build_launch
 from .livelog import LiveLog, Monitor
@@ -194,7 +195,8 @@ def _start_run(checked: Checked, world: int, extra_tags: Optional[Dict[str, str]
         return tracker.reopen(resumed.checkpoint["mlflow_run_id"], {"resumed_from_step": resumed.step})
     tags = {
         "backend": cfg.backend.name.value, "world_size": str(world), "nnodes": str(cfg.parallelism.nnodes),
-        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), "run_kind": "job", **cfg.tags,
+        "run_dir": str(run_dir), "host": socket.gethostname(), "owner": owner_tag(), "run_kind": "job",
+        **fingerprint(cfg).tags(), **cfg.tags,
         **(extra_tags or {}),
     }
     name = cfg.tracking.run_name or run_name or f"{cfg.backend.name.value} x{world} {cfg.model._target_.rsplit('.', 1)[-1]}"

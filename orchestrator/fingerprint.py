@@ -87,6 +87,20 @@ def hardware_part() -> Dict[str, Any]:
 
 
 def _gpus() -> Dict[str, Any]:
+    """The GPUs by NVML where nvidia-ml-py is installed (no CUDA context in this process: the ranks
+    get the devices), else by torch."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)) if count else None
+            return {"gpu": name.decode() if isinstance(name, bytes) else name, "gpus": count}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML library, no driver: ask torch
+        pass
     import torch
 
     if not torch.cuda.is_available():

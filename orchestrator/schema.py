@@ -673,6 +673,11 @@ class Config:
             "parallelism.hosts / parallelism.hostfile: apply to backend=horovod only",
         )
         _require(
+            self.trainer.tuned == "off" or self.mode is not Mode.tune,
+            "trainer.tuned: applies a study's pick to a plain run; a study starts from earlier ones by "
+            "tune.warm_start; allowed with mode=tune: off",
+        )
+        _require(
             not (self.trainer.loader_autotune and self.mode is Mode.tune),
             "trainer.loader_autotune: a study measures fixed loader settings; allowed with mode=tune: false",
         )

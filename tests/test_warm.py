@@ -116,3 +116,41 @@ def test_a_partial_match_carries_the_loaders_per_item_costs_into_the_job_model(t
     assert bare.load_cpu is None and seeded.load_cpu == pytest.approx(4e-4)
     full = carry(url, Earlier("two-ranks", "full", None, {}))
     assert len(full.trials) == 1 and full.loader == {} and "1 measured trials join" in full.kept
+
+
+def test_a_second_study_of_the_job_starts_from_the_first_and_a_plain_run_applies_its_pick(make_cfg, tmp_path):
+    """Two real studies of one job in one storage (the second after a change of learning rate,
+    which leaves the fingerprint alone): the second enqueues the first's pick right after its
+    baseline, its job model starts from the first's trials, and its summary says so; then a plain
+    run with trainer.tuned=auto takes the newest pick, tagged as the rerun of best.yaml is."""
+    from orchestrator.fingerprint import fingerprint
+    from orchestrator.tune.study import run_study
+    from orchestrator.tune.warm import apply_tuned
+
+    from .test_tune import SHORT
+
+    common = [*SHORT, f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.high=64",
+              "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1"]
+    first = run_study(make_cfg(*common, "tune.n_trials=3"), tmp_path / "a", echo=False)
+    assert first["warm_start"] is None and first["fingerprint"].startswith("fingerprint ")
+    said: list = []
+    second = run_study(make_cfg(*common, "tune.n_trials=2", "trainer.lr=0.02"), tmp_path / "b", echo=False)
+    trials = optuna.load_study(study_name=second["study_name"], storage=second["storage"]).trials
+    assert trials[0].user_attrs.get("baseline") and trials[1].user_attrs.get("warm_from") == first["study_name"]
+    assert trials[1].user_attrs["values"]["data.batch_size"] == first["pick_values"]["data.batch_size"]
+    warm = second["warm_start"]
+    assert warm["from"] == first["study_name"] and warm["match"] == "full" and warm["enqueued"] >= 1
+    assert "measured trials join the job model" in warm["kept"]
+    cold = run_study(make_cfg(*common, "tune.n_trials=1", "tune.warm_start=off"), tmp_path / "c", echo=False)
+    assert cold["warm_start"] is None
+    plain = make_cfg(f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.high=64", "trainer.tuned=auto")
+    tuned = apply_tuned(plain, said.append)
+    assert tuned.tags["tuned_study"] == cold["study_name"]  # the newest with a pick
+    assert tuned.data.batch_size == cold["pick_values"]["data.batch_size"]
+    assert tuned.tags["tuned_storage"] == f"sqlite:///{tmp_path}/optuna.db"
+    assert said and said[0].startswith("[tuned] trainer.tuned=auto: the pick of study '")
+    assert fingerprint(tuned) == fingerprint(plain)  # the knobs it set are not the job
+    with pytest.raises(ConfigError, match=r"^trainer.tuned: no study of this job"):
+        apply_tuned(make_cfg(f"tune.storage=sqlite:///{tmp_path}/none.db", "trainer.tuned=auto"), said.append)
+    with pytest.raises(ConfigError, match=r"^trainer.tuned: applies a study's pick to a plain run"):
+        make_cfg(*common, "trainer.tuned=auto")

@@ -157,6 +157,25 @@ def pick_advice(study: Any, pick: Dict[str, Any], trial_dir: Any, study_name: st
 AGAINST = "## Against the study"
 
 
+def study_drift(run_dir: Any, result: Dict[str, Any], study_name: str, storage: str, retune: str) -> Optional[str]:
+    """`drift` of a run of a study's pick against that study (None: the study cannot be read, or
+    the run is inside its interval), also written under the run's load_report.md."""
+    import optuna
+    from pathlib import Path
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except Exception:  # noqa: BLE001 - moved or deleted: nothing to compare with
+        return None
+    note = drift(result, study.user_attrs.get("pick") or {}, study_name, retune)
+    report = Path(run_dir) / "load_report.md"
+    if note and report.exists():
+        with report.open("a", encoding="utf-8") as f:
+            f.write(f"\n## Against the study's figures\n\n- {note}\n")
+    return note
+
+
 def drift(result: Dict[str, Any], pick: Dict[str, Any], study_name: str, retune: str) -> Optional[str]:
     """One line when a run of a study's pick measured samples/s outside the interval the study
     confirmed the pick at (its `figures`' throughput_lo..hi): the job, its data or the machine

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..fingerprint import describe
 from ..rundir import Status, read_json
 from ..stores import redact
 from ..tracking import with_percent
@@ -21,6 +22,7 @@ from .edges import summary_of
 from .goodput import global_batch, judged, scale_of, time_to_target
 from .launch import METRICS
 from .rules import baseline_trial, best_trials, confirmed, counted, figures, guarded_pick
+from .warm import WARM_ATTR
 
 
 class StudyOutcome:
@@ -59,6 +61,8 @@ class StudyOutcome:
         notes["not_launched"] = [{"trial": tr.number, "why": tr.user_attrs["predicted_below"]} for tr in trials
                                  if "predicted_below" in tr.user_attrs]
         notes["measured_share"] = self._measured_share(study)
+        notes["fingerprint"] = describe(self.cfg)
+        notes["warm_start"] = study.user_attrs.get(WARM_ATTR)
         if not best or self.multi:
             return notes
         b = best[0]

@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 
 from ..schema import ConfigError, PrunerName, SamplerName
 from ..stores import redact, sqlite_path, store_lock
+from . import warm
 from .answer import name_objectives, score_offset
 from .edges import apply_extensions
 from .goodput import global_batch, rule_of
@@ -46,6 +47,9 @@ class StudyOwnership:
                 apply_extensions(self.space, study.user_attrs.get("extended") or {})
                 if self.t.baseline and (worker == 0 and not study.trials or self._baseline_interrupted(study)):
                     self._enqueue_baseline(study)
+                self.warm = warm.start(study, self.cfg, self.storage, self.name, self.space, self.proposals,
+                                       fresh=worker == 0 and not any(tr.user_attrs.get("warm_from") for tr in study.trials)
+                                       and not counted(study.get_trials(deepcopy=False)), say=self._say)
         except ConfigError:
             raise
         except Exception as exc:  # unreachable host, wrong password, ...: before any trial

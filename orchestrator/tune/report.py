@@ -24,6 +24,7 @@ from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
 from .rules import (best_trials, completed, confirmed, counted, failed_confirmation, figures, pickable, ranked, refused,
                     separation, versus_baseline)
+from .warm import VALUES_ATTR
 
 # Optuna's importances (a random forest over the completed trials) are noise below this many trials;
 # the plot also costs the first scikit-learn import, 2-3 s of a 6-trial study on 2 cores
@@ -64,6 +65,7 @@ def write_outputs(study: Any, best: List[Any], *, t: TuneConfig, out_dir: Path, 
     summary = _summary(study, trials, best, t, name, storage, notes)
     if best:
         artifacts.append(_write_best(summary, best[0], t, out_dir, name, storage, overrides, notes))
+        study.set_user_attr(VALUES_ATTR, summary["pick_values"])  # trainer.tuned and a warm start read it (warm.py)
     summary["pick"] = record_pick(study, best, t)  # Optuna's readers see the same answer
     if best:
         summary["pick_advice"] = pick_advice(study, summary["pick"], out_dir / "trials" / f"{best[0].number:04d}", name)
@@ -155,6 +157,7 @@ def _write_best(summary: Dict[str, Any], b: Any, t: TuneConfig, out_dir: Path, n
         + yaml.safe_dump(_nested({**values, **_tuned_tags(name, storage)}), sort_keys=True)
     )
     summary["rerun"] = rerun
+    summary["pick_values"] = values
     summary["rerun_overrides"] = " ".join(shlex.quote(f"{k}={_override_value(v)}") for k, v in values.items())
     return str(best_yaml)
 

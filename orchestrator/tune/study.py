@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from ..app import check_launch
+from ..fingerprint import describe, fingerprint
 from ..progress import StudyProgress
 from ..rundir import RecordError, Status, own_run_dir, owner_tag
 from ..schema import Config, ConfigError, Objective, SamplerName
@@ -193,6 +194,7 @@ class Tuner(StudyOwnership, TrialLaunching, Confirmation, StudyOutcome):
                   f"{self.t.objective.value}, sampler {self.t.sampler.value}, space: "
                   + ", ".join(f"{d.name} {d.describe()}" for d in self.space.dims)
                   + "".join(f"; {name} left out: {why}" for name, why in self.space.left_out.items()))
+        self._say(f"[tune] {describe(self.cfg)}")
 
     def _parent(self, study: Any) -> Optional[str]:
         """The study's MLflow run, one across calls: the run an earlier call made (the study's
@@ -211,7 +213,8 @@ class Tuner(StudyOwnership, TrialLaunching, Confirmation, StudyOutcome):
              **{f"space.{d.name}": d.describe() for d in self.space.dims}},
             {"mode": "tune", "run_kind": "study", "study_name": self.name, "run_dir": str(self.run_dir),
              "backend": self.cfg.backend.name.value,
-             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **self.cfg.tags},
+             "world_size": str(self.cfg.world_size), "owner": owner_tag(), **fingerprint(self.cfg).tags(),
+             **self.cfg.tags},
         )
         if parent and (run is None or run.status != "RUNNING"):
             study.set_user_attr("mlflow_run_id", parent)

@@ -161,3 +161,72 @@ def tuned_values(storage: Any, fp: Fingerprint, setting: str) -> Optional[Earlie
         raise ConfigError("trainer.tuned: no study of this job with a pick in tune.storage (none with the same "
                           f"fingerprint {fp.id}); tune it first (mode=tune), or set trainer.tuned=off")
     return chosen
+
+
+def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: Any, fresh: bool,
+          say: Any) -> Optional[Dict[str, Any]]:
+    """A study's warm start, in its storage lock: the fingerprint recorded (user attributes
+    `fingerprint`, `world_size`); a fresh study with tune.warm_start not `off` finds the earlier
+    study it names (auto: the newest of this job with a pick), enqueues that study's best configs
+    after the baseline and lends the job model what carries over; a resumed one lends it again
+    from the study it started from. Returns the `warm_start` record (None: a cold start)."""
+    from ..fingerprint import fingerprint
+
+    fp = fingerprint(cfg)
+    if FP_ATTR not in study.user_attrs:
+        study.set_user_attr(FP_ATTR, {"job": fp.job, "layout": fp.layout, "hardware": fp.hardware, "id": fp.id})
+        study.set_user_attr("world_size", cfg.world_size)
+    record = study.user_attrs.get(WARM_ATTR)
+    if not fresh:
+        earlier = next((e for e in find(storage, fp, exclude=name) if record and e.name == record["from"]), None)
+        if earlier is not None:
+            _lend(proposals, carry(storage, earlier))
+        return record
+    earlier = choose(cfg.tune.warm_start, find(storage, fp, exclude=name))
+    if earlier is None:
+        return None
+    carried = carry(storage, earlier)
+    _lend(proposals, carried)
+    queued = []
+    for values in seeds(storage, earlier):
+        params = space.params_of(values)
+        if params and params not in queued:
+            study.enqueue_trial(params, user_attrs={"warm_from": earlier.name})
+            queued.append(params)
+    record = {"from": earlier.name, "match": earlier.match, "kept": carried.kept, "enqueued": len(queued)}
+    study.set_user_attr(WARM_ATTR, record)
+    say(f"[tune] warm start from {earlier.describe()}: its {len(queued)} best config(s) first; {carried.kept} "
+        f"(tune.warm_start=off starts cold)")
+    return record
+
+
+def _lend(proposals: Any, carried: Carried) -> None:
+    proposals.warm_trials, proposals.warm_loader = carried.trials, carried.loader
+
+
+def apply_tuned(cfg: Any, say: Any) -> Any:
+    """trainer.tuned on a plain run: `cfg` with the pick of the study it names (auto: the newest
+    of this job, layout and machine in tune.storage) applied, tagged `tuned_study` (and
+    `tuned_storage` where its URL holds no password) as the rerun of best.yaml is; `cfg` itself
+    when it is off. A ConfigError naming trainer.tuned when no study matches."""
+    import dataclasses
+
+    from ..fingerprint import fingerprint
+    from ..stores import PROJECT, redact, resolve_uri, sqlite_path
+    from .space import apply
+
+    if cfg.trainer.tuned == "off":
+        return cfg
+    storage = resolve_uri(cfg.tune.storage, PROJECT)
+    fp = fingerprint(cfg)
+    path = sqlite_path(storage)
+    if path is not None and not path.exists():
+        raise ConfigError(f"trainer.tuned: no study of this job in tune.storage ({redact(storage)} does not exist); "
+                          "tune it first (mode=tune), or set trainer.tuned=off")
+    earlier = tuned_values(storage, fp, cfg.trainer.tuned)
+    values = earlier.pick_values or {}
+    tuned = apply(cfg, values)
+    tags = {**tuned.tags, "tuned_study": earlier.name, **({"tuned_storage": storage} if redact(storage) == storage else {})}
+    say(f"[tuned] trainer.tuned={cfg.trainer.tuned}: the pick of {earlier.describe()} in {redact(storage)}: "
+        + " ".join(f"{k}={v}" for k, v in values.items()))
+    return dataclasses.replace(tuned, tags=tags)
