@@ -537,7 +537,9 @@ class TuneConfig:
     storage: str = "sqlite:///outputs/optuna.db"  # any Optuna RDB URL (postgresql+psycopg://user@host/db), or journal:///<file>
     workers: int = 1  # > 1: tuner workers sharing the study, a SLURM job array (hydra/launcher=submitit_slurm)
     wait: bool = True  # with workers > 1: follow them to the end; false: submit, say how to follow and collect, return
-    objective: Objective = Objective.utilization  # utilization | throughput | mfu | tokens | both (a Pareto front)
+    # goodput (samples/s x what a sample is worth at its global batch: time to a trained model) | utilization |
+    # throughput | mfu | tokens | both (utilization and throughput, a Pareto front)
+    objective: Objective = Objective.goodput
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
     warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
     measure_steps: int = 20  # with rel_precision=0: measured steps per trial
@@ -549,7 +551,7 @@ class TuneConfig:
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     run_noise: float = 0.10  # a run's mean is off by this (relative sd) beyond its windows' spread: every interval is widened by it
     # batch x accumulation x world: user (held at the base config's), free (searched), or held at an integer
-    global_batch: Any = "user"
+    global_batch: Any = "free"
     lr_scaling: LrScaling = LrScaling.auto  # the learning rate of a trial whose global batch differs from the user's
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5  # end the study once more than this share of its trials failed
