@@ -107,13 +107,16 @@ class Clocks:
         self.thread += thread
 
 
-def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch):
+@pytest.mark.parametrize("optimizer_follows_compute", [False, True])
+def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch, optimizer_follows_compute):
     """Each phase's wall time, the process's CPU time in it (the data phase's: the loop thread's,
     with no loader workers), the loop thread's CPU time in the busy phases and utilization over the
     window's wall time, read off the clocks at the marks; a DDP hook splits backward into compute and
-    comm; a pause (an evaluation) is no phase's and no window's."""
+    comm; a pause (an evaluation) is no phase's and no window's. The same figures when the loop
+    thread's clock is not read between the two busy phases."""
     clocks = Clocks(monkeypatch)
-    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False)
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False,
+                  optimizer_follows_compute=optimizer_follows_compute)
     m.start()
 
     def step(hook: bool = False) -> Any:
@@ -142,3 +145,35 @@ def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch
                                 "optimizer": 2.0}
     assert win.wall_s == 8.5 and win.busy_cpu_s == 4.5
     assert win.utilization == pytest.approx(4.5 / 8.5)
+
+
+def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
+    """A CPU-time reading is a system call (over ten times a perf_counter reading): a step of the
+    default job reads the process's CPU clock at its three marks (data, compute, optimizer) and the
+    loop thread's at two (the busy phases' sum is its only figure between them)."""
+    reads = Counter()
+
+    def counted(name: str, clock: Any) -> Any:
+        def read() -> float:
+            reads[name] += 1
+            return clock()
+        return read
+
+    monkeypatch.setattr(meter_mod, "process_time", counted("process", meter_mod.process_time))
+    monkeypatch.setattr(meter_mod, "thread_time", counted("thread", meter_mod.thread_time))
+    per_step: Dict[int, Counter] = {}
+    real = Stepper.__call__
+
+    def recorded(self: Stepper, run: Any) -> tuple:
+        before = Counter(reads)
+        out = real(self, run)
+        per_step[run.step - 1] = Counter(reads) - before
+        return out
+
+    monkeypatch.setattr(Stepper, "__call__", recorded)
+    cfg = to_config(compose_dict(DEFAULT_JOB))
+    adapter = Adapter(cfg)
+    adapter.setup()
+    loop_mod.train(cfg, adapter)
+    assert len(per_step) == 20
+    assert all(c == Counter({"process": 3, "thread": 2}) for c in per_step.values()), per_step

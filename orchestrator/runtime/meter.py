@@ -247,6 +247,10 @@ class StepMeter:
     epoch_steps: int = 0  # optimizer steps an epoch (0: not known): short epochs are measured whole
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
+    # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch
+    # a step, no exposed communication: runtime/step.py): the loop thread's CPU time is not read at the
+    # COMPUTE mark, as only its sum over the two busy phases is a figure
+    optimizer_follows_compute: bool = False
     windows: List[Window] = field(default_factory=list)
     warmup_windows: List[Window] = field(default_factory=list)
 
@@ -339,7 +343,8 @@ class StepMeter:
         if self._cpu_on:
             self._cpu.append(process_time())
         if self._thread_on:
-            self._thread_cpu.append(thread_time())
+            thread = self._thread_cpu
+            thread.append(thread[-1] if phase == COMPUTE and self.optimizer_follows_compute else thread_time())
 
     def _split_at_hook(self) -> int:
         """DDP: the last gradient bucket was handed to the all-reduce at the hook's token; compute
