@@ -250,12 +250,13 @@ class Run:
             self.first_loss = self.last_loss
         self.events.write(LogEvent(type="log", step=self.step, epoch=self.epoch, loss=self.last_loss))
 
-    def job_figures(self, win: Window) -> WindowFigures:
+    def job_figures(self, win: Window, own: Optional[WindowFigures] = None) -> WindowFigures:
         """The job's figures of this window (measure.results.job_window over every rank's window),
-        the same on every rank: one all-reduce, each rank's figures summed into its own slots."""
-        own = win.figures()
+        the same on every rank: one all-reduce, each rank's figures (`own`: win.figures())
+        summed into its own slots. Not collective, they are this rank's own (job_window of one)."""
+        own = own if own is not None else win.figures()
         if not self.collective:
-            return job_window([own])
+            return own
         n, world, rank = len(WindowFigures.PACKED), self.adapter.world_size, self.adapter.rank
         slots = [0.0] * (n * world)
         slots[n * rank:n * (rank + 1)] = own.packed()
@@ -266,11 +267,11 @@ class Run:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
         t, meter = self.cfg.trainer, self.meter
         meter.check_memory()
+        own = win.figures()
         if win.warmup:  # its step time includes the start-up: it may only shorten the first window
             if t.window_s > 0:
-                meter.resize(self.job_figures(win).step_time_s, t.window_s, at_most=t.window_steps)
+                meter.resize(self.job_figures(win, own).step_time_s, t.window_s, at_most=t.window_steps)
             return False
-        own = win.figures()
         self.events.write(WindowEvent(type="window", step=own.step, throughput=own.throughput,
                                       utilization=own.utilization, data_wait_frac=own.data_wait_frac,
                                       comm_frac=own.comm_frac, step_time_s=own.step_time_s,
@@ -280,7 +281,7 @@ class Run:
         for hook in overriding(self.hooks, "on_window"):
             if hook.on_window(self, win):
                 return False
-        job = self.job_figures(win)
+        job = self.job_figures(win, own)
         for hook in overriding(self.hooks, "on_figures"):
             hook.on_figures(self, win, job)
         meter.resize(job.step_time_s, t.window_s)
@@ -352,7 +353,9 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
     # profiled steps follow the warmup and are kept out of the measured windows (hooks.ProfilerHook)
     meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
-                      memory_cap_mb=t.memory_cap_mb, warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0))
+                      memory_cap_mb=t.memory_cap_mb, warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
+                      optimizer_follows_compute=(t.accumulation_steps == 1 and adapter.world_size == 1
+                                                 and not adapter.exposed_comm))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,
               generator, step=ck["meta"]["step"] if ck is not None else 0, val_set=val_set)
     if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed

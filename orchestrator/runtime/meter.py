@@ -32,7 +32,9 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from itertools import islice
+from time import perf_counter, process_time, thread_time
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -218,6 +220,23 @@ def cores_per_rank() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+def by_phase(phases: List[int], at: List[Any],
+             elapsed: Optional[Callable[[Any, Any], float]] = None) -> Dict[str, float]:
+    """Each phase's time (or CPU time) from readings `at` taken at the marks, whose phases are
+    `phases`: mark i ends a span of phases[i] that began at mark i - 1, of `elapsed(at[i - 1],
+    at[i])` seconds (default: the difference). PAUSED spans are no phase's (the accumulator's last
+    slot, index -1, takes them and is left out)."""
+    acc = [0.0] * (len(PHASES) + 1)
+    spans = zip(islice(phases, 1, None), at, islice(at, 1, None))
+    if elapsed is None:
+        for p, a, b in spans:
+            acc[p] += b - a
+    else:
+        for p, a, b in spans:
+            acc[p] += elapsed(a, b)
+    return dict(zip(PHASES, acc))
+
+
 @dataclass
 class StepMeter:
     device: torch.device
@@ -228,6 +247,10 @@ class StepMeter:
     epoch_steps: int = 0  # optimizer steps an epoch (0: not known): short epochs are measured whole
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
+    # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch
+    # a step, no exposed communication: runtime/step.py): the loop thread's CPU time is not read at the
+    # COMPUTE mark, as only its sum over the two busy phases is a figure
+    optimizer_follows_compute: bool = False
     windows: List[Window] = field(default_factory=list)
     warmup_windows: List[Window] = field(default_factory=list)
 
@@ -242,8 +265,12 @@ class StepMeter:
             except Exception as exc:  # no NVML (e.g. no driver library): say so, fall back
                 print(f"[meter] NVML unavailable ({exc}); utilization falls back to the busy fraction")
                 self.source = "cuda-busy"
-        self._marks: List[tuple[int, Any]] = []  # (phase index or PAUSED, token)
-        self._cpu: List[float] = []  # CPU only: the process's CPU time at each mark (phases' CPU time)
+        # one entry a mark in each list: the phase it ended (PAUSED: none), its time (perf_counter on
+        # CPU, a recorded CUDA event on CUDA), and on CPU the process's CPU time (phases' CPU time)
+        self._phases: List[int] = []
+        self._toks: List[Any] = []
+        self._cpu_on = not self.cuda
+        self._cpu: List[float] = []
         # the loop's own thread's CPU time at each mark: on CPU its busy phases' share is the
         # utilization, and with no loader workers its data phase is the loader's own CPU (the
         # process's would add the intra-op threads' spin-waits meanwhile)
@@ -284,41 +311,52 @@ class StepMeter:
             self.memory = MemorySampler()
             self.start_mem_mb = self.memory.peak_mb
 
-    # -- hot path: a few hundred nanoseconds a mark ------------------------------------------
+    # -- hot path: a mark reads each of its clocks once and appends, nothing more ---------------
     def _token(self) -> Any:
         if self.cuda:
             ev = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return perf_counter()
+
+    def _add_mark(self, phase: int) -> None:
+        """A mark of `phase` now, outside the hot path (a window's first mark, a pause's end)."""
+        self._phases.append(phase)
+        self._toks.append(self._token())
+        if self._cpu_on:
+            self._cpu.append(process_time())
+        if self._thread_on:
+            self._thread_cpu.append(thread_time())
 
     def start(self) -> None:
         """Call once before the first step."""
-        self._wall0 = time.perf_counter()
-        self._marks.append((PAUSED, self._token()))
-        if not self.cuda:
-            self._cpu.append(time.process_time())
-        if self._thread_on:
-            self._thread_cpu.append(time.thread_time())
+        self._wall0 = perf_counter()
+        self._add_mark(PAUSED)
 
     def mark(self, phase: int) -> None:
         """Phase `phase` (DATA, COMPUTE, ...) ended now; it began at the previous mark."""
-        tok = time.perf_counter() if not self.cuda else self._token()
+        tok = self._token() if self.cuda else perf_counter()
         if self._hook_token is not None and phase == COMPUTE:
-            # DDP: the last gradient bucket was handed to the all-reduce at _hook_token; the rest
-            # of backward was waiting for communication.
-            self._marks.append((COMPUTE, self._hook_token))
-            if not self.cuda:
-                self._cpu.append(self._hook_cpu)
-            if self._thread_on:
-                self._thread_cpu.append(self._hook_thread)
-            self._hook_token = None
-            phase = COMM
-        self._marks.append((phase, tok))
-        if not self.cuda:
-            self._cpu.append(time.process_time())
+            phase = self._split_at_hook()
+        self._phases.append(phase)
+        self._toks.append(tok)
+        if self._cpu_on:
+            self._cpu.append(process_time())
         if self._thread_on:
-            self._thread_cpu.append(time.thread_time())
+            thread = self._thread_cpu
+            thread.append(thread[-1] if phase == COMPUTE and self.optimizer_follows_compute else thread_time())
+
+    def _split_at_hook(self) -> int:
+        """DDP: the last gradient bucket was handed to the all-reduce at the hook's token; compute
+        ended there, and the rest of backward was waiting for communication (returns COMM)."""
+        self._phases.append(COMPUTE)
+        self._toks.append(self._hook_token)
+        if self._cpu_on:
+            self._cpu.append(self._hook_cpu)
+        if self._thread_on:
+            self._thread_cpu.append(self._hook_thread)
+        self._hook_token = None
+        return COMM
 
     def pause(self) -> None:
         """From here to `resume()` (an evaluation at a step's end) the time is nobody's: no phase
@@ -326,7 +364,7 @@ class StepMeter:
         collectives in the evaluation's forward) are dropped. Only between steps."""
         cpu0 = cpu_snapshot()
         self.mark(OTHER)
-        self._paused = (len(self._marks), time.perf_counter(), cpu0)
+        self._paused = (len(self._phases), perf_counter(), cpu0)
 
     def resume(self) -> float:
         """The step after the pause begins now; returns the seconds paused."""
@@ -337,14 +375,10 @@ class StepMeter:
         for k in self._paused_cpu:
             self._paused_cpu[k] += cpu1[k] - cpu0[k]
         if self.cuda:
-            self._events.extend(tok for _, tok in self._marks[n:])
-        del self._marks[n:], self._cpu[n:], self._thread_cpu[n:]
-        self._marks.append((PAUSED, self._token()))  # the time before this mark is no phase's
-        if not self.cuda:
-            self._cpu.append(time.process_time())
-        if self._thread_on:
-            self._thread_cpu.append(time.thread_time())
-        t1 = time.perf_counter()
+            self._events.extend(self._toks[n:])
+        del self._phases[n:], self._toks[n:], self._cpu[n:], self._thread_cpu[n:]
+        self._add_mark(PAUSED)  # the time before this mark is no phase's
+        t1 = perf_counter()
         self._pauses.append((t0, t1))
         return t1 - t0
 
@@ -352,7 +386,7 @@ class StepMeter:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
         self._hook_token = self._token()
         if not self.cuda:
-            self._hook_cpu, self._hook_thread = time.process_time(), time.thread_time()
+            self._hook_cpu, self._hook_thread = process_time(), thread_time()
 
     def add_tokens(self, tokens: int, padded: int) -> None:
         """The step's real tokens and the positions computed (called only for batches with a mask)."""
@@ -370,8 +404,8 @@ class StepMeter:
             if self._step >= self.warmup_steps and self._micro > self.queue:
                 return self._end_warmup()
             return None
-        if not self.whole_epochs() and (self._step - self._window_first >= self._window_len
-                                        or self._step == self._stop_at):
+        if ((self._step - self._window_first >= self._window_len or self._step == self._stop_at)
+                and not self.whole_epochs()):  # windows of whole epochs end at the epoch's end
             return self._close_window(warmup=False)
         return None
 
@@ -502,32 +536,21 @@ class StepMeter:
 
     # -- window resolution (off the hot path) -------------------------------------------------
     def _close_window(self, warmup: bool, partial: bool = False) -> Window:
-        wall1 = time.perf_counter()
-        marks = self._marks
-        phases = dict.fromkeys(PHASES, 0.0)
-        cpu = dict.fromkeys(PHASES, 0.0)
+        wall1 = perf_counter()
+        marks, toks = self._phases, self._toks
         if self.cuda:
-            marks[-1][1].synchronize()
-            for (_, a), (p, b) in zip(marks[:-1], marks[1:]):
-                if p != PAUSED:
-                    phases[PHASES[p]] += a.elapsed_time(b) / 1000.0
-            self._events.extend(tok for _, tok in marks[:-1] if tok is not marks[-1][1])
+            toks[-1].synchronize()
+            phases = by_phase(marks, toks, lambda a, b: a.elapsed_time(b) / 1000.0)
+            self._events.extend(tok for tok in toks[:-1] if tok is not toks[-1])
+            cpu = dict.fromkeys(PHASES, 0.0)
         else:
-            for (_, a), (p, b) in zip(marks[:-1], marks[1:]):
-                if p != PAUSED:
-                    phases[PHASES[p]] += b - a
-            for (p, _), a, b in zip(marks[1:], self._cpu[:-1], self._cpu[1:]):
-                if p != PAUSED:
-                    cpu[PHASES[p]] += b - a
-            self._cpu = self._cpu[-1:]
-        loop = dict.fromkeys(PHASES, 0.0)  # the loop thread's CPU time per phase
-        if self._thread_on:
-            for (p, _), a, b in zip(marks[1:], self._thread_cpu[:-1], self._thread_cpu[1:]):
-                if p != PAUSED:
-                    loop[PHASES[p]] += b - a
-            self._thread_cpu = self._thread_cpu[-1:]
-            if self._inproc:
-                cpu["data"] = loop["data"]
+            phases, cpu = by_phase(marks, toks), by_phase(marks, self._cpu)
+            del self._cpu[:-1]
+        # the loop thread's CPU time per phase (only its busy phases' sum and its data phase are read)
+        loop = by_phase(marks, self._thread_cpu) if self._thread_on else dict.fromkeys(PHASES, 0.0)
+        del self._thread_cpu[:-1]
+        if self._thread_on and self._inproc:
+            cpu["data"] = loop["data"]
         pauses, self._pauses = self._pauses, []
         wall = wall1 - self._wall0 - sum(b - a for a, b in pauses)
         busy = sum(phases[p] for p in BUSY)
@@ -552,8 +575,8 @@ class StepMeter:
         )
         (self.warmup_windows if warmup else self.windows).append(win)
         # the next window starts where this one ended
-        last = marks[-1]
-        self._marks = [(PAUSED, last[1])]
+        del marks[:-1], toks[:-1]
+        marks[0] = PAUSED
         self._window_first = self._step
         self._epochs, self._aligned = 0, False
         self._samples = 0

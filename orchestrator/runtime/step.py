@@ -23,7 +23,9 @@ class Stepper:
     """Runs `run`'s next optimizer step (`loop.Run`: its model, optimizer, iterator, meter).
 
     Hot path: on a ~200 us step every microsecond shows, so work that does nothing is skipped
-    (CPU copies, a disabled autocast, a division by 1, loss bookkeeping on unlogged steps)."""
+    (CPU copies, a disabled autocast, a division by 1, loss bookkeeping on unlogged steps), and
+    what a run never changes (its device, the meter's mark, whether the adapter exposes its
+    communication) is read once here."""
 
     def __init__(self, run: Any) -> None:
         t = run.cfg.trainer
@@ -31,11 +33,13 @@ class Stepper:
         self.checkpoint_every = t.checkpoint_every  # checkpointed steps are logged: a checkpoint follows a checked loss
         self.feed = Feed(run.cfg)
         self.criterion = self.feed.criterion
-        self.move = run.device.type != "cpu"
+        self.device, self.mark, self.exposed_comm = run.device, run.meter.mark, run.adapter.exposed_comm
+        self.move = self.device.type != "cpu"
         self.autocast = ((lambda: torch.autocast(run.device.type, dtype=run.amp_dtype)) if run.amp
                          else contextlib.nullcontext)
         self.sum_losses = run.sum_train_loss  # trainer.target_loss on the training loss (runtime/evaluate.py)
         self.plain = not run.amp and self.accum == 1  # no context to enter: the micro-step is a hand-written loop's
+        self.fast = self.plain and run.balancer is None  # ... and its loss is the batch's own
         # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
         self.counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
         self.counted_step = run.step
@@ -51,57 +55,36 @@ class Stepper:
     def __call__(self, run: Any) -> tuple:
         """(samples, micro-batches, the step's loss or None when the step is not logged); advances
         run.step and run.b (the batch in the epoch)."""
-        step, b, model, it, device, mark = run.step, run.b, run.model, run.it, run.device, run.meter.mark
-        adapter, balancer, scaler, criterion = run.adapter, run.balancer, run.scaler, self.criterion
-        counting = self.counter is not None and step == self.counted_step
+        step, b, it, mark, feed, noise = run.step, run.b, run.it, self.mark, self.feed, self.noise
+        counting = step == self.counted_step and self.counter is not None
         if counting:
             self.counter.__enter__()  # type: ignore[union-attr]
         micro = min(self.accum, run.n_batches - b)  # the epoch's last step takes the remainder
         logged = ((step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
                   or (self.checkpoint_every > 0 and (step + 1) % self.checkpoint_every == 0))
         summed = logged or self.sum_losses
-        samples = 0
-        step_loss = 0.0
-        feed = self.feed
-        noise = self.noise
         if noise is not None:
             noise.active = step < self.noise_until or (noise.every > 0 and step % noise.every == 0)
         halves = self.noise_halves and noise.active  # type: ignore[union-attr]
+        samples, step_loss = 0, None
         for m in range(micro):
             batch = next(it)
             mark(DATA)
             if not feed.checked:  # the run's first batch: its structure fits model.loss (one line if not)
-                feed.check(batch, model)
-            if feed.pair:  # (input, target) with cross_entropy / mse: the plain loop, as fast as hand-written
-                x, y = batch
-                if self.move:
-                    x = x.to(device, non_blocking=True)
-                    y = y.to(device, non_blocking=True)
-                    mark(H2D)
-                n = x.shape[0]
+                feed.check(batch, run.model)
+            if feed.pair and not self.move:  # (input, target) with cross_entropy / mse, in host memory
+                n = batch[0].shape[0]
             else:
-                if feed.masked:  # before the copy: the mask is counted in host memory
-                    run.meter.add_tokens(*feed.tokens(batch))
-                if self.move:
-                    batch = to_device(batch, device)
-                    mark(H2D)
-                n = feed.size(batch)
+                batch, n = self.arrive(run, batch)
             if halves and n > 1:
-                loss = self.halves(run, (x, y) if feed.pair else batch, n)
-            elif self.plain:
-                loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
-                (loss if balancer is None else weigh(balancer, loss, n, b + m)).backward()
+                loss = self.halves(run, batch, n)
+            elif self.fast and feed.pair:  # as fast as a hand-written loop
+                loss = self.criterion(run.model(batch[0]), batch[1])  # type: ignore[misc]
+                loss.backward()
             else:
-                with adapter.grad_sync(model, enabled=m == micro - 1), self.autocast():
-                    loss = criterion(model(x), y) if feed.pair else feed.loss(model, batch)
-                    if micro > 1:
-                        loss = loss / micro
-                    weighted = loss if balancer is None else weigh(balancer, loss, n, b + m)
-                    (scaler.scale(weighted) if scaler is not None else weighted).backward()
-                if m == 0 and micro > 1 and self.first_micro and noise.active:  # type: ignore[union-attr]
-                    noise.first_part(model, n, 1.0 / micro)  # type: ignore[union-attr]
-            if summed:
-                step_loss += loss.detach()
+                loss = self.micro_step(run, batch, n, m, micro)
+            if summed:  # the first micro-batch's loss as it is (adding it to 0.0 costs a tensor)
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
             samples += n
             mark(COMPUTE)
         run.b = b + micro
@@ -114,6 +97,48 @@ class Stepper:
         run.step = step + 1
         return samples, micro, (step_loss if logged else None)
 
+    def arrive(self, run: Any, batch: Any) -> tuple:
+        """(the batch on the run's device, its size): an (input, target) pair moved as a
+        hand-written loop moves it; a dict's tokens counted first, in host memory."""
+        feed = self.feed
+        if feed.pair:
+            x, y = batch
+            batch = (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            self.mark(H2D)
+            return batch, x.shape[0]
+        if feed.masked:  # before the copy: the mask is counted in host memory
+            run.meter.add_tokens(*feed.tokens(batch))
+        if self.move:
+            batch = to_device(batch, self.device)
+            self.mark(H2D)
+        return batch, feed.size(batch)
+
+    def micro_step(self, run: Any, batch: Any, n: int, m: int, micro: int) -> torch.Tensor:
+        """Micro-batch `m` of `micro`'s forward and backward (returns its loss): the gradients
+        synchronized on the last one only, AMP's autocast and scaler, the loss over `micro`,
+        balance=speed's weight (of global micro-batch run.b + m: run.b moves when the step ends),
+        the first micro-batch's gradient to the noise probe."""
+        model, balancer, scaler = run.model, run.balancer, run.scaler
+        if self.plain:  # no context to enter
+            loss = self.batch_loss(model, batch)
+            (loss if balancer is None else weigh(balancer, loss, n, run.b + m)).backward()
+            return loss
+        with run.adapter.grad_sync(model, enabled=m == micro - 1), self.autocast():
+            loss = self.batch_loss(model, batch)
+            if micro > 1:
+                loss = loss / micro
+            weighted = loss if balancer is None else weigh(balancer, loss, n, run.b + m)
+            (scaler.scale(weighted) if scaler is not None else weighted).backward()
+        if m == 0 and micro > 1 and self.first_micro and self.noise.active:  # type: ignore[union-attr]
+            self.noise.first_part(model, n, 1.0 / micro)  # type: ignore[union-attr]
+        return loss
+
+    def batch_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The model's loss on `batch` as model.loss takes it (runtime/batch.py)."""
+        if self.feed.pair:
+            return self.criterion(model(batch[0]), batch[1])  # type: ignore[misc]
+        return self.feed.loss(model, batch)
+
     def halves(self, run: Any, batch: Any, n: int) -> torch.Tensor:
         """The batch's forward and backward as two halves, each loss weighed by its share (the
         same gradient as the whole batch's); the first half's gradient goes to the noise probe.
@@ -124,7 +149,7 @@ class Stepper:
         cut = (lambda a, b: (batch[0][a:b], batch[1][a:b])) if feed.pair else (lambda a, b: split(batch, n, a, b))
         for i, (part, size) in enumerate(((cut(0, k), k), (cut(k, n), n - k))):
             with self.autocast():
-                loss = self.criterion(model(part[0]), part[1]) if feed.pair else feed.loss(model, part)
+                loss = self.batch_loss(model, part)
                 weighted = loss * (size / n)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
             if i == 0:
@@ -134,8 +159,8 @@ class Stepper:
 
     def update(self, run: Any, samples: int) -> None:
         """The exposed communication, the noise probe's pair, clipping and the optimizer step."""
-        optimizer, scaler, mark = run.optimizer, run.scaler, run.meter.mark
-        if run.adapter.exposed_comm:
+        optimizer, scaler, mark = run.optimizer, run.scaler, self.mark
+        if self.exposed_comm:
             run.adapter.synchronize(optimizer)
             mark(COMM)
         if self.noise is not None and self.noise.active:  # the gradients as the optimizer gets them, before clipping

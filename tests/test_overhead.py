@@ -1,0 +1,179 @@
+"""The loop's own cost (bench/bench_overhead.py measures it in time; these hold what it is made of):
+a step of the default job does the tensor work of a hand-written step and nothing more, the meter
+turns its clock readings into the same figures, and a window's figures are not aggregated again
+when no other rank takes part."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from orchestrator.measure.phases import COMPUTE, DATA, OPTIMIZER
+from orchestrator.runtime import loop as loop_mod
+from orchestrator.runtime import meter as meter_mod
+from orchestrator.runtime.dist import Adapter
+from orchestrator.runtime.meter import StepMeter
+from orchestrator.runtime.step import Stepper
+from orchestrator.schema import to_config
+
+from .conftest import compose_dict
+
+DEFAULT_JOB = ["backend=single", "backend.device=cpu", "tracking.enabled=false", "trainer.max_steps=20",
+               "trainer.save_model=false"]
+
+
+class Ops(TorchDispatchMode):
+    """The aten operators run while it is on, counted by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_does_the_tensor_work_of_a_hand_written_step(monkeypatch):
+    """Steps of the default job past its warmup (no FLOP counter, no noise probe): an unlogged one runs
+    the operators of a hand-written step (batch, forward, loss, backward, SGD step, zero_grad) and no
+    other; a logged one only adds the detach of the loss it hands to the log."""
+    cfg = to_config(compose_dict(DEFAULT_JOB))
+    assert cfg.trainer.log_every == 10 and cfg.trainer.warmup_steps == 5 and cfg.trainer.noise_scale
+    by_step: Dict[int, Counter] = {}
+    real = Stepper.__call__
+
+    def recorded(self: Stepper, run: Any) -> tuple:
+        step = run.step
+        with Ops() as mode:
+            out = real(self, run)
+        by_step[step] = mode.ops
+        return out
+
+    monkeypatch.setattr(Stepper, "__call__", recorded)
+    adapter = Adapter(cfg)
+    adapter.setup()
+    loop_mod.train(cfg, adapter)
+
+    # the same step written by hand, on the same pieces
+    model = loop_mod.build_model(cfg)
+    opt = loop_mod.build_optimizer(cfg, model)
+    loader = iter(torch.utils.data.DataLoader(loop_mod.build_dataset(cfg), batch_size=cfg.data.batch_size,
+                                              shuffle=True))
+    next(loader)  # the epoch's first batch draws its order
+    with Ops() as mode:
+        x, y = next(loader)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    hand = mode.ops
+    assert hand["aten::addmm"] == 1 and hand["aten::stack"] == 2  # the forward, the batch's collate
+    assert by_step[12] == hand  # unlogged
+    assert by_step[9] - hand == Counter({"aten::detach": 1}) and not hand - by_step[9]  # logged: (9 + 1) % 10
+
+
+def test_a_window_alone_is_the_jobs_window_without_aggregating_it(monkeypatch):
+    """Without all-reduced windows (one rank, no stop rule, no window_s, no loader autotune) a
+    window's job figures are its own: job_window, the ranks' aggregate, is not called per window."""
+    def refuse(ranks: List[Any]) -> Any:
+        raise AssertionError("job_window called for a window no other rank shares")
+
+    monkeypatch.setattr(loop_mod, "job_window", refuse)
+    cfg = to_config(compose_dict(DEFAULT_JOB + ["trainer.window_steps=2", "trainer.warmup_steps=1"]))
+    adapter = Adapter(cfg)
+    adapter.setup()
+    res = loop_mod.train(cfg, adapter)
+    assert len(res.windows) >= 9 and res.meter["throughput"] > 0
+
+
+class Clocks:
+    """The meter's three clocks, moved by hand: wall (perf_counter), the process's CPU time and the
+    loop thread's."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.wall = self.cpu = self.thread = 100.0
+        monkeypatch.setattr(meter_mod, "perf_counter", lambda: self.wall)
+        monkeypatch.setattr(meter_mod, "process_time", lambda: self.cpu)
+        monkeypatch.setattr(meter_mod, "thread_time", lambda: self.thread)
+
+    def spend(self, wall: float, cpu: float, thread: float) -> None:
+        self.wall += wall
+        self.cpu += cpu
+        self.thread += thread
+
+
+@pytest.mark.parametrize("optimizer_follows_compute", [False, True])
+def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch, optimizer_follows_compute):
+    """Each phase's wall time, the process's CPU time in it (the data phase's: the loop thread's,
+    with no loader workers), the loop thread's CPU time in the busy phases and utilization over the
+    window's wall time, read off the clocks at the marks; a DDP hook splits backward into compute and
+    comm; a pause (an evaluation) is no phase's and no window's. The same figures when the loop
+    thread's clock is not read between the two busy phases."""
+    clocks = Clocks(monkeypatch)
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False,
+                  optimizer_follows_compute=optimizer_follows_compute)
+    m.start()
+
+    def step(hook: bool = False) -> Any:
+        clocks.spend(1.0, 0.5, 0.25)
+        m.mark(DATA)
+        clocks.spend(2.0, 3.0, 1.5)  # forward and backward, with intra-op threads
+        if hook:
+            m.comm_hook_fired()  # the last bucket handed to the all-reduce
+            clocks.spend(0.5, 0.125, 0.0625)
+        m.mark(COMPUTE)
+        clocks.spend(1.0, 1.0, 0.75)
+        m.mark(OPTIMIZER)
+        return m.end_step(samples=4)
+
+    warm = step()
+    assert warm is not None and warm.warmup
+    assert step() is None
+    m.pause()
+    clocks.spend(7.0, 7.0, 7.0)  # an evaluation
+    m.resume()
+    win = step(hook=True)
+    m.close()
+    assert win is not None and not win.warmup and win.steps == 2 and win.samples == 8
+    assert win.phases_s == {"other": 0.0, "data": 2.0, "h2d": 0.0, "compute": 4.0, "comm": 0.5, "optimizer": 2.0}
+    assert win.phases_cpu_s == {"other": 0.0, "data": 0.5, "h2d": 0.0, "compute": 6.0, "comm": 0.125,
+                                "optimizer": 2.0}
+    assert win.wall_s == 8.5 and win.busy_cpu_s == 4.5
+    assert win.utilization == pytest.approx(4.5 / 8.5)
+
+
+def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
+    """A CPU-time reading is a system call (over ten times a perf_counter reading): a step of the
+    default job reads the process's CPU clock at its three marks (data, compute, optimizer) and the
+    loop thread's at two (the busy phases' sum is its only figure between them)."""
+    reads = Counter()
+
+    def counted(name: str, clock: Any) -> Any:
+        def read() -> float:
+            reads[name] += 1
+            return clock()
+        return read
+
+    monkeypatch.setattr(meter_mod, "process_time", counted("process", meter_mod.process_time))
+    monkeypatch.setattr(meter_mod, "thread_time", counted("thread", meter_mod.thread_time))
+    per_step: Dict[int, Counter] = {}
+    real = Stepper.__call__
+
+    def recorded(self: Stepper, run: Any) -> tuple:
+        before = Counter(reads)
+        out = real(self, run)
+        per_step[run.step - 1] = Counter(reads) - before
+        return out
+
+    monkeypatch.setattr(Stepper, "__call__", recorded)
+    cfg = to_config(compose_dict(DEFAULT_JOB))
+    adapter = Adapter(cfg)
+    adapter.setup()
+    loop_mod.train(cfg, adapter)
+    assert len(per_step) == 20
+    assert all(c == Counter({"process": 3, "thread": 2}) for c in per_step.values()), per_step
