@@ -66,7 +66,13 @@ def test_bad_values_are_one_line(make_cfg, override, expected):
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)
 
 
-def test_the_user_global_batch_is_held_by_default(make_cfg):
+def test_by_default_a_study_ranks_by_goodput_with_the_global_batch_free(make_cfg):
+    cfg = make_cfg("mode=tune", tiny=False)  # the tests' TINY pins the utilization objective at the user's batch
+    assert cfg.tune.objective is Objective.goodput and cfg.tune.global_batch == "free"
+    assert cfg.tune.lr_scaling is LrScaling.auto and ACCUM_KEY in SearchSpace(cfg).keys
+
+
+def test_tune_global_batch_user_holds_the_users_global_batch(make_cfg):
     space = SearchSpace(make_cfg("mode=tune", "data.batch_size=32", "trainer.accumulation_steps=2"))
     assert space.global_batch == 64 and ACCUM_KEY not in space.keys
     assert next(d for d in space.dims if d.key == BATCH_KEY).choices == [8, 16, 32, 64]
