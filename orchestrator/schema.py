@@ -475,7 +475,7 @@ class LrScaling(str, Enum):
     none = "none"  # the user's rate whatever the global batch
 
 
-GLOBAL_BATCH_WORDS = ("user", "free")
+GLOBAL_BATCH_WORDS = ("auto", "user", "free")
 
 
 class ParamType(str, Enum):
@@ -551,7 +551,8 @@ class TuneConfig:
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     run_noise: float = 0.10  # a run's mean is off by this (relative sd) beyond its windows' spread: every interval is widened by it
     # batch x accumulation x world: user (held at the base config's), free (searched), or held at an integer
-    global_batch: Any = "free"
+    # (auto: free with SGD, held with the Adam family: see global_batch_mode)
+    global_batch: Any = "auto"
     lr_scaling: LrScaling = LrScaling.auto  # the learning rate of a trial whose global batch differs from the user's
     max_workers: Optional[int] = None  # cap of data.num_workers; null: 2 x CPU cores per rank
     max_failure_rate: float = 0.5  # end the study once more than this share of its trials failed
@@ -624,9 +625,19 @@ def _global_batch(value: Any) -> Any:
         value = int(value)
     ok = value in GLOBAL_BATCH_WORDS if isinstance(value, str) else (
         isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-    _require(ok, f"tune.global_batch: must be user (hold your config's batch x accumulation x world size), free, "
-                 f"or an integer >= 1, got {value!r}")
+    _require(ok, f"tune.global_batch: must be auto (free with sgd, user with adamw), user (hold your config's "
+                 f"batch x accumulation x world size), free, or an integer >= 1, got {value!r}")
     return value
+
+
+def global_batch_mode(cfg: "Config") -> Any:
+    """tune.global_batch with `auto` resolved: `free` with SGD, whose linear learning-rate rule
+    trained the user's model sooner at a larger global batch (bench/bench_target.py), `user` (held)
+    with the Adam family, whose square-root rule did not (docs/tuning.md)."""
+    value = cfg.tune.global_batch
+    if value != "auto":
+        return value
+    return "free" if cfg.trainer.optimizer is OptimizerName.sgd else "user"
 
 
 _TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")

@@ -53,11 +53,11 @@ def test_auto_rule_follows_the_optimizer(make_cfg):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("tune.global_batch=huge", "tune.global_batch: must be user (hold your config's batch x accumulation x world "
-                               "size), free, or an integer >= 1, got 'huge'"),
-    ("tune.global_batch=0", "tune.global_batch: must be user"),
-    ("tune.global_batch=null", "tune.global_batch: must be user"),
-    ("tune.global_batch=true", "tune.global_batch: must be user"),
+    ("tune.global_batch=huge", "tune.global_batch: must be auto (free with sgd, user with adamw), user (hold your "
+                               "config's batch x accumulation x world size), free, or an integer >= 1, got 'huge'"),
+    ("tune.global_batch=0", "tune.global_batch: must be auto"),
+    ("tune.global_batch=null", "tune.global_batch: must be auto"),
+    ("tune.global_batch=true", "tune.global_batch: must be auto"),
     ("trainer.warmup_lr_steps=-1", "trainer.warmup_lr_steps: must be an integer >= 0 (0 = off), got -1"),
 ])
 def test_bad_values_are_one_line(make_cfg, override, expected):
@@ -66,10 +66,13 @@ def test_bad_values_are_one_line(make_cfg, override, expected):
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)
 
 
-def test_by_default_a_study_ranks_by_goodput_with_the_global_batch_free(make_cfg):
+def test_by_default_a_study_ranks_by_goodput_the_batch_free_with_sgd_and_held_with_adam(make_cfg):
     cfg = make_cfg("mode=tune", tiny=False)  # the tests' TINY pins the utilization objective at the user's batch
-    assert cfg.tune.objective is Objective.goodput and cfg.tune.global_batch == "free"
-    assert cfg.tune.lr_scaling is LrScaling.auto and ACCUM_KEY in SearchSpace(cfg).keys
+    assert cfg.tune.objective is Objective.goodput and cfg.tune.global_batch == "auto"
+    assert cfg.tune.lr_scaling is LrScaling.auto and ACCUM_KEY in SearchSpace(cfg).keys  # sgd: the batch free
+    adam = SearchSpace(make_cfg("mode=tune", "trainer.optimizer=adamw", "data.batch_size=32", tiny=False))
+    assert adam.global_batch == 32 and ACCUM_KEY not in adam.keys  # the Adam family: held at the user's
+    assert "tune.global_batch=auto holds it with adamw" in adam.left_out["accumulation_steps"]
 
 
 def test_tune_global_batch_user_holds_the_users_global_batch(make_cfg):

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from ..schema import Config, ConfigError, ParamSpec, ParamType, to_config
+from ..schema import Config, ConfigError, ParamSpec, ParamType, global_batch_mode, to_config
 
 ACCUM_KEY = "trainer.accumulation_steps"
 BATCH_KEY = "data.batch_size"
@@ -193,7 +193,8 @@ class SearchSpace:
         t = cfg.tune
         self.world = cfg.world_size
         # the global batch held (None: free): tune.global_batch=user holds the base config's
-        held = cfg.data.batch_size * cfg.trainer.accumulation_steps * self.world if t.global_batch == "user" else t.global_batch
+        mode = global_batch_mode(cfg)
+        held = cfg.data.batch_size * cfg.trainer.accumulation_steps * self.world if mode == "user" else mode
         self.global_batch: Optional[int] = None if held == "free" else held
         dims: List[Dimension] = []
         self.left_out: Dict[str, str] = {}  # dimension -> why it is not searched here
@@ -223,12 +224,14 @@ class SearchSpace:
         (tune.global_batch=user) never refuses a study: the user's batch is always a choice, an
         int range of batches becomes its divisors, and without a batch dimension the global batch
         does not move."""
-        user = cfg.tune.global_batch == "user"
+        user = global_batch_mode(cfg) == "user"
+        why = (f"yours: tune.global_batch=auto holds it with {cfg.trainer.optimizer.value}, whose learning-rate rule "
+               "did not train sooner at a larger batch; " if cfg.tune.global_batch == "auto" else "yours; ")
         accum = next((d for d in dims if d.key == ACCUM_KEY), None)
         dims = [d for d in dims if d.key != ACCUM_KEY]  # derived from the batch
         if accum is not None:
             self.left_out[accum.name] = (f"derived from the batch: the global batch is held at {self.global_batch}"
-                                         + (" (yours; free it with tune.global_batch=free)" if user else ""))
+                                         + (f" ({why}free it with tune.global_batch=free)" if user else ""))
         batch = next((d for d in dims if d.key == BATCH_KEY), None)
         per_rank, rem = divmod(self.global_batch, self.world)  # type: ignore[arg-type]
         if user and batch is None:
