@@ -41,7 +41,7 @@ def not_launched(trial: Any) -> bool:
 
 
 def utilization_score(util: float, thr: float, best_thr: float, floor: float) -> float:
-    """The default objective's score, in utilization's own unit for the trials that keep up: their
+    """The utilization objective's score, in utilization's own unit for the trials that keep up: their
     utilization (0-1) for a trial within `floor` of the best throughput seen (so among those,
     utilization decides); below it minus the share of samples/s it loses against the best
     (throughput / best - 1, under -(1 - floor)), so it ranks under every trial that keeps up,

@@ -1,6 +1,7 @@
 """The Optuna loop: every trial is a real, short launch through `run_job`, nested in MLflow.
 
-Objective `utilization` (default): the measured utilization decides among the trials whose
+Objective `goodput` (default): samples/s times what a sample is worth at the trial's global batch
+(goodput.py). Objective `utilization`: the measured utilization decides among the trials whose
 throughput is within `tune.throughput_floor` of the best seen; a trial below that floor ranks
 under all of them (see `utilization_score`), and the reported best is the highest-utilization
 trial within the floor of the study's best throughput. Utilization alone can be
