@@ -114,7 +114,7 @@ def diagnose(job: Dict[str, Any], cfg: Config, device_mem_mb: Optional[float],
     cuda = str((job.get("per_rank") or [{}])[0].get("device", "cpu")).startswith("cuda")
     peak = job.get("peak_mem_mb") or 0.0
     mem_share = peak / device_mem_mb if device_mem_mb else 0.0
-    # on CPU the cap is the limit (meter.memory_stats)
+    # on CPU the cap is the limit (runtime/samplers.py memory_stats)
     dev = "the memory cap" if cfg.trainer.memory_cap_mb and not cuda else "the device"
     step = job.get("step_time_s") or 0.0
 

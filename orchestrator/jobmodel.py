@@ -1,6 +1,6 @@
 """A measured model of the job's throughput over batch size, loader workers and accumulation.
 
-Every run measures, per item delivered (runtime/meter.py, `input_cost`), the loader's CPU time,
+Every run measures, per item delivered (runtime/summary.py, `input_cost`), the loader's CPU time,
 the data phase's wall time and the training process's time outside the data wait. From one or
 more runs this module fits, per rank: load_cpu (a loader's CPU seconds per item), load_wait (its
 seconds per item without a CPU: storage, network), consume (the training process's seconds per

@@ -15,7 +15,7 @@ DataLoader's `pin_memory` pins them all). The batch size is the leading dimensio
 `data.batch_key`, or of the first tensor found. `Feed.check` reads the run's first real batch and
 turns a wrong combination into one line naming what it found (a ConfigError, as the rank reports it).
 A dict batch with an `attention_mask` also counts its real tokens (the mask's ones) and the
-positions computed: real tokens/s and the padding's share (`meter.token_figures`).
+positions computed: real tokens/s and the padding's share (`summary.token_figures`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""A window's figures from the step meter's marks (runtime/meter.py): each phase's time off the
+clock read at the marks (perf_counter on CPU, recorded CUDA events on CUDA), the CPU time of the
+process and of the loop's own thread in each phase, and utilization (NVML's mean over the window,
+the loop thread's busy CPU share on CPU, else the busy phases' share). Read once per window, off
+the per-step path.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+from typing import Any, Callable, Dict, List, Optional
+
+from ..measure.phases import BUSY, PHASES
+from ..measure.results import Window
+from .samplers import NvmlSampler
+
+PAUSED = -1  # a mark's phase: the time before it is no phase's (a window's first mark; the end of a pause)
+
+
+def by_phase(phases: List[int], at: List[Any],
+             elapsed: Optional[Callable[[Any, Any], float]] = None) -> Dict[str, float]:
+    """Each phase's time (or CPU time) from readings `at` taken at the marks, whose phases are
+    `phases`: mark i ends a span of phases[i] that began at mark i - 1, of `elapsed(at[i - 1],
+    at[i])` seconds (default: the difference). PAUSED spans are no phase's (the accumulator's last
+    slot, index -1, takes them and is left out)."""
+    acc = [0.0] * (len(PHASES) + 1)
+    spans = zip(islice(phases, 1, None), at, islice(at, 1, None))
+    if elapsed is None:
+        for p, a, b in spans:
+            acc[p] += b - a
+    else:
+        for p, a, b in spans:
+            acc[p] += elapsed(a, b)
+    return dict(zip(PHASES, acc))
+
+
+def _event_seconds(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) / 1000.0
+
+
+def window_figures(marks: List[int], toks: List[Any], cpu_at: List[float], thread_at: List[float], *,
+                   cuda: bool, inproc: bool, sampler: Optional[NvmlSampler], t0: float, t1: float,
+                   pauses: List[tuple]) -> Dict[str, Any]:
+    """The figures of the window from `t0` to `t1` (perf_counter) less its `pauses`, whose marks'
+    phases are `marks`, read at them: `toks` (times or CUDA events), `cpu_at` (the process's CPU
+    time, on CPU) and `thread_at` (the loop thread's, on CPU and without loader workers:
+    `inproc`). Returns Window's wall_s, phases_s, phases_cpu_s, busy_cpu_s, utilization, sm_active."""
+    if cuda:
+        toks[-1].synchronize()
+        phases = by_phase(marks, toks, _event_seconds)
+        cpu = dict.fromkeys(PHASES, 0.0)
+    else:
+        phases, cpu = by_phase(marks, toks), by_phase(marks, cpu_at)
+    # the loop thread's CPU time per phase (only its busy phases' sum and its data phase are read)
+    thread_on = not cuda or inproc
+    loop = by_phase(marks, thread_at) if thread_on else dict.fromkeys(PHASES, 0.0)
+    if thread_on and inproc:
+        cpu["data"] = loop["data"]
+    wall = t1 - t0 - sum(b - a for a, b in pauses)
+    util: Optional[float] = None
+    sm: Optional[float] = None
+    if sampler is not None:
+        util = sampler.mean(t0, t1, skip=pauses)
+        if sampler.gpm:
+            sm = sampler.mean(t0, t1, sampler.sm_samples, skip=pauses)
+    if util is None and not cuda:  # the cores' share the training work got
+        util = min(1.0, sum(loop[p] for p in BUSY) / wall) if wall > 0 else 0.0
+    if util is None:
+        total = sum(phases.values())
+        util = sum(phases[p] for p in BUSY) / total if total > 0 else 0.0
+    return {"wall_s": wall, "phases_s": phases, "utilization": util, "sm_active": sm,
+            "phases_cpu_s": cpu if not cuda or inproc else None,
+            "busy_cpu_s": sum(loop[p] for p in BUSY) if not cuda else None}
+
+
+# -- where windows end (the meter's schedule) ----------------------------------------------------
+def whole_rounds(steps: int, round_steps: int) -> int:
+    """`steps` rounded up to whole rounds of `round_steps` steps (one round of the loader's workers)."""
+    r = max(1, round_steps)
+    return max(r, math.ceil(steps / r) * r)
+
+
+def steps_to_whole_epochs(step: int, epoch_steps: int, per_window: int, aligned: bool, epoch_first: int,
+                          measure_first: int) -> int:
+    """Steps from `step` until the measured span (from `measure_first`, the last warmup's end)
+    holds a whole number of epochs, each phase of an epoch once per epoch: its pre-made tail and its
+    restart alike; 0 when it does. With windows of whole epochs (`per_window` > 0) the estimate holds
+    whole epochs once windows began with one (`aligned`); when windows became whole epochs only now
+    (a short step time lengthened them mid-epoch), the steps to that epoch's end (the epoch began
+    after `epoch_first`), which closes the epoch's windows as partial; otherwise a stop rule met on
+    the fast pre-made batches that made that switch would end the measurement short of the epoch."""
+    if per_window:
+        return 0 if aligned else (-(step - epoch_first) % epoch_steps or epoch_steps)
+    return -(step - measure_first) % epoch_steps
+
+
+def tail_partial(windows: List[Window], began: int) -> None:
+    """Mark partial the measured windows that began at or after step `began` (the epoch's start),
+    back to the last partial one: closed before the step time made windows whole epochs, they hold
+    the epoch's tail without its restart, the workers idle and their last batches ready. Counted as
+    full, a short tail window alone can be the estimate of a run that ends mid-epoch, at several
+    times the run's whole rate."""
+    for win in reversed(windows):
+        if win.partial or win.first_step < began:
+            break
+        win.partial = True
