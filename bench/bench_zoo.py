@@ -433,7 +433,8 @@ def side_by_side(jobs: Jobs, arms: Dict[str, Tuple[Config, Figures]], rounds: in
 
 def held_points(space: SearchSpace, steady: Dict[Point, Figures]) -> Dict[Point, Figures]:
     """The grid points `space` can reach: those that train the global batch it holds (all when free).
-    The default space holds the user's, so its pick is judged against the best at that batch."""
+    A held space's pick is judged against the best at that batch (the default holds it with adamw,
+    frees it with sgd)."""
     if space.global_batch is None:
         return dict(steady)
     return {p: f for p, f in steady.items() if p[0] * p[2] * space.world == space.global_batch}

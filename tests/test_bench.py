@@ -88,12 +88,13 @@ def test_the_zoo_default_study_is_scored_against_the_grid_points_that_train_its_
     from orchestrator.tune.space import SearchSpace
 
     steady = {p: {"throughput": 1.0, "utilization": 1.0} for p in grid_of(TASKS["storage_1"]["space"])}
-    space = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false"]))
+    space = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false",
+                                        "tune.global_batch=user"]))
     assert space.global_batch == 32  # the user's b32 a1, one rank
     assert sorted({(b, a) for b, _, a in held_points(space, steady)}) == [(16, 2), (32, 1)]
-    ddp = SearchSpace(compose_config([*TASKS["comm_ddp"]["overrides"], "tracking.enabled=false"]))
+    ddp = SearchSpace(compose_config([*TASKS["comm_ddp"]["overrides"], "tracking.enabled=false",
+                                      "tune.global_batch=user"]))
     steady = {p: {"throughput": 1.0, "utilization": 1.0} for p in grid_of(TASKS["comm_ddp"]["space"])}
     assert sorted({(b, a) for b, _, a in held_points(ddp, steady)}) == [(8, 2), (16, 1)]  # 2 ranks: 32 in all
-    free = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false",
-                                       "tune.global_batch=free"]))
-    assert held_points(free, steady) == steady
+    free = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false"]))
+    assert free.global_batch is None and held_points(free, steady) == steady  # the default with sgd: free

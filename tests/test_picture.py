@@ -8,7 +8,7 @@ import re
 import optuna
 from PIL import Image
 
-from orchestrator.schema import TuneConfig
+from orchestrator.schema import Objective, TuneConfig
 from orchestrator.tune.picture import FILE
 from orchestrator.tune.report import write_outputs
 from orchestrator.tune.rules import best_trials
@@ -36,7 +36,7 @@ def floor_study():
 
 
 def test_the_pictures_pick_is_best_yaml_s_under_the_floor(tmp_path):
-    study, t = floor_study(), TuneConfig(throughput_floor=0.9)
+    study, t = floor_study(), TuneConfig(objective=Objective.utilization, throughput_floor=0.9)
     best = best_trials(study, t)
     summary = write_outputs(study, best, t=t, out_dir=tmp_path, name="floor", storage="sqlite:///x.db", overrides=[],
                             echo=False)
@@ -64,7 +64,7 @@ def test_the_picture_marks_every_kind_of_trial(tmp_path, monkeypatch):
                                             "throughput": 940.0, "throughput_lo": 930.0, "throughput_hi": 950.0},
                                       "3": {"utilization": 0.41, "utilization_lo": 0.39, "utilization_hi": 0.43,
                                             "throughput": 1000.0, "throughput_lo": 990.0, "throughput_hi": 1010.0}})
-    t = TuneConfig(throughput_floor=0.9)
+    t = TuneConfig(objective=Objective.utilization, throughput_floor=0.9)
     from orchestrator.tune.picture import write_picture
 
     write_picture(study, best_trials(study, t), t, tmp_path)

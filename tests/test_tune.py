@@ -341,7 +341,7 @@ def test_a_trial_completed_by_another_tuner_while_the_pick_is_ranked_is_not_a_ke
     """Tuners of a shared study: another process completes a trial between ranked()'s reads of the
     study (its figures, then the trials that may be the pick). The ranking is of the trials it read."""
     import orchestrator.tune.rules as rules
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
 
     study = optuna.create_study(direction="maximize")
     for util, thr in ((0.5, 100.0), (0.6, 110.0), (0.9, 300.0)):
@@ -354,12 +354,12 @@ def test_a_trial_completed_by_another_tuner_while_the_pick_is_ranked_is_not_a_ke
         reads.append(1)
         return completed(s)[:2] if len(reads) == 1 else completed(s)
     monkeypatch.setattr(rules, "completed", racing)
-    assert [tr.number for tr in rules.ranked(study, TuneConfig())] == [1, 0]
+    assert [tr.number for tr in rules.ranked(study, TuneConfig(objective=Objective.utilization))] == [1, 0]
     assert len(reads) >= 2
 
 
 def test_the_pick_comes_from_the_confirmed_figures():
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import best_trials, confirm_candidates, ranked, separation
 
     study = optuna.create_study(direction="maximize")
@@ -373,7 +373,7 @@ def test_the_pick_comes_from_the_confirmed_figures():
     add({"w": 2}, 0.90, 300.0, 250, 350)  # a lucky short measurement
     add({"w": 4}, 0.85, 290.0, 270, 310)
     add({"w": 8}, 0.80, 280.0, 260, 300)
-    t = TuneConfig(confirm_top=2)
+    t = TuneConfig(objective=Objective.utilization, confirm_top=2)
     assert [tr.number for tr in confirm_candidates(study, t)] == [1, 2]  # the fastest is among them
     # a runner-up below the leader on both intervals cannot win: not re-measured, and a lone leader
     # needs no confirmation at all
@@ -404,7 +404,7 @@ def test_the_users_config_is_confirmed_beside_the_pick():
     """The baseline trial (the config as given) joins the confirmation of a pick that is not it, so
     the gain the summary reports is measured side by side; there it is the reference, picked only
     when it beats the pick beyond the noise; a baseline that leads alone needs no confirmation."""
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import best_trials, confirm_candidates, versus_baseline
 
     def study_with(*rows):
@@ -416,7 +416,7 @@ def test_the_users_config_is_confirmed_beside_the_pick():
                 **({"baseline": True} if base else {})}))
         return study
 
-    t = TuneConfig(confirm_top=2)
+    t = TuneConfig(objective=Objective.utilization, confirm_top=2)
     study = study_with((0.50, 100.0, 90, 110, True), (0.90, 300.0, 280, 320, False))
     assert [tr.number for tr in confirm_candidates(study, t)] == [1, 0]
     vs = versus_baseline(study, t)
@@ -449,7 +449,7 @@ def test_a_busier_trial_just_below_the_floor_is_confirmed():
     Its chance of keeping up makes it the runner-up by the expected score, ahead of a trial about as
     fast as the leader but less busy; one far below the floor, or one less busy than the leader,
     is not re-measured."""
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import confirm_candidates
 
     study = optuna.create_study(direction="maximize")
@@ -458,7 +458,7 @@ def test_a_busier_trial_just_below_the_floor_is_confirmed():
         study.add_trial(optuna.trial.create_trial(value=1 + util, user_attrs={
             "values": {"b": b}, "utilization": util, "throughput": thr, "throughput_lo": lo, "throughput_hi": hi,
             "utilization_lo": util - 0.02, "utilization_hi": util + 0.02}))
-    t = TuneConfig(confirm_top=2)
+    t = TuneConfig(objective=Objective.utilization, confirm_top=2)
     assert [tr.number for tr in confirm_candidates(study, t)] == [0, 2]
 
 
@@ -467,7 +467,7 @@ def test_a_busier_trial_that_may_not_keep_up_loses_to_one_that_does():
     measured just inside the 0.95 floor but with an interval reaching far below it, keeps up only
     about half the time, and then trains 11% slower; the fastest wins. Measured as precisely as
     the fastest, the busier one keeps up for certain and wins."""
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import best_trials, expected_scores
 
     def study_of(busier_lo, busier_hi):
@@ -478,7 +478,7 @@ def test_a_busier_trial_that_may_not_keep_up_loses_to_one_that_does():
                 "throughput_hi": hi, "utilization_lo": util - 0.01, "utilization_hi": util + 0.01}))
         return study
 
-    t = TuneConfig(confirm_top=2)
+    t = TuneConfig(objective=Objective.utilization, confirm_top=2)
     assert best_trials(study_of(800.0, 1110.0), t)[0].number == 0
     assert best_trials(study_of(953.0, 957.0), t)[0].number == 1
     # without intervals the figures are exact: the point rule (the busiest within the floor)
@@ -496,7 +496,7 @@ def test_a_much_busier_trial_that_may_keep_up_is_worth_its_chance():
     batch scores 0.68 of them; fallen just under the floor, they still move 0.9 of its samples. The
     expected score weighs both: the busier one is the pick (a score capped at the busiest sure keeper's
     could never prefer it)."""
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import best_trials, expected_scores
 
     study = optuna.create_study(direction="maximize")
@@ -505,7 +505,7 @@ def test_a_much_busier_trial_that_may_keep_up_is_worth_its_chance():
     for f in figs:
         f.update(utilization_lo=f["utilization"] - 0.01, utilization_hi=f["utilization"] + 0.01)
         study.add_trial(optuna.trial.create_trial(value=1 + f["utilization"], user_attrs={"values": {}, **f}))
-    assert best_trials(study, TuneConfig())[0].number == 1
+    assert best_trials(study, TuneConfig(objective=Objective.utilization))[0].number == 1
     large, small = expected_scores(figs, 0.95)
     assert 0.7 < large < small < 1.0
     assert expected_scores(figs, 0.95) == [large, small]  # seeded: the same figures score alike
@@ -637,7 +637,7 @@ def test_the_space_samples_ordinals_and_knobs_that_need_workers_only_with_worker
 
 
 def test_patience_counts_trials_that_do_not_beat_the_best_by_more_than_its_noise():
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import stale_streak
 
     study = optuna.create_study(direction="maximize")
@@ -648,7 +648,7 @@ def test_patience_counts_trials_that_do_not_beat_the_best_by_more_than_its_noise
         study.add_trial(optuna.trial.create_trial(state=state, value=1 + util if state.name == "COMPLETE" else None,
                                                   user_attrs=attrs if state.name == "COMPLETE" else {}))
 
-    t = TuneConfig()
+    t = TuneConfig(objective=Objective.utilization)
     add(0.50, 100.0)
     assert stale_streak(study, t) == (0, 0)
     add(0.51, 100.0)  # within the best's noise: no improvement, but the bar moves up to it
@@ -850,7 +850,7 @@ def test_confirmation_goes_on_while_the_pick_is_within_the_noise():
         return {"utilization": util, "utilization_lo": util - util_half, "utilization_hi": util + util_half,
                 "throughput": thr, "throughput_lo": thr - thr_half, "throughput_hi": thr + thr_half}
 
-    t = TuneConfig()
+    t = TuneConfig(objective=Objective.utilization)
     # zoo storage_1: b32 (busier) measured at 0.96 of b64, its interval straddling the 0.95 floor
     near = {"3": fig(0.22, 6600.0, 100.0), "4": fig(0.32, 6340.0, 250.0), "5": fig(0.20, 6500.0, 100.0)}
     assert open_contest(near, t) == [4, 3]  # leader first (the busier one), then the fastest
@@ -947,10 +947,10 @@ def test_intervals_carry_the_noise_of_whole_runs():
     (long runs: 2,656 and 2,410). Widened by tune.run_noise, the intervals overlap and both are confirmed; the
     mean of several runs is widened less; a one-window figure gets an interval."""
     from orchestrator.measure.stats import with_run_noise
-    from orchestrator.schema import TuneConfig
+    from orchestrator.schema import Objective, TuneConfig
     from orchestrator.tune.rules import confirm_candidates
 
-    t = TuneConfig()
+    t = TuneConfig(objective=Objective.utilization)
     figs = [{"throughput": 2067.0, "throughput_lo": 1853.0, "throughput_hi": 2281.0, "utilization": 0.424,
              "utilization_lo": 0.40, "utilization_hi": 0.45},
             {"throughput": 3052.0, "throughput_lo": 2829.0, "throughput_hi": 3276.0, "utilization": 0.632,
