@@ -154,3 +154,13 @@ def test_a_second_study_of_the_job_starts_from_the_first_and_a_plain_run_applies
         apply_tuned(make_cfg(f"tune.storage=sqlite:///{tmp_path}/none.db", "trainer.tuned=auto"), said.append)
     with pytest.raises(ConfigError, match=r"^trainer.tuned: applies a study's pick to a plain run"):
         make_cfg(*common, "trainer.tuned=auto")
+
+
+def test_a_config_moved_to_more_ranks_shares_the_cores_between_their_workers():
+    from orchestrator.tune.warm import at_world
+
+    pick = {"data.batch_size": 32, "data.num_workers": 4, "trainer.accumulation_steps": 1}
+    assert at_world(pick, 1, 2) == {**pick, "data.num_workers": 2}
+    assert at_world(pick, 1, 8)["data.num_workers"] == 1 and at_world(pick, 2, 1)["data.num_workers"] == 8
+    assert at_world({**pick, "data.num_workers": 0}, 1, 2)["data.num_workers"] == 0
+    assert at_world(pick, 2, 2) is pick

@@ -188,8 +188,9 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
     carried = carry(storage, earlier)
     _lend(proposals, carried)
     queued = []
+    old_world = int(earlier.attrs.get("world_size") or cfg.world_size)
     for values in seeds(storage, earlier):
-        params = space.params_of(values)
+        params = space.params_of(at_world(values, old_world, cfg.world_size))
         if params and params not in queued:
             study.enqueue_trial(params, user_attrs={"warm_from": earlier.name})
             queued.append(params)
@@ -198,6 +199,16 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
     say(f"[tune] warm start from {earlier.describe()}: its {len(queued)} best config(s) first; {carried.kept} "
         f"(tune.warm_start=off starts cold)")
     return record
+
+
+def at_world(values: Dict[str, Any], old: int, new: int) -> Dict[str, Any]:
+    """An earlier study's config moved from `old` ranks to `new` on the same machine kind: the loader
+    workers a rank runs scaled by old/new (the machine's cores are shared by every rank's workers;
+    at least 1 where it had some); the per-rank batch kept."""
+    workers = values.get("data.num_workers")
+    if old == new or not workers:
+        return values
+    return {**values, "data.num_workers": max(1, round(int(workers) * old / new))}
 
 
 def _lend(proposals: Any, carried: Carried) -> None:
