@@ -108,6 +108,7 @@ def test_a_start_in_an_owned_run_dir_is_refused_before_anything_changes(make_cfg
     refuse_if_owned(["backend=single", f"hydra.run.dir={run_dir}"])  # released: no refusal
 
 
+@pytest.mark.slow  # kept out of the suite's 10 minutes (make test-slow)
 def test_a_live_run_refuses_a_resume(tmp_path, mlflow_uri):
     run_dir = tmp_path / "run"
     job = cli(["backend=single", *ENDLESS, "trainer.checkpoint_every=5"], run_dir, mlflow_uri)
@@ -136,6 +137,7 @@ def test_a_live_run_refuses_a_resume(tmp_path, mlflow_uri):
         kill_all(run_dir)
 
 
+@pytest.mark.slow  # kept out of the suite's 10 minutes (make test-slow)
 def test_ranks_end_with_their_parent_and_the_next_start_closes_its_run(tmp_path, mlflow_uri, make_cfg, capsys):
     """kill -9 of a ddp run's parent: torchrun and both ranks end within seconds; the next start in
     that dir takes the dead owner's lock over and closes its MLflow run FAILED, with a note."""

@@ -119,6 +119,7 @@ SHORT_RUN = ["trainer.max_steps=12", "trainer.checkpoint_every=5", "trainer.warm
              "data.read_latency_ms=0.2"]
 
 
+@pytest.mark.slow  # kept out of the suite's 10 minutes (make test-slow)
 def test_finished_run_is_never_rewritten_and_continues_only_when_raised(tmp_path, mlflow_uri):
     run_dir = tmp_path / "run"
     first = run_cli([*SHORT_RUN, f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)

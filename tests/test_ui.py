@@ -60,6 +60,7 @@ def wait_for(predicate, timeout=60.0, every=0.5, browser=None, what="condition")
     raise TimeoutError(f"{what}: not seen in {timeout:g}s")
 
 
+@pytest.mark.slow  # kept out of the suite's 10 minutes (make test-slow)
 def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, browser):
     url, store = ui_server
     # log through the server: any tracking URI works, not only SQLite

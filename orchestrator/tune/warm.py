@@ -15,7 +15,7 @@ full matches first.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Optional
 
@@ -24,7 +24,7 @@ from ..schema import ConfigError
 
 FP_ATTR = "fingerprint"
 VALUES_ATTR = "pick_values"
-WARM_ATTR = "warm_start"  # a warm-started study's: where it started from (from, match, trials)
+WARM_ATTR = "warm_start"  # a warm-started study's: where it started from (from, match, kept, enqueued)
 SEEDS = 3  # an earlier study's best trials enqueued first: its pick, then the next best
 MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -174,7 +174,7 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
 
     fp = fingerprint(cfg)
     if FP_ATTR not in study.user_attrs:
-        study.set_user_attr(FP_ATTR, {"job": fp.job, "layout": fp.layout, "hardware": fp.hardware, "id": fp.id})
+        study.set_user_attr(FP_ATTR, asdict(fp))
         study.set_user_attr("world_size", cfg.world_size)
     record = study.user_attrs.get(WARM_ATTR)
     if not fresh:
