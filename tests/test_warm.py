@@ -164,3 +164,22 @@ def test_a_config_moved_to_more_ranks_shares_the_cores_between_their_workers():
     assert at_world(pick, 1, 8)["data.num_workers"] == 1 and at_world(pick, 2, 1)["data.num_workers"] == 8
     assert at_world({**pick, "data.num_workers": 0}, 1, 2)["data.num_workers"] == 0
     assert at_world(pick, 2, 2) is pick
+
+
+def test_a_resumed_study_borrows_again_from_the_study_it_recorded(storage, make_cfg):
+    """A resumed warm-started study lends the job model the same trials again, by the name it
+    recorded; one whose source was deleted since goes on with its own."""
+    from types import SimpleNamespace
+
+    from orchestrator.tune.warm import WARM_ATTR, start
+
+    study = optuna.create_study(storage=storage, direction="maximize")
+    study.set_user_attr(WARM_ATTR, {"from": "old-full", "match": "full", "kept": "", "enqueued": 1})
+    lent = SimpleNamespace(warm_trials=[], warm_loader={})
+    cfg = make_cfg()
+    assert start(study, cfg, storage, study.study_name, None, lent, fresh=False, say=print)["from"] == "old-full"
+    assert len(lent.warm_trials) == 4
+    study.set_user_attr(WARM_ATTR, {"from": "deleted", "match": "full", "kept": "", "enqueued": 1})
+    gone = SimpleNamespace(warm_trials=[], warm_loader={})
+    assert start(study, cfg, storage, study.study_name, None, gone, fresh=False, say=print)["from"] == "deleted"
+    assert gone.warm_trials == []

@@ -178,9 +178,11 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
         study.set_user_attr("world_size", cfg.world_size)
     record = study.user_attrs.get(WARM_ATTR)
     if not fresh:
-        earlier = next((e for e in find(storage, fp, exclude=name) if record and e.name == record["from"]), None)
-        if earlier is not None:
-            _lend(proposals, carry(storage, earlier))
+        if record:  # the study it started from, by the name and match it recorded
+            try:
+                _lend(proposals, carry(storage, Earlier(record["from"], record["match"], None)))
+            except KeyError:  # deleted since: the trials this study measured stand alone
+                pass
         return record
     earlier = choose(cfg.tune.warm_start, find(storage, fp, exclude=name))
     if earlier is None:
