@@ -141,6 +141,8 @@ def test_a_second_study_of_the_job_starts_from_the_first_and_a_plain_run_applies
     warm = second["warm_start"]
     assert warm["from"] == first["study_name"] and warm["match"] == "full" and warm["enqueued"] >= 1
     assert "measured trials join the job model" in warm["kept"]
+    pooled = trials[1].user_attrs["pooled"]  # the first's measurement of its pick joins the second's
+    assert pooled["from"] == first["study_name"] and pooled["words"].startswith("2 measurements, 1 from study '")
     cold = run_study(make_cfg(*common, "tune.n_trials=1", "tune.warm_start=off"), tmp_path / "c", echo=False)
     assert cold["warm_start"] is None
     plain = make_cfg(f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.high=64", "trainer.tuned=auto")
@@ -183,3 +185,72 @@ def test_a_resumed_study_borrows_again_from_the_study_it_recorded(storage, make_
     gone = SimpleNamespace(warm_trials=[], warm_loader={})
     assert start(study, cfg, storage, study.study_name, None, gone, fresh=False, say=print)["from"] == "deleted"
     assert gone.warm_trials == []
+
+
+P, Q = {"data.batch_size": 64}, {"data.batch_size": 32}
+
+
+def _figs(thr: float, util: float, half: float = 0.1) -> dict:
+    return {"throughput": thr, "throughput_lo": thr * (1 - half), "throughput_hi": thr * (1 + half),
+            "utilization": util, "utilization_lo": util - 0.05, "utilization_hi": util + 0.05,
+            "windows": 8.0, "measured_s": 1.0, "rel_se": half / 1.96}
+
+
+def _warm_study(storage: str, make_cfg, match: str, objective: str):
+    """Study 'src' measured P high (a trial and a confirmation of 2 runs); a warm study of it
+    measures P once low and Q once slightly higher, each told as a trial of the tuner is."""
+    from types import SimpleNamespace
+
+    from orchestrator.tune.launch import TrialLaunching, TrialRecord
+    from orchestrator.tune.warm import Earlier, carry
+
+    src = optuna.create_study(study_name="src", storage=storage, direction="maximize")
+    src.add_trial(optuna.trial.create_trial(value=1000.0, user_attrs={"values": P, **_figs(1000.0, 0.8)}))
+    src.set_user_attr("confirmed", {"0": {**_figs(1010.0, 0.8, 0.06), "runs": 2}})
+
+    class Tuner(TrialLaunching):
+        cfg = make_cfg(f"tune.objective={objective}", "tune.confirm_top=0")
+        t, multi, offset, said = cfg.tune, False, 0.0, []
+        proposals = SimpleNamespace(carried=carry(storage, Earlier("src", match, None)))
+
+        def _say(self, line: str) -> None:
+            self.said.append(line)
+
+    tuner = Tuner()
+    study = optuna.create_study(study_name=f"warm-{match}-{objective}", storage=storage, direction="maximize")
+    study.set_user_attr("base_global_batch", 32)
+    for values, figs in ((P, _figs(800.0, 0.70)), (Q, _figs(830.0, 0.72))):
+        trial = study.ask()
+        for k, v in {"values": values, "global_batch": values["data.batch_size"], **figs}.items():
+            trial.set_user_attr(k, v)
+        tuner._tell(study, trial, TrialRecord(trial.number, "RUNNING", values, metrics=dict(figs)))
+    return study, tuner
+
+
+@pytest.mark.parametrize("objective", ["throughput", "utilization"])
+def test_a_full_match_pools_the_earlier_studys_measurements_of_a_config(make_cfg, tmp_path, objective):
+    """One noisy trial does not outrank what the earlier study measured of the same config on the
+    same job, layout and machine: P's figures are its own trial pooled with the source study's
+    trial and confirmed figure, so the pick (and the value Optuna ranks by) is P, not Q."""
+    from orchestrator.tune.report import pooled_words
+    from orchestrator.tune.rules import best_trials, confirm_candidates, measured
+
+    study, tuner = _warm_study(f"sqlite:///{tmp_path}/optuna.db", make_cfg, "full", objective)
+    p, q = study.trials
+    assert best_trials(study, tuner.t)[0].number == p.number
+    assert max(study.trials, key=lambda tr: tr.values[0]).number == p.number  # what Optuna's samplers see
+    assert measured(p)["throughput"] == pytest.approx(1000.0)  # the median of 800, 1000 and 1010
+    assert p.user_attrs["throughput"] == 800.0 and "pooled" not in q.user_attrs  # its own kept; Q: its own only
+    assert pooled_words(p) == "3 measurements, 2 from study 'src' (its trial 0 and its confirmation of 2 runs)"
+    assert tuner.said == [f"[tune] trial 0 pooled, {pooled_words(p)}: utilization 80.0%  throughput 1000.0/s +-7%"]
+    cfg3 = dataclasses.replace(tuner.t, confirm_top=3)
+    assert confirm_candidates(study, cfg3)[0].number == p.number
+
+
+def test_a_partial_match_pools_nothing(make_cfg, tmp_path):
+    """Another world size or machine: the earlier figures are not this layout's; each trial stands alone."""
+    from orchestrator.tune.rules import best_trials
+
+    study, tuner = _warm_study(f"sqlite:///{tmp_path}/optuna.db", make_cfg, "job", "throughput")
+    assert not any("pooled" in tr.user_attrs for tr in study.trials) and tuner.said == []
+    assert best_trials(study, tuner.t)[0].number == 1  # Q, on its single measurement

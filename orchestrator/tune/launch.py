@@ -19,7 +19,8 @@ from ..measure.results import Estimate, JobResult
 from ..measure.stats import with_run_noise
 from ..rundir import Status, said_disk_full
 from ..schema import Config, ConfigError, Objective
-from .goodput import global_batch, lr_for, record_trial, study_b
+from .evidence import POOLED_ATTR, pooled_with
+from .goodput import global_batch, lr_for, record_trial, study_b, with_goodput
 from .memory import memory_record
 from .answer import knob_attrs
 from .prune import Monitor, best_throughput, pruned_note, window_monitor
@@ -173,7 +174,7 @@ class TrialLaunching:
         if result.get("diagnosis"):
             trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
         self._goodput(study, trial, rec, result.get("noise_scale"))
-        study.tell(trial, self._score(study, rec))
+        self._tell(study, trial, rec)
         rec.state = "COMPLETE"
         if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
             self.proposals.diagnosis(study, trial, values, result["diagnosis"])
@@ -246,18 +247,39 @@ class TrialLaunching:
                 return tr
         return None
 
-    def _score(self, study: Any, rec: TrialRecord) -> Any:
-        util, thr = rec.metrics.get("utilization", 0.0), rec.metrics.get("throughput", 0.0)
+    def _tell(self, study: Any, trial: Any, rec: TrialRecord) -> None:
+        """The measured trial's score told: on its figures pooled with a full match's earlier
+        measurements of its config where there are (`_pooled`), else on its own."""
+        study.tell(trial, self._score(study, {**rec.metrics, **self._pooled(study, trial, rec)}))
+
+    def _pooled(self, study: Any, trial: Any, rec: TrialRecord) -> Dict[str, Any]:
+        """In a warm study of the same job, layout and machine: the trial's figures pooled with the
+        earlier study's measurements of its config (evidence.py), recorded on the trial (`pooled`)
+        and said after its line; {} when nothing is pooled."""
+        pooled = pooled_with(self.proposals.carried, rec.values, rec.metrics)
+        if pooled is None:
+            return {}
+        f = pooled["figures"] = with_goodput(pooled["figures"], trial.user_attrs.get("global_batch"),
+                                             global_batch(self.cfg), study_b(study))
+        trial.set_user_attr(POOLED_ATTR, pooled)
+        pm = f" +-{100 * f['rel_se']:.0f}%" if f.get("rel_se") else ""
+        self._say(f"[tune] trial {trial.number} pooled, {pooled['words']}: utilization {100 * f['utilization']:.1f}%  "
+                  f"throughput {f['throughput']:.1f}/s{pm}")
+        return f
+
+    def _score(self, study: Any, m: Dict[str, Any]) -> Any:
+        """The value told to Optuna from the trial's figures `m` (pooled where they are)."""
+        util, thr = m.get("utilization", 0.0), m.get("throughput", 0.0)
         if self.multi:
             return [util, thr]
         if self.t.objective is Objective.throughput:
             return thr
         if self.t.objective is Objective.mfu:
-            return rec.metrics["mfu"]
+            return m["mfu"]
         if self.t.objective is Objective.tokens:
-            return rec.metrics["tokens_per_s"]
+            return m["tokens_per_s"]
         if self.t.objective is Objective.goodput:
-            return rec.metrics["goodput"]
+            return m["goodput"]
         return utilization_score(util, thr, best_throughput(study), self.t.throughput_floor) + self.offset
 
     def _goodput(self, study: Any, trial: Any, rec: TrialRecord, noise: Any) -> None:

@@ -46,6 +46,7 @@ class Proposals(ModelScreen):
         # the job model's fit), or the loader's per-item costs of the same job elsewhere
         self.warm_trials: List[Any] = []
         self.warm_loader: Dict[str, float] = {}
+        self.carried: Any = None  # what a warm start carried (warm.Carried): a full match's evidence is pooled
 
     # -- the job model's proposals -----------------------------------------------------------------
     def _candidates(self, study: Any, here: Dict[str, Any]) -> List[Dict[str, Any]]:

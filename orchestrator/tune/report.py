@@ -19,6 +19,7 @@ from ..stores import redact
 from .advise import pick_advice
 from .answer import record_pick
 from .edges import advice
+from .evidence import POOLED_ATTR
 from .goodput import judged, scale_of
 from .space import knob_words
 from .picture import FILE as PICTURE, write_picture
@@ -87,7 +88,7 @@ def _write_trials_csv(study: Any, trials: List[Any], out_dir: Path) -> str:
     w = csv.writer(rows)
     conf = confirmed(study)
     w.writerow(["number", "state", "proposed_by", *keys, *COLUMNS, *[f"confirmed_{c}" for c in CONFIRMED_COLUMNS],
-                "score", "verdict", "reason", "error"])
+                "score", "pooled", "verdict", "reason", "error"])
     for tr in trials:
         a = tr.user_attrs
         vals = a.get("values", {})
@@ -95,7 +96,8 @@ def _write_trials_csv(study: Any, trials: List[Any], out_dir: Path) -> str:
         row = conf.get(str(tr.number), {})
         w.writerow([tr.number, state_word(tr), a.get("proposed_by", ""), *[vals.get(k, "") for k in keys],
                     *[a.get(c, "") for c in COLUMNS], *[row.get(k, "") for k in CONFIRMED_COLUMNS],
-                    score, a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""), a.get("error", "")])
+                    score, pooled_words(tr), a.get("verdict", ""), a.get("reason") or a.get("predicted_below", ""),
+                    a.get("error", "")])
     write_atomic(csv_path, rows.getvalue())
     return str(csv_path)
 
@@ -130,7 +132,7 @@ def _summary(study: Any, trials: List[Any], best: List[Any], t: TuneConfig, name
         judged = figures(b, conf)
         summary["best"] = {"number": b.number, "values": b.user_attrs["values"], **{c: b.user_attrs.get(c) for c in COLUMNS},
                            **{k: judged.get(k) for k in CONFIRMED_COLUMNS if k in judged},
-                           "confirmed": str(b.number) in conf}
+                           "confirmed": str(b.number) in conf, **({"pooled": pooled_words(b)} if pooled_words(b) else {})}
         if t.objective is Objective.both:
             summary["pareto_front"] = [{"number": tr.number, "values": tr.user_attrs["values"],
                                         "utilization": tr.user_attrs["utilization"],
@@ -196,6 +198,12 @@ def floor_line(study: Any, best: List[Any], t: TuneConfig) -> str:
         said += "; busier but under the floor or too likely to be: " + ", ".join(
             f"trial {n} ({100 * fig[n]['utilization']:.1f}% at {fig[n]['throughput'] / top:.2f}x)" for n in busier[:3])
     return said + ("; judged on the confirmed figures" if str(pick.number) in conf else "")
+
+
+def pooled_words(trial: Any) -> str:
+    """How many measurements a warm study's trial is judged by, and how many came from the study it
+    started from (evidence.py); '' when they are its own."""
+    return (trial.user_attrs.get(POOLED_ATTR) or {}).get("words", "")
 
 
 def _trials(numbers: List[Any]) -> str:
@@ -349,7 +357,8 @@ def _table(study: Any, best: List[Any], t: TuneConfig, name: str, summary: Dict[
         knobs = knob_words(a["values"])
         notes = [n for n, on in (("best", tr.number in best_numbers), ("confirmed", str(tr.number) in conf),
                                  ("baseline", a.get("baseline")), ("refused", refused(tr, t)),
-                                 ("failed when confirmed", str(tr.number) in failed)) if on]
+                                 ("failed when confirmed", str(tr.number) in failed),
+                                 (f"pooled: {pooled_words(tr)}", pooled_words(tr))) if on]
         real = (("-" if f.get("tokens_per_s") is None else f"{f['tokens_per_s']:.0f}"
                  + interval_words(f, "tokens_per_s", 1.0, "{:.0f}")),) if tokens else ()
         shown = f"{f['throughput']:.1f}" + interval_words(f, "throughput", 1.0, "{:.0f}")

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..measure.stats import Z95
 from ..schema import Objective, TuneConfig
+from .evidence import POOLED_ATTR
 from .goodput import guard, judged, scale_of
 
 # The figure a single-figure objective ranks by: samples/s, real tokens/s (padding excluded), or mfu
@@ -93,8 +94,16 @@ def pickable(study: Any, t: TuneConfig) -> List[Any]:
 
 
 def figures(trial: Any, confirmed_: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """What a trial is judged by: its confirmed figures when it was re-measured, else its own."""
-    return confirmed_.get(str(trial.number)) or trial.user_attrs
+    """What a trial is judged by: its confirmed figures when it was re-measured, else `measured`."""
+    return confirmed_.get(str(trial.number)) or measured(trial)
+
+
+def measured(trial: Any) -> Dict[str, Any]:
+    """A trial's figures before any confirmation: its own, or in a warm study of the same job,
+    layout and machine its own pooled with the earlier study's measurements of its config
+    (evidence.py: the user attribute `pooled`)."""
+    pooled = trial.user_attrs.get(POOLED_ATTR)
+    return {**trial.user_attrs, **pooled["figures"]} if pooled else trial.user_attrs
 
 
 def ranked(study: Any, t: TuneConfig) -> List[Any]:
@@ -253,20 +262,21 @@ def _candidates(study: Any, t: TuneConfig) -> List[Any]:
     done = [tr for tr in completed(study) if not refused(tr, t)]
     if not done or t.objective is Objective.both or t.confirm_top == 0:
         return []
-    top = max(tr.user_attrs["throughput"] for tr in done)
+    m = {tr.number: measured(tr) for tr in done}
+    top = max(m[tr.number]["throughput"] for tr in done)
     if t.objective is Objective.utilization:
-        score = dict(zip((tr.number for tr in done), expected_scores([tr.user_attrs for tr in done], t.throughput_floor)))
+        score = dict(zip((tr.number for tr in done), expected_scores([m[tr.number] for tr in done], t.throughput_floor)))
     else:
         score = {tr.number: final_score(tr, t, top) for tr in done}
     by_score = sorted(done, key=lambda tr: -score[tr.number])[:t.confirm_top]
-    leader = by_score[0].user_attrs
+    leader = m[by_score[0].number]
     one = t.objective in (Objective.tokens, Objective.goodput)
     names = (FIGURE[t.objective],) if one else ("throughput", "utilization")
-    contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(tr.user_attrs, leader, names)]
-    fastest = max(done, key=lambda tr: tr.user_attrs["throughput"])
+    contenders = [tr for tr in by_score if tr is by_score[0] or _may_beat(m[tr.number], leader, names)]
+    fastest = max(done, key=lambda tr: m[tr.number]["throughput"])
     if t.objective is not Objective.utilization:
         return contenders
-    floor_certain = leader.get("throughput_lo", 0.0) >= t.throughput_floor * fastest.user_attrs.get(
+    floor_certain = leader.get("throughput_lo", 0.0) >= t.throughput_floor * m[fastest.number].get(
         "throughput_hi", float("inf"))
     out = contenders + ([] if floor_certain or fastest in contenders else [fastest])
     return out + _busier_near_the_floor(done, out, leader, top, t)
@@ -312,10 +322,11 @@ def _busier_near_the_floor(done: List[Any], chosen: List[Any], leader: Dict[str,
     interval reaches it and whose utilization beats the leader's: one short measurement put it
     under the floor, a longer one decides whether it keeps up (and then it wins): a smaller batch
     that moves as many samples as the fastest can measure just under the floor in one short trial."""
-    near = [tr for tr in done if tr not in chosen and tr.user_attrs["throughput"] < t.throughput_floor * top
-            and tr.user_attrs.get("throughput_hi", 0.0) >= t.throughput_floor * top
-            and tr.user_attrs["utilization"] > leader["utilization"]]
-    return [max(near, key=lambda tr: tr.user_attrs["utilization"])] if near else []
+    m = {tr.number: measured(tr) for tr in done}
+    near = [tr for tr in done if tr not in chosen and m[tr.number]["throughput"] < t.throughput_floor * top
+            and m[tr.number].get("throughput_hi", 0.0) >= t.throughput_floor * top
+            and m[tr.number]["utilization"] > leader["utilization"]]
+    return [max(near, key=lambda tr: m[tr.number]["utilization"])] if near else []
 
 
 def _may_beat(a: Dict[str, Any], leader: Dict[str, Any], names: Tuple[str, ...] = ("throughput", "utilization")) -> bool:
@@ -372,8 +383,9 @@ def versus_baseline(study: Any, t: TuneConfig) -> Dict[str, Any]:
 
 
 def final_score(trial: Any, t: TuneConfig, top_throughput: float) -> float:
-    """The trial's score against the whole study (the stored value used the best seen so far)."""
-    a = trial.user_attrs
+    """The trial's score against the whole study (the stored value used the best seen so far), on
+    its `measured` figures."""
+    a = measured(trial)
     if t.objective in FIGURE:
         return a.get(FIGURE[t.objective]) or 0.0
     return utilization_score(a["utilization"], a["throughput"], top_throughput, t.throughput_floor)
@@ -407,13 +419,13 @@ def stale_streak(study: Any, t: TuneConfig) -> Tuple[int, Optional[int]]:
             and not (tr.user_attrs.get("interrupted") or not_launched(tr))]
     streak, best = 0, None
     for tr in sorted(done, key=lambda tr: tr.number):
-        a = tr.user_attrs
-        measured = tr.state == optuna.trial.TrialState.COMPLETE and "utilization" in a
-        if measured and (best is None or improves(a, best.user_attrs, t)):
+        a = measured(tr)
+        ran = tr.state == optuna.trial.TrialState.COMPLETE and "utilization" in a
+        if ran and (best is None or improves(a, measured(best), t)):
             streak, best = 0, tr
         else:
             streak += 1
-            top = max(a.get("throughput", 0.0), best.user_attrs["throughput"]) if best is not None else 0.0
-            if measured and final_score(tr, t, top) > final_score(best, t, top):
+            top = max(a.get("throughput", 0.0), measured(best)["throughput"]) if best is not None else 0.0
+            if ran and final_score(tr, t, top) > final_score(best, t, top):
                 best = tr  # ahead within the noise: the bar moves to it, the streak goes on
     return streak, None if best is None else best.number

@@ -118,14 +118,17 @@ def seeds(storage: Any, earlier: Earlier, limit: int = SEEDS) -> List[Dict[str, 
 
 @dataclass
 class Carried:
-    """What a warm start takes from an earlier study: its measured trials (a full match: they join
-    the job model's fit), or its loader's per-item costs (a partial match: the job's loader is the
-    same at another world size or on another machine; the rest of its figures are not this
-    layout's), and what was kept, in words."""
+    """What a warm start takes from an earlier study: its measured trials and confirmed figures (a
+    full match: the trials join the job model's fit, and its measurements of a config the new
+    study measures again are pooled with the new study's, evidence.py), or its loader's per-item
+    costs (a partial match: the job's loader is the same at another world size or on another
+    machine; the rest of its figures are not this layout's), and what was kept, in words."""
 
     trials: List[Any] = field(default_factory=list)
     loader: Dict[str, float] = field(default_factory=dict)
     kept: str = ""
+    source: str = ""  # the earlier study's name (a full match)
+    confirmed: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # its confirmed figures (a full match)
 
 
 def carry(storage: Any, earlier: Earlier) -> Carried:
@@ -137,7 +140,9 @@ def carry(storage: Any, earlier: Earlier) -> Carried:
     done = [tr for tr in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             if tr.user_attrs.get("values")]
     if earlier.match == "full":
-        return Carried(trials=done, kept=f"its {len(done)} measured trials join the job model")
+        return Carried(trials=done, source=earlier.name, confirmed=dict(study.user_attrs.get("confirmed") or {}),
+                       kept=f"its {len(done)} measured trials join the job model, and its measurements of a config "
+                            "measured again are pooled with this study's")
     world = int(study.user_attrs.get("world_size") or 1)
     model = JobModel.fit(runs_of(done, world), world)
     loader = {k: v for k, v in (("load_cpu", model.load_cpu if model else None),
@@ -214,7 +219,7 @@ def at_world(values: Dict[str, Any], old: int, new: int) -> Dict[str, Any]:
 
 
 def _lend(proposals: Any, carried: Carried) -> None:
-    proposals.warm_trials, proposals.warm_loader = carried.trials, carried.loader
+    proposals.warm_trials, proposals.warm_loader, proposals.carried = carried.trials, carried.loader, carried
 
 
 def apply_tuned(cfg: Any, say: Any) -> Any:
