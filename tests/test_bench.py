@@ -98,3 +98,27 @@ def test_the_zoo_default_study_is_scored_against_the_grid_points_that_train_its_
     assert sorted({(b, a) for b, _, a in held_points(ddp, steady)}) == [(8, 2), (16, 1)]  # 2 ranks: 32 in all
     free = SearchSpace(compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false"]))
     assert free.global_batch is None and held_points(free, steady) == steady  # the default with sgd: free
+
+
+def test_bench_warm_keeps_each_seed_and_reads_an_older_entry_as_seed_0(tmp_path, monkeypatch, capsys):
+    """bench_warm's cache by task and seed: a task and seed cached is not run again, another seed
+    adds to it, an entry without seeds (the older form, run with seed 0) reads as seed 0, and the
+    table gives the median and the worst over the seeds."""
+    from bench import bench_warm
+
+    met = {"A_wall_s": 50.0, "D_wall_s": 50.0, "B_warm": {"match": "full"}, "C_warm": {"match": "job"},
+           "B": {"trials": 2, "score": 0.99, "wall_s": 5.0}, "C": {"trials": 1, "score": 1.0, "wall_s": 3.0}}
+    missed = {**met, "B": {"trials": None, "score": None, "wall_s": None}}
+    cache = tmp_path / "bench_warm.json"
+    cache.write_text(json.dumps({"short_epochs": missed}))
+    ran = []
+    monkeypatch.setattr(bench_warm, "one", lambda name, args, tmp: ran.append((name, args.seed)) or met)
+    for seed in (1, 0, 1):
+        monkeypatch.setattr(sys, "argv", ["bench_warm", "--only", "short_epochs", "--seed", str(seed),
+                                          "--cache", str(cache)])
+        assert bench_warm.main() == 1  # seed 0 missed B's target
+    assert ran == [("short_epochs", 1)]  # seed 0 read from the older entry, seed 1 cached after its run
+    assert json.loads(cache.read_text()) == {"short_epochs": {"seeds": {"0": missed, "1": met}}}
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("short_epochs"))
+    assert row.split()[1:] == ["0,1", "50", "/", "50", "2", "/", "never", "10%", "/", "never", "full", "1", "/", "1",
+                               "job", "1", "of", "2"]
