@@ -5,6 +5,7 @@ a new study starts from."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import optuna
 import pytest
@@ -92,6 +93,34 @@ def test_drift_is_said_outside_the_confirmed_interval_only():
     assert slow.endswith("re-tune from that study: python -m orchestrator mode=tune tune.warm_start=s1")
     assert "above" in drift({"throughput": 200.0}, pick, "s1", "CMD")
     assert drift({"throughput": 60.0}, {"figures": {"throughput": 100.0}}, "s1", "CMD") is None  # no interval
+
+
+def test_the_drift_note_stays_in_the_load_report_beside_the_picks_advice(tmp_path):
+    """A rerun of a study's pick writes its drift note, then its advice checked against the study,
+    under its load_report.md: the advice's section (replaced when written again) leaves the drift
+    note's alone."""
+    import json
+
+    from orchestrator.tune.advise import AGAINST, rerun_advice, study_drift
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    study.add_trial(optuna.trial.create_trial(value=0.5, user_attrs={
+        "values": {"data.batch_size": 32}, "throughput": 100.0, "utilization": 0.5}))
+    study.set_user_attr("pick", {"trial": 0, "rule": "r", "figures": {
+        "throughput": 100.0, "throughput_lo": 90.0, "throughput_hi": 110.0}})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").write_text(json.dumps({"diagnosis": {"verdict": "input-bound", "advice": ["a note"],
+                                                               "moves": []}}))
+    (run / "load_report.md").write_text("# Load report\n")
+    note = study_drift(run, {"throughput": 50.0}, "s", storage, "CMD")
+    assert note.startswith("this run's 50.0 samples/s is below")
+    for _ in range(2):
+        assert rerun_advice(run, "s", storage) is not None
+    text = (run / "load_report.md").read_text()
+    assert text.count("## Against the study's figures") == 1 and note in text
+    assert text.count(f"\n{AGAINST}\n") == 1 and "- a note" in text
 
 
 def test_a_partial_match_carries_the_loaders_per_item_costs_into_the_job_model(tmp_path):
@@ -254,3 +283,99 @@ def test_a_partial_match_pools_nothing(make_cfg, tmp_path):
     study, tuner = _warm_study(f"sqlite:///{tmp_path}/optuna.db", make_cfg, "job", "throughput")
     assert not any("pooled" in tr.user_attrs for tr in study.trials) and tuner.said == []
     assert best_trials(study, tuner.t)[0].number == 1  # Q, on its single measurement
+
+
+@pytest.mark.slow  # two studies of one trial each: 36 s on a busy 2-core host
+def test_a_warm_start_with_the_global_batch_free_runs_the_picks_at_the_new_studys_learning_rate(make_cfg, tmp_path):
+    """tune.global_batch=free with SGD: the first study's pick trains another global batch than its
+    base (64 where the base is 32) at the rate its rule gave (linear: 2 x 0.1). A second study of the
+    job with another rate and rule (0.05, sqrt) runs that pick at the rate its own rule gives from
+    its own base, not at the first study's."""
+    from orchestrator.tune.study import run_study
+
+    from .test_tune import SHORT
+
+    common = [*SHORT, f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.global_batch=free", "trainer.optimizer=sgd",
+              "data.batch_size=32", "tune.baseline=false", "tune.space.batch_size.type=categorical",
+              "tune.space.batch_size.choices=[64]", "tune.space.num_workers.high=0",
+              "tune.space.accumulation_steps.high=1", "tune.n_trials=1"]
+    first = run_study(make_cfg(*common, "trainer.lr=0.1", "tune.lr_scaling=linear"), tmp_path / "a", echo=False)
+    assert first["pick_values"]["data.batch_size"] == 64 and first["pick_values"]["trainer.lr"] == pytest.approx(0.2)
+    second = run_study(make_cfg(*common, "trainer.lr=0.05", "tune.lr_scaling=sqrt"), tmp_path / "b", echo=False)
+    assert second["warm_start"]["from"] == first["study_name"] and second["warm_start"]["match"] == "full"
+    carried = optuna.load_study(study_name=second["study_name"], storage=second["storage"]).trials[0]
+    assert carried.user_attrs["warm_from"] == first["study_name"] and carried.user_attrs["global_batch"] == 64
+    assert carried.user_attrs["lr"] == pytest.approx(0.05 * 2 ** 0.5)  # the second study's rule, from its rate
+    assert second["pick_values"]["trainer.lr"] == pytest.approx(0.05 * 2 ** 0.5)
+
+
+# the simulated storage latency per item (the field that slows a run of the same job)
+LATENCY = "data.read_latency_ms"
+
+
+@pytest.mark.slow  # a study, a plain run and the start of the re-tune, two through the CLI
+def test_a_tuned_run_that_drifts_says_so_and_its_retune_command_starts_warm(make_cfg, tmp_path, mlflow_uri):
+    """A plain run with trainer.tuned=auto of a tuned job now slowed by storage latency (the job's
+    fingerprint unchanged) measures samples/s below the interval the study confirmed its pick at:
+    the console says so with the command that re-tunes, and that command, run as printed where the
+    run was (the project's root), starts a study warm from the old one (stopped once it says so,
+    its run dir removed)."""
+    import contextlib
+    import shlex
+    import shutil
+    import signal
+    import subprocess
+    import threading
+    from pathlib import Path
+
+    from orchestrator.tune.study import run_study
+
+    from .conftest import ROOT, TINY, run_cli
+    from .test_tune import SHORT
+
+    db = f"sqlite:///{tmp_path}/optuna.db"
+    # one config, measured long enough for an interval well above 0 on a busy host
+    study = [*SHORT, f"tune.storage={db}", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[8]",
+             "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1", "tune.n_trials=1",
+             "tune.window_steps=2", "tune.min_measure_s=1.5", "tune.max_measure_s=3"]
+    first = run_study(make_cfg(*study), tmp_path / "study", echo=False)
+    name = first["study_name"]
+    out = run_cli([*TINY, f"tracking.uri={mlflow_uri}", f"tune.storage={db}", "trainer.tuned=auto",
+                   "trainer.max_steps=8", f"{LATENCY}=30", f"hydra.run.dir={tmp_path / 'plain'}"])
+    assert out.returncode == 0, out.stderr
+    drift = [line for line in out.stdout.splitlines() if line.startswith("[tuned] this run's")]
+    assert drift and f"samples/s is below the interval study '{name}' confirmed its pick at" in drift[0], out.stdout
+    assert "Against the study's figures" in (tmp_path / "plain" / "load_report.md").read_text()
+    retune = drift[0].split("re-tune from that study: ", 1)[1]
+    assert f"tune.warm_start={name}" in retune and "mode=tune" in retune and "trainer.tuned" not in retune
+    proc = subprocess.Popen(shlex.split(retune), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    watchdog = threading.Timer(180, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    said = []
+    try:
+        for line in proc.stdout:
+            said.append(line.rstrip())
+            if line.startswith("[tune] warm start from"):
+                break
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the study stops as on ctrl-C: its ranks end with it
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        proc.stdout.close()
+        for line in said:  # its run dir, under the project's outputs/, and the dirs made for it
+            if line.startswith("[orchestrator] run dir: "):
+                run = Path(line.split(": ", 1)[1])
+                shutil.rmtree(run, ignore_errors=True)
+                for parent in run.parents:
+                    if parent == ROOT / "outputs" or not parent.is_relative_to(ROOT / "outputs"):
+                        break
+                    with contextlib.suppress(OSError):  # not empty: another run's
+                        parent.rmdir()
+    assert said and said[-1].startswith(f"[tune] warm start from study '{name}' (the same job, layout and hardware"), \
+        "\n".join(said)

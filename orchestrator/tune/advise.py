@@ -147,7 +147,8 @@ def pick_advice(study: Any, pick: Dict[str, Any], trial_dir: Any, study_name: st
     checked = agree(diagnosis, study, int(pick["trial"]), study_name, pick.get("rule") or "its objective's rule")
     report = trial_dir / "load_report.md"
     if report.exists():
-        text = report.read_text().split(AGAINST, 1)[0].rstrip("\n")
+        # an earlier "Against the study" section replaced; the drift note's own section kept
+        text = report.read_text().split(f"\n{AGAINST}\n", 1)[0].rstrip("\n")
         lines = [f"- {a}" for a in checked["advice"]] or ["- nothing to change within what the study measured"]
         write_atomic(report, f"{text}\n\n{AGAINST}\n\nThis trial is the pick of study '{study_name}'; its advice "
                              "above, checked against the trials the study measured:\n\n" + "\n".join(lines) + "\n")
