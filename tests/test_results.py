@@ -103,7 +103,7 @@ def test_the_stop_rule_the_live_log_and_the_merge_read_the_same_job_window():
     merged = job_windows([rank_result(0), rank_result(1)])
     assert merged == want
     job = merge([rank_result(0), rank_result(1)])
-    assert job.estimate == Estimate.from_dict(estimate_of(want))
+    assert job.estimate == estimate_of(want)
     assert job.estimate.mean == pytest.approx(sum(w.throughput * w.wall_s for w in want) / sum(w.wall_s for w in want))
     assert job.utilization_estimate.mean == pytest.approx(
         sum(w.utilization * w.wall_s for w in want) / sum(w.wall_s for w in want))

@@ -7,12 +7,13 @@ is its result (result.json: JobResult) with the round it was measured in under C
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..app import JobFailed
-from ..measure.results import JobResult
+from ..measure.results import Estimate, JobResult
 from ..measure.stats import combine, disturbed, round_drift, with_run_noise
 from ..rundir import process_tag
 from .goodput import judged, scale_of, study_b
@@ -52,11 +53,11 @@ def combined(runs: Runs, run_noise: float, measured_noise: bool = True) -> Dict[
             if name == "tokens_per_s" and not all(e for _, e in ests):
                 continue  # real tokens/s: batches with an attention_mask only
             rate = name != "utilization"  # a share of the time, not a rate: left as measured
-            est = combine([_scaled(e.as_dict(), 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
-            m[name] = est["mean"]
-            m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
+            est = combine([_scaled(e, 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
+            m[name] = est.mean
+            m[f"{name}_lo"], m[f"{name}_hi"] = est.interval or (None, None)
             if name == "throughput":
-                m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
+                m.update(rel_se=est.rel_se, windows=est.windows, measured_s=est.measured_s)
         if left := sum(n == number for n, _ in out_runs):
             m["left_out"] = left
         if m["throughput"] is not None and m["utilization"] is not None:
@@ -108,12 +109,12 @@ def _disturbed(jobs: Dict[int, List[Tuple[int, JobResult]]]) -> Set[Tuple[int, i
     return disturbed(_rates(jobs))
 
 
-def _scaled(est: Dict[str, Any], factor: float) -> Dict[str, Any]:
-    """An estimate (`Estimate.as_dict`) with its mean and interval times `factor`."""
-    if factor == 1.0 or est.get("mean") is None:
+def _scaled(est: Estimate, factor: float) -> Estimate:
+    """An estimate with its mean and interval times `factor`."""
+    if factor == 1.0 or est.mean is None:
         return est
-    iv = est.get("interval")
-    return {**est, "mean": est["mean"] * factor, "interval": [iv[0] * factor, iv[1] * factor] if iv else None}
+    iv = est.interval
+    return dataclasses.replace(est, mean=est.mean * factor, interval=(iv[0] * factor, iv[1] * factor) if iv else None)
 
 
 class Confirmation:
