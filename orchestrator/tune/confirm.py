@@ -3,7 +3,7 @@ runs, by one tuner process of the study (`Confirmation`, mixed into study.Tuner,
 `cfg`, `t`, `name`, `storage`, `run_dir`, `optuna`, `_launch`, `_stop_if_disk_full`, `_reclaim_orphans`,
 `_say` and `_show`); and the arithmetic of its runs: each candidate's runs combined into one set
 of figures, compared within their rounds, less the runs the host's other load disturbed. A run
-is its result (result.json: JobResult) with the round it was measured in under CONFIRM_ROUND."""
+is its result (JobResult) with the round it was measured in (`ConfirmRun`)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,18 @@ from .space import knob_words
 from .steer import CONFIRM_LONGER, CONFIRM_MAX_ROUNDS, CONFIRM_ROUNDS, WAIT_FOR_TRIALS_S
 from .storage import study_lock
 
-CONFIRM_ROUND = "confirm_round"  # the round a confirmation run's result was measured in
 PRIOR_DOF = 2.0  # measured_run_noise: the weight of tune.run_noise, in degrees of freedom
 
-Runs = Dict[int, List[Dict[str, Any]]]  # trial number -> its confirmation runs' results
+
+@dataclasses.dataclass(frozen=True)
+class ConfirmRun:
+    """A confirmation run: the round it was measured in and its result."""
+
+    round: int
+    job: JobResult
+
+
+Runs = Dict[int, List[ConfirmRun]]  # trial number -> its confirmation runs
 
 
 def combined(runs: Runs, run_noise: float, measured_noise: bool = True) -> Dict[str, Dict[str, Any]]:
@@ -96,7 +104,7 @@ def left_out(runs: Runs) -> Dict[Tuple[int, int], str]:
 
 
 def _round_jobs(runs: Runs) -> Dict[int, List[Tuple[int, JobResult]]]:
-    return {n: [(res[CONFIRM_ROUND], JobResult.from_dict(res)) for res in results] for n, results in runs.items()}
+    return {n: [(run.round, run.job) for run in rs] for n, rs in runs.items()}
 
 
 def _rates(jobs: Dict[int, List[Tuple[int, JobResult]]]) -> Dict[int, Dict[int, float]]:
@@ -167,7 +175,7 @@ class Confirmation:
             return  # nothing to choose between, or already confirmed (a resumed, finished study)
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds "
                   f"(up to {CONFIRM_MAX_ROUNDS} while the pick is within the noise), windows x{CONFIRM_LONGER:g}")
-        runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
+        runs: Runs = {tr.number: [] for tr in top}
         failed: Dict[str, str] = {}  # a candidate whose run failed is out: no more rounds, never the pick
         active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
         for r in range(CONFIRM_MAX_ROUNDS):
@@ -220,11 +228,11 @@ class Confirmation:
         cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER, b_noise=study_b(study))
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
         try:
-            runs[tr.number].append({**self._launch(
+            runs[tr.number].append(ConfirmRun(r, self._launch(
                 cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}",
                 extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
-                run_name=f"confirm trial {tr.number}"), CONFIRM_ROUND: r})
+                run_name=f"confirm trial {tr.number}")))
         except JobFailed as exc:
             self._stop_if_disk_full(exc, f"the confirmation of trial {tr.number}")
             failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]
