@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from .attempts import clear_stale_request, close_dead_attempt, open_attempt
 from .checks import Checked, check_launch, preflight
@@ -32,15 +32,20 @@ from .tracking import Tracker
 
 # check_launch lives in checks.py; tune/study.py imports it from here
 __all__ = ["JobCheckpointed", "JobDiverged", "JobFailed", "JobStopped", "Monitor", "RecordFailed", "check_launch",
-           "print_summary", "run_job"]
+           "print_summary", "run_job", "run_job_result"]
 
 
 class JobFailed(RuntimeError):
-    """A rank raised, the launcher failed or the job timed out; `result` holds what was recorded."""
+    """A rank raised, the launcher failed or the job timed out; `job` holds what was recorded
+    (`result`: as result.json has it)."""
 
-    def __init__(self, message: str, result: Dict[str, Any]) -> None:
+    def __init__(self, message: str, result: Union[JobResult, Mapping[str, Any]]) -> None:
         super().__init__(message)
-        self.result = result
+        self.job = result if isinstance(result, JobResult) else JobResult.from_dict(result)
+
+    @property
+    def result(self) -> Dict[str, Any]:
+        return self.job.to_dict()
 
 
 class RecordFailed(JobFailed):
@@ -63,14 +68,27 @@ class JobCheckpointed(Exception):
     requeue, or None) and the MLflow run is SCHEDULED when the job will be requeued, else KILLED;
     a resume (or the requeued job) reopens it."""
 
-    def __init__(self, result: Dict[str, Any]) -> None:
-        super().__init__(f"checkpointed at step {result.get('checkpointed_at_step')}")
-        self.result = result
+    def __init__(self, result: JobResult) -> None:
+        super().__init__(f"checkpointed at step {result.checkpointed_at_step}")
+        self.job = result
+
+    @property
+    def result(self) -> Dict[str, Any]:
+        return self.job.to_dict()
 
 
 def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
             monitor: Optional[Monitor] = None, run_name: Optional[str] = None, ranks: Optional[Ranks] = None,
             tracker: Optional[Tracker] = None, plots: bool = True) -> Dict[str, Any]:
+    """run_job_result's result as result.json has it (JobResult.to_dict): what the CLI, the
+    benchmarks and the tests read."""
+    return run_job_result(cfg, run_dir, echo=echo, extra_tags=extra_tags, monitor=monitor, run_name=run_name,
+                          ranks=ranks, tracker=tracker, plots=plots).to_dict()
+
+
+def run_job_result(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Optional[Dict[str, str]] = None,
+                   monitor: Optional[Monitor] = None, run_name: Optional[str] = None, ranks: Optional[Ranks] = None,
+                   tracker: Optional[Tracker] = None, plots: bool = True) -> JobResult:
     """Launch the job described by `cfg`, supervise it, merge and record its measured load.
 
     The tuner passes what a trial needs on top: a `monitor` of its windows (the pruner), kept-alive
@@ -90,7 +108,7 @@ def run_job(cfg: Config, run_dir: Path, *, echo: bool = True, extra_tags: Option
 
 
 def _run_owned(checked: Checked, owner: RunOwner, *, echo: bool, extra_tags: Optional[Dict[str, str]],
-               monitor: Optional[Monitor], run_name: Optional[str], ranks: Optional[Ranks], plots: bool) -> Dict[str, Any]:
+               monitor: Optional[Monitor], run_name: Optional[str], ranks: Optional[Ranks], plots: bool) -> JobResult:
     """run_job once its job is checked, in a run dir this process owns: what a dead owner left is
     closed first, the attempt opened, the ranks watched, and the result recorded whatever happens."""
     cfg, run_dir, tracker = checked.cfg, checked.run_dir, checked.tracker
@@ -101,8 +119,8 @@ def _run_owned(checked: Checked, owner: RunOwner, *, echo: bool, extra_tags: Opt
     _say_notes(cfg, launch, echo)
     cfg_path = write_atomic(config_path(run_dir), to_yaml(cfg))
     run_id = _start_run(checked, launch.world_size, extra_tags, run_name)
-    result = JobResult(status=Status.RUNNING, backend=cfg.backend.name.value,
-                       extra={"mlflow_run_id": run_id, "run_dir": str(run_dir), "mlflow": tracker.where()}).to_dict()
+    result = JobResult(status=Status.RUNNING, backend=cfg.backend.name.value)
+    result.mlflow_run_id, result.run_dir, result.mlflow = run_id, str(run_dir), tracker.where()
     status = Status.FAILED
     report_files: List[Path] = []
     t0 = time.monotonic()
@@ -116,17 +134,17 @@ def _run_owned(checked: Checked, owner: RunOwner, *, echo: bool, extra_tags: Opt
         _raise_unless_finished(status, why, outcome, result)
     except RecordError as exc:  # a full disk while writing the job's records
         status = Status.FAILED
-        result["error"] = str(exc)
+        result.error = str(exc)
         raise RecordFailed(str(exc), result) from None
     except KeyboardInterrupt:
         status = Status.KILLED
-        result["error"] = "interrupted"
+        result.error = "interrupted"
         raise
     finally:
         checkpoint_request_path(run_dir).unlink(missing_ok=True)  # the parent's request was for this attempt
         out = result_path(run_dir)
         unwritten = write_result(out, result, status)
-        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), result["status"],
+        tracker.record(result, [cfg_path, *report_files, out], ranks_dir(run_dir), result.status or status,
                        end_as=mlflow_status(result))
         if unwritten is not None and status == Status.FINISHED:  # else the job's own failure is on its way
             raise RecordFailed(str(unwritten), result)
@@ -151,18 +169,18 @@ def _watch(checked: Checked, launch: Launch, echo: bool, monitor: Optional[Monit
             progress.stop()
 
 
-def _raise_unless_finished(status: str, why: str, outcome: Outcome, result: Dict[str, Any]) -> None:
+def _raise_unless_finished(status: str, why: str, outcome: Outcome, result: JobResult) -> None:
     """The exception for each way a job ends other than FINISHED, its reason in `result`."""
     if status == Status.CHECKPOINTED:
         raise JobCheckpointed(result)
     if status == Status.KILLED:
-        result["error"] = why
+        result.error = why
         raise JobStopped("stopped", result)
     if status == Status.DIVERGED:
-        result["error"] = why
+        result.error = why
         raise JobDiverged(why, result)
     if status == Status.FAILED:
-        result["error"] = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
+        result.error = why if outcome.error.strip() in why else f"{why}\n{outcome.error}".strip()
         raise JobFailed(why, result)
 
 

@@ -6,45 +6,45 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from . import load_report, slurm
-from .measure.results import RankResult
+from .measure.results import JobResult, RankResult
 from .merge import load_rank_results, merge
 from .rundir import DIVERGED_AT, RecordError, Status, write_json
 from .schema import Config
 from .supervise import TRACEBACK_IN, Outcome, traceback_line
 
 
-def settle(result: Dict[str, Any], outcome: Outcome, run_dir: Path, cfg: Config, expected: int,
+def settle(result: JobResult, outcome: Outcome, run_dir: Path, cfg: Config, expected: int,
            t0: float) -> Tuple[str, str, List[RankResult]]:
     """Merge the ranks' results into `result` and set its status: (status, why, the rank results).
     `expected`: the ranks that should have reported; `t0`: the job's start (time.monotonic)."""
     rank_results = load_rank_results(run_dir)
-    result.update(merge(rank_results).to_dict())
-    result["wall_s"] = time.monotonic() - t0
+    result.absorb(merge(rank_results))
+    result.wall_s = time.monotonic() - t0
     status, why = classify(outcome, len(rank_results), expected, cfg.trainer.timeout_s)
-    if status == Status.FINISHED and result.get("stopped_by") == "checkpoint_signal":
+    if status == Status.FINISHED and result.stopped_by == "checkpoint_signal":
         status = Status.CHECKPOINTED  # every rank stopped at the checkpoint the signal asked for
-        result["checkpointed_at_step"] = result.get("steps")
-        result["requeue"] = slurm.requeue_target()  # the SLURM job, when SLURM can run it again
-    result["status"] = status  # before the load report, which records it
+        result.checkpointed_at_step = result.steps
+        result.requeue = slurm.requeue_target()  # the SLURM job, when SLURM can run it again
+    result.status = status  # before the load report, which records it
     return status, why, rank_results
 
 
-def add_load_report(result: Dict[str, Any], cfg: Config, rank_results: List[RankResult], run_dir: Path, plots: bool,
+def add_load_report(result: JobResult, cfg: Config, rank_results: List[RankResult], run_dir: Path, plots: bool,
                     files: List[Path]) -> None:
     """A job that measured steps gets its load report (its files are added to `files`) and the
     report's diagnosis, bottleneck and straggler in `result`."""
-    if not result.get("measured_steps"):
+    if not result.measured_steps:
         return
-    report, written = load_report.write(result, cfg, [r.to_dict() for r in rank_results], run_dir, plots=plots)
+    report, written = load_report.write(result, cfg, rank_results, run_dir, plots=plots)
     files.extend(written)
-    if result.get("loader_autotune"):
-        files.append(load_report.write_loader_override(result["loader_autotune"], run_dir))
-    result["diagnosis"] = report["diagnosis"]
-    result["bottleneck"] = report["diagnosis"]["verdict"]
-    result["straggler"] = report["straggler"]
+    if result.loader_autotune:
+        files.append(load_report.write_loader_override(result.loader_autotune, run_dir))
+    result.diagnosis = report["diagnosis"]
+    result.bottleneck = report["diagnosis"]["verdict"]
+    result.straggler = report["straggler"]
 
 
 def classify(outcome: Outcome, reported: int, expected: int, timeout_s: float) -> tuple[str, str]:
@@ -77,24 +77,25 @@ def _rank_failure(rank: int, said: str) -> tuple[str, str]:
     return Status.FAILED, f"rank {rank} failed"
 
 
-def mlflow_status(result: Dict[str, Any]) -> str:
+def mlflow_status(result: JobResult) -> str:
     """The MLflow word for the job's status: a checkpointed job is SCHEDULED when SLURM runs it
     again (requeued), else KILLED (stopped; a resume reopens it either way)."""
-    if result["status"] == Status.CHECKPOINTED:
-        return "SCHEDULED" if result.get("requeue") else Status.KILLED.value
-    if result["status"] == Status.DIVERGED:
+    if result.status == Status.CHECKPOINTED:
+        return "SCHEDULED" if result.requeue else Status.KILLED.value
+    if result.status == Status.DIVERGED:
         return Status.FAILED.value
-    return str(result["status"])
+    return str(result.status)
 
 
-def write_result(out: Path, result: Dict[str, Any], status: str) -> Optional[RecordError]:
-    """result.json, written atomically; when it cannot be (a full disk), the job ends FAILED (an
-    interrupted one stays KILLED) with the write error added to its own, which is returned."""
-    result["status"] = status
+def write_result(out: Path, result: JobResult, status: str) -> Optional[RecordError]:
+    """result.json (the record's one JSON form, JobResult.to_dict), written atomically; when it
+    cannot be (a full disk), the job ends FAILED (an interrupted one stays KILLED) with the write
+    error added to its own, which is returned."""
+    result.status = status
     try:
-        write_json(out, result, indent=2)
+        write_json(out, result.to_dict(), indent=2)
         return None
     except RecordError as exc:
-        result["status"] = Status.KILLED if status == Status.KILLED else Status.FAILED
-        result["error"] = "\n".join(filter(None, [result.get("error"), str(exc)]))
+        result.status = Status.KILLED if status == Status.KILLED else Status.FAILED
+        result.error = "\n".join(filter(None, [result.error, str(exc)]))
         return exc

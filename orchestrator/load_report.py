@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 from .diagnose import diagnose, straggler_note
 from .runtime.autotune import LoaderSettings
 from .measure.phases import PHASES
+from .measure.results import JobResult, RankResult
 from .rundir import report_paths, write_atomic, write_json
 from .schema import Config
 
@@ -18,38 +19,41 @@ from .schema import Config
 SHARE_TOLERANCE = 0.01
 
 
-def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]]) -> Dict[str, Any]:
-    balance = result.get("balance") or {}
+def build(result: JobResult, cfg: Config, rank_results: List[RankResult]) -> Dict[str, Any]:
+    """load_report.json: the job's figures, each measured rank's, the diagnosis (diagnose.py reads
+    the job's figures as result.json has them) and the parts the run's hooks reported."""
+    balance = result.balance or {}
     per_rank = []
     for r in rank_results:
-        if not r.get("measured_steps"):
+        if not r.measured_steps:
             continue
         per_rank.append({
-            "rank": r["rank"], "host": r.get("host"), "device": r.get("device"),
-            "utilization": r["utilization"], "utilization_source": r["utilization_source"],
-            "throughput": r["throughput"], "step_time_s": r["step_time_s"],
-            "phase_s": r["phase_s"],
-            "shares": {p: r[f"{p}_frac" if p != "data" else "data_wait_frac"] for p in PHASES},
+            "rank": r.rank, "host": r.get("host"), "device": r.get("device"),
+            "utilization": r.utilization, "utilization_source": r.utilization_source,
+            "throughput": r.throughput, "step_time_s": r.step_time_s,
+            "phase_s": r.phase_s,
+            "shares": {p: getattr(r, f"{p}_frac" if p != "data" else "data_wait_frac") for p in PHASES},
             "peak_mem_mb": r.get("peak_mem_mb"), "reserved_mem_mb": r.get("reserved_mem_mb"),
             "device_mem_mb": r.get("device_mem_mb"), "mem_source": r.get("mem_source"),
             "memory_summary": r.get("memory_summary"), "mfu": r.get("mfu"), "mfu_source": r.get("mfu_source"),
             "nvml_util": r.get("nvml_util"), "sm_active": r.get("sm_active"),
             # parallelism.balance=speed: this rank's share of the global batch, its own-work samples/s
-            "share": balance["shares"][r["rank"]] if balance else None,
-            "speed": balance["speeds"][r["rank"]] if balance.get("speeds") else None,
+            "share": balance["shares"][r.rank] if balance else None,
+            "speed": balance["speeds"][r.rank] if balance.get("speeds") else None,
         })
     device_mem = min((r["device_mem_mb"] for r in per_rank if r.get("device_mem_mb")), default=None)
-    tuned = result.get("loader_autotune")
+    tuned = result.loader_autotune
     if tuned:  # the advice is about the settings the run ended with
         cfg = dataclasses.replace(cfg, data=LoaderSettings(**tuned["final"]).data(cfg.data))
-    diag = diagnose(result, cfg, device_mem).as_dict()
+    figures = result.to_dict()
+    diag = diagnose(figures, cfg, device_mem).as_dict()
     phase_sum = {r["rank"]: sum(r["phase_s"].values()) for r in per_rank}
     report: Dict[str, Any] = {
-        "status": result.get("status"),
-        "backend": cfg.backend.name.value, "world_size": result.get("world_size"),
+        "status": result.status,
+        "backend": cfg.backend.name.value, "world_size": result.world_size,
         "diagnosis": diag,
-        "straggler": straggler_note(result),
-        "imbalance": result.get("imbalance"),
+        "straggler": straggler_note(figures),
+        "imbalance": result.imbalance,
         "balance": balance or None,
         "job": {k: result.get(k) for k in ("utilization", "utilization_source", "throughput", "step_time_s",
                                             "data_wait_frac", "h2d_frac", "compute_frac", "comm_frac",
@@ -59,21 +63,21 @@ def build(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]
         "per_rank": per_rank,
         "share_check": {"tolerance": SHARE_TOLERANCE,
                         "phase_sum_over_step_time": {r["rank"]: phase_sum[r["rank"]] / r["step_time_s"] for r in per_rank}},
-        "profile": next((r["profile"] for r in rank_results if r.get("profile") and r["rank"] == 0), None),
+        "profile": next((r.get("profile") for r in rank_results if r.get("profile") and r.rank == 0), None),
         "loader_autotune": tuned,
         "validation": validation(result),
-        "noise_scale": result.get("noise_scale"),
+        "noise_scale": result.noise_scale.as_dict() if result.noise_scale else None,
     }
     return report
 
 
-def validation(result: Dict[str, Any]) -> Any:
+def validation(result: JobResult) -> Any:
     """The evaluations' part of the run (runtime/evaluate.py): their time, its share of the loop's
     wall time (kept out of the measured windows), the last validation loss; None without them."""
-    if not result.get("evals"):
+    if not result.evals:
         return None
-    return {"evals": len(result["evals"]), "eval_s": result.get("eval_s"), "eval_frac": result.get("eval_frac"),
-            "val_loss": result.get("val_loss"), "val_metrics": result.get("val_metrics")}
+    return {"evals": len(result.evals), "eval_s": result.eval_s, "eval_frac": result.eval_frac,
+            "val_loss": result.val_loss, "val_metrics": result.val_metrics}
 
 
 def validation_line(v: Dict[str, Any]) -> str:
@@ -239,26 +243,26 @@ def balance_line(b: Dict[str, Any]) -> str:
     return line
 
 
-def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
+def make_plots(rank_results: List[RankResult], out_dir: Path) -> List[Path]:
     """Utilization and data-wait timeline per rank; stacked step-time breakdown per rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ranks = [r for r in rank_results if r.get("windows_detail")]
+    ranks = [r for r in rank_results if r.windows_detail]
     if not ranks:
         return []
     made = []
     fig, ax = plt.subplots(figsize=(9, 4))
     for r in ranks:
-        wins = r["windows_detail"]
-        t0 = wins[0]["t_start"]
-        xs = [w["t_end"] - t0 for w in wins]
-        total = [sum(w["phases_s"].values()) or 1.0 for w in wins]
-        ax.plot(xs, [100 * w["utilization"] for w in wins], marker="o", label=f"rank {r['rank']} utilization")
-        ax.plot(xs, [100 * w["phases_s"]["data"] / tot for w, tot in zip(wins, total)], linestyle="--",
-                marker="x", label=f"rank {r['rank']} data wait")
+        wins = r.windows_detail
+        t0 = wins[0].t_start
+        xs = [w.t_end - t0 for w in wins]
+        total = [sum(w.phases_s.values()) or 1.0 for w in wins]
+        ax.plot(xs, [100 * w.utilization for w in wins], marker="o", label=f"rank {r.rank} utilization")
+        ax.plot(xs, [100 * w.phases_s["data"] / tot for w, tot in zip(wins, total)], linestyle="--",
+                marker="x", label=f"rank {r.rank} data wait")
     ax.set_xlabel("seconds since the first step (window ends; warmup windows included)")
     ax.set_ylabel("% of window")
     ax.set_ylim(0, 100)
@@ -272,9 +276,9 @@ def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
 
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(ranks) + 3), 4))
     bottom = [0.0] * len(ranks)
-    labels = [f"rank {r['rank']}" for r in ranks]
+    labels = [f"rank {r.rank}" for r in ranks]
     for phase in PHASES:
-        vals = [1000 * r["phase_s"][phase] for r in ranks]
+        vals = [1000 * r.phase_s[phase] for r in ranks]  # type: ignore[index]
         ax.bar(labels, vals, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("ms per step (over the measured time)")
@@ -288,7 +292,7 @@ def make_plots(rank_results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
     return made
 
 
-def write(result: Dict[str, Any], cfg: Config, rank_results: List[Dict[str, Any]], run_dir: Path,
+def write(result: JobResult, cfg: Config, rank_results: List[RankResult], run_dir: Path,
           plots: bool = True) -> tuple:
     """Writes the report files (and, with `plots`, the PNGs); returns (report, [paths])."""
     report = build(result, cfg, rank_results)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .diagnose import STRAGGLER_SPREAD
-from .measure.results import PER_RANK_FIELDS, Estimate, JobResult, NoiseScale, RankResult, WindowFigures, job_window
+from .measure.results import PER_RANK_FIELDS, JobResult, NoiseScale, RankResult, WindowFigures, job_window
 from .measure.stats import MIN_WINDOWS, estimate_of
 from .rundir import ranks_dir
 
@@ -41,7 +41,7 @@ def merge(ranks: List[RankResult]) -> JobResult:
     # slowest rank's; the ranks synchronise); the study's time breakdown reads them
     noise = first.get("noise_scale")  # the same on every rank: the ranks' norms are averaged in the run
     job.noise_scale = NoiseScale.from_dict(noise) if noise else None
-    job.extra["time_s"] = {"train": max(float(r.get("wall_s") or 0.0) for r in ranks),
+    job.time_s = {"train": max(float(r.get("wall_s") or 0.0) for r in ranks),
                            "setup": max(float(r.get("setup_s") or 0.0) for r in ranks),
                            "warmup": max(sum(w.wall_s for w in r.windows_detail if w.warmup) for r in ranks)}
     measured = [r for r in ranks if r.measured_steps]
@@ -61,11 +61,11 @@ def merge(ranks: List[RankResult]) -> JobResult:
     job.extra.update(input_cost=_input_cost(measured), warmup_excluded=all(r.get("warmup_excluded") for r in measured),
                      **_device_figures(measured))
     windows = job_windows(measured)
-    job.estimate = Estimate.from_dict(estimate_of(windows))  # the throughput's mean over windows, its interval
-    job.utilization_estimate = Estimate.from_dict(estimate_of(windows, "utilization"))
+    job.estimate = estimate_of(windows)  # the throughput's mean over windows, its interval
+    job.utilization_estimate = estimate_of(windows, "utilization")
     if job.tokens_per_s is not None and windows and all(w.tokens_per_s is not None for w in windows):
-        job.tokens_estimate = Estimate.from_dict(estimate_of(windows, "tokens_per_s"))  # real tokens/s (objective=tokens)
-    job.imbalance = _imbalance(measured, job.extra.get("balance"))
+        job.tokens_estimate = estimate_of(windows, "tokens_per_s")  # real tokens/s (objective=tokens)
+    job.imbalance = _imbalance(measured, job.balance)
     return job
 
 

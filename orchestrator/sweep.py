@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .measure.results import JobResult
 from .progress import console
 from .rundir import RecordError, Status, read_json, result_path, write_json
 
@@ -18,15 +19,16 @@ COLUMNS = ("world_size", "utilization", "throughput", "data_wait_frac", "comm_fr
 
 
 def collect(sweep_dir: Path) -> List[Dict[str, Any]]:
+    """The sweep table's rows (sweep_summary.json): each job's overrides and its result's COLUMNS."""
     rows = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: (len(p.name), p.name)):
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         if not overrides_file.exists():
             continue
-        result = read_json(result_path(job_dir), {"status": Status.NOT_RUN})
+        job = JobResult.from_dict(read_json(result_path(job_dir), {"status": Status.NOT_RUN}))
         rows.append({"job": job_dir.name, "overrides": " ".join(OmegaConf.load(overrides_file)),
-                     **{k: result.get(k) for k in ("status", "mlflow_run_id", *COLUMNS)},
-                     "error": (result.get("error") or "").strip().splitlines()[:1]})
+                     **{k: job.get(k) for k in ("status", "mlflow_run_id", *COLUMNS)},
+                     "error": (job.error or "").strip().splitlines()[:1]})
     return rows
 
 

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
+from .measure.results import JobResult
 from .rundir import describe_process, process_gone
 from .schema import ConfigError, TrackingConfig
 from .stores import PROJECT, redact, resolve_uri, sqlite_path, store_error, store_lock
@@ -86,13 +87,15 @@ def runs_url(base: str, experiment_id: str) -> str:
            "&workflowType=machine_learning"
 
 
-def noise_metrics(result: Dict[str, Any]) -> List[tuple]:
+def noise_metrics(result: JobResult) -> List[tuple]:
     """The gradient noise scale's MLflow metrics: `noise_scale` (B_simple), its interval's ends
     (`noise_scale_lo`, `noise_scale_hi`) and the run's second half's (`noise_scale_late`), where measured."""
-    noise, step = result.get("noise_scale") or {}, result.get("steps", 0)
-    return [(name, noise[key], step) for name, key in (("noise_scale", "b_simple"), ("noise_scale_lo", "lo"),
-                                                       ("noise_scale_hi", "hi"), ("noise_scale_late", "b_late"))
-            if noise.get(key) is not None]
+    noise, step = result.noise_scale, result.steps or 0
+    if noise is None:
+        return []
+    return [(name, getattr(noise, key), step) for name, key in (("noise_scale", "b_simple"), ("noise_scale_lo", "lo"),
+                                                                ("noise_scale_hi", "hi"), ("noise_scale_late", "b_late"))
+            if getattr(noise, key) is not None]
 
 
 class Tracker:
@@ -346,29 +349,29 @@ class Tracker:
         if self.run_id and path.exists():
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
-    def record(self, result: Dict[str, Any], files: List[Path], ranks_dir: Path, status: str,
+    def record(self, result: JobResult, files: List[Path], ranks_dir: Path, status: str,
                end_as: Optional[str] = None) -> None:
         """A finished job's record: summary metrics, tags, the files and the ranks' traces and
         tracebacks as artifacts; then the run ends with `status` (tag `status`), or with MLflow's
         word `end_as` where the status is none of MLflow's (CHECKPOINTED). Tracking trouble is
         printed, never raised: the job's outcome matters more."""
         try:
-            self.log_metrics(with_percent([(f"final/{k}" if k in ("final_loss", "first_loss") else k, result[k],
-                                            result.get("steps", 0)) for k in SUMMARY_METRICS
-                                           if isinstance(result.get(k), (int, float)) and not math.isnan(result[k])]))
+            figures = {k: v for k in SUMMARY_METRICS if isinstance(v := result.get(k), (int, float)) and not math.isnan(v)}
+            self.log_metrics(with_percent([(f"final/{k}" if k in ("final_loss", "first_loss") else k, v,
+                                            result.steps or 0) for k, v in figures.items()]))
             self.log_metrics(noise_metrics(result))
             tags = {"status": str(status)}
-            if result.get("utilization_source"):
-                tags["utilization_source"] = result["utilization_source"]
-            if result.get("per_rank"):
-                tags["device"] = result["per_rank"][0].get("device")
-                tags["bottleneck"] = result.get("bottleneck", "-")
-            noise = result.get("noise_scale")
+            if result.utilization_source:
+                tags["utilization_source"] = result.utilization_source
+            if result.per_rank:
+                tags["device"] = result.per_rank[0].get("device")
+                tags["bottleneck"] = result.bottleneck or "-"
+            noise = result.noise_scale
             if noise:  # how it was measured: method, the two batch sizes, the steps estimated
-                tags["noise_scale_method"] = (f"{noise['method']} ({noise['batch_small']} vs {noise['batch_big']} "
-                                              f"samples, {noise['n']} steps)")
-            if result.get("diagnosis"):
-                tags["diagnosis"] = tags["verdict"] = result["diagnosis"]["verdict"]
+                tags["noise_scale_method"] = (f"{noise.method} ({noise.batch_small} vs {noise.batch_big} "
+                                              f"samples, {noise.n} steps)")
+            if result.diagnosis:
+                tags["diagnosis"] = tags["verdict"] = result.diagnosis["verdict"]
             self.set_tags(tags)
             for path in files:
                 self.log_artifact(path)

@@ -3,12 +3,14 @@ that keeps a pick predicted slower to the user's target, and the held global bat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from orchestrator.measure.results import NoiseScale
 from orchestrator.schema import ConfigError, LrScaling, Objective
 from orchestrator.tune import goodput, launch as launch_mod
 from orchestrator.tune.goodput import efficiency, guard, pooled_noise, scaled_lr, time_to_target, warmup_steps
@@ -153,17 +155,18 @@ def _faked_runs(monkeypatch, b):
     and samples/s of 1,000 at batch 8 and 3,000 at batch 128 (+-5%): the study's decisions rest on
     a premise the machine's load cannot move (a first trial in fresh processes can read 60x
     slower than a later one of 16x its batch)."""
-    real = launch_mod.run_job
+    real = launch_mod.run_job_result
 
-    def run_job(cfg, run_dir, **kwargs):
+    def run_job_result(cfg, run_dir, **kwargs):
         result = real(cfg, run_dir, **kwargs)
-        result["noise_scale"] = {"b_simple": b, "lo": b / 2, "hi": b * 2, "g2": 1.0, "trace_sigma": b, "n": 10,
-                                 "method": "faked", "batch_small": 8, "batch_big": 64}
+        result.noise_scale = NoiseScale(b_simple=b, lo=b / 2, hi=b * 2, g2=1.0, trace_sigma=b, n=10, method="faked",
+                                        batch_small=8, batch_big=64)
         rate = 3000.0 if cfg.data.batch_size == 128 else 1000.0
-        result["estimate"] = {**result["estimate"], "mean": rate, "rel_se": 0.02, "interval": [0.95 * rate, 1.05 * rate]}
+        result.estimate = dataclasses.replace(result.estimate, mean=rate, rel_se=0.02,
+                                              interval=(0.95 * rate, 1.05 * rate))
         return result
 
-    monkeypatch.setattr(launch_mod, "run_job", run_job)
+    monkeypatch.setattr(launch_mod, "run_job_result", run_job_result)
 
 
 def _study_cfg(make_cfg, tmp_path, *extra):

@@ -145,9 +145,9 @@ def test_estimate_and_stop_rule():
     from orchestrator.measure.stats import StopRule, estimate
 
     e = estimate([100.0, 110.0, 90.0, 100.0])
-    assert e["mean"] == pytest.approx(100.0) and e["windows"] == 4
-    assert e["rel_se"] == pytest.approx(8.165 / 2 / 100, rel=1e-3)
-    lo, hi = e["interval"]
+    assert e.mean == pytest.approx(100.0) and e.windows == 4
+    assert e.rel_se == pytest.approx(8.165 / 2 / 100, rel=1e-3)
+    lo, hi = e.interval
     assert lo < 100 < hi and hi - 100 == pytest.approx(100 - lo)
     rule = StopRule(rel_precision=0.05, min_s=1.0, max_s=10.0)
     assert [rule.add(t, 0.3) for t in (100, 101, 99, 100)] == [None, None, None, "precision"]  # 4 windows, 1.2 s
@@ -157,14 +157,14 @@ def test_estimate_and_stop_rule():
     assert [few.add(t, 0.1) for t in (110, 90, 100, 100)][-1] == "precision"  # 8 windows: +-6.8%
     # weighted by wall time: all samples / all time (300/s for 1 s and 100/s for 3 s -> 150/s)
     w = estimate([300.0, 100.0], 4.0, weights=[1.0, 3.0])
-    assert w["mean"] == pytest.approx(150.0) and estimate([300.0, 100.0])["mean"] == pytest.approx(200.0)
+    assert w.mean == pytest.approx(150.0) and estimate([300.0, 100.0]).mean == pytest.approx(200.0)
     noisy = StopRule(rel_precision=0.01, min_s=0.0, max_s=1.0)
     assert [noisy.add(t, 0.3) for t in (50, 150, 60, 140)][-1] == "max_measure_s"
     # one window longer than the cap (a loader round of a large batch) is not the end: a second
     # gives the figure a spread, so it has an interval and cannot pass for exact
     long = StopRule(rel_precision=0.05, min_s=1.0, max_s=2.0)
     assert [long.add(t, 7.0) for t in (100, 130)] == [None, "max_measure_s"]
-    assert estimate(long.throughputs, weights=long.walls)["interval"] is not None
+    assert estimate(long.throughputs, weights=long.walls).interval is not None
 
 
 def test_windows_span_whole_rounds_of_a_bursty_loader():
@@ -467,7 +467,7 @@ def test_the_interval_uses_students_t_at_every_window_count():
     def half(n: int) -> float:
         values = [1.0 + (-1) ** i * 0.1 for i in range(n)]
         est = estimate(values)
-        return (est["interval"][1] - est["mean"]) / (est["rel_se"] * est["mean"])
+        return (est.interval[1] - est.mean) / (est.rel_se * est.mean)
 
     assert half(5) == pytest.approx(2.776, abs=1e-3)
     assert half(32) == pytest.approx(2.040, abs=1e-3)
@@ -522,18 +522,19 @@ def test_a_run_far_under_its_configs_other_runs_is_the_disturbed_one():
 def test_runs_of_one_config_combine_as_runs_not_as_windows():
     """The confirmation's runs of a config: each run counts once, a disturbed one (slow, so it measured
     longest) neither outweighs the others nor narrows the interval, and from 3 runs it is outvoted."""
+    from orchestrator.measure.results import Estimate
     from orchestrator.measure.stats import combine
 
     def run(mean, windows, measured_s):
-        return {"mean": mean, "rel_se": 0.03, "windows": windows, "measured_s": measured_s}
+        return Estimate(mean=mean, rel_se=0.03, windows=windows, measured_s=measured_s)
 
     steady, disturbed = [run(1617.0, 5, 0.9), run(1650.0, 5, 0.8)], run(855.0, 12, 2.4)
     two = combine([steady[0], disturbed])
-    assert two["mean"] == pytest.approx((1617 + 855) / 2)  # not pulled toward the run with more windows
-    assert two["interval"][1] > 1617  # the pair's spread, not its 17 windows: the leader may still be this config
+    assert two.mean == pytest.approx((1617 + 855) / 2)  # not pulled toward the run with more windows
+    assert two.interval[1] > 1617  # the pair's spread, not its 17 windows: the leader may still be this config
     three = combine([*steady, disturbed])
-    assert three["mean"] == 1617.0 and three["windows"] == 22 and three["measured_s"] == pytest.approx(4.1)
-    assert combine([steady[0]])["mean"] == 1617.0
+    assert three.mean == 1617.0 and three.windows == 22 and three.measured_s == pytest.approx(4.1)
+    assert combine([steady[0]]).mean == 1617.0
 
 
 def test_nothing_is_imported_inside_a_ranks_measured_span():

@@ -125,7 +125,7 @@ def test_noise_scale_record_round_trips_in_the_job_result():
                        "b_late", "late_from"]
     job = JobResult.from_dict({"status": "FINISHED", "noise_scale": d})
     assert job.noise_scale == ns and job.to_dict()["noise_scale"] == d
-    assert noise_metrics({"noise_scale": d, "steps": 3}) == [("noise_scale", 100.0, 3), ("noise_scale_lo", 50.0, 3),
+    assert noise_metrics(JobResult(noise_scale=ns, steps=3)) == [("noise_scale", 100.0, 3), ("noise_scale_lo", 50.0, 3),
                                                              ("noise_scale_hi", 200.0, 3),
                                                              ("noise_scale_late", 150.0, 3)]
 

@@ -108,6 +108,25 @@ def test_the_floors_hold():
 
 
 
+def test_the_rank_side_takes_the_typed_run():
+    """The loop's state (runtime/state.py: Run = RunParts, built once, + LoopState, where the loop
+    is) is what the step, the hooks, the evaluation and the noise probe take: no `run: Any`."""
+    import ast
+    import dataclasses
+
+    from orchestrator.runtime.state import LoopState, Run, RunParts
+
+    untyped = []
+    for path in sorted((ROOT / "orchestrator" / "runtime").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and node.arg == "run" and ast.unparse(node.annotation or ast.Name("Any")) == "Any":
+                untyped.append(f"{path.name}:{node.lineno}")
+    assert not untyped
+    built, moving = {f.name for f in dataclasses.fields(RunParts)}, {f.name for f in dataclasses.fields(LoopState)}
+    assert {"model", "optimizer", "loader", "cfg", "adapter", "meter"} <= built and {"step", "epoch", "b"} <= moving
+    assert not built & moving and {f.name for f in dataclasses.fields(Run)} == built | moving
+
+
 def test_the_tuner_is_parts_a_reader_can_hold():
     """orchestrator/tune/: no class over 300 lines and no function over 60 (DEVELOPERS.md); MLflow
     written only through tracking.Tracker (no tracker's `client` reached into); Optuna's private

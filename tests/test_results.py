@@ -103,7 +103,7 @@ def test_the_stop_rule_the_live_log_and_the_merge_read_the_same_job_window():
     merged = job_windows([rank_result(0), rank_result(1)])
     assert merged == want
     job = merge([rank_result(0), rank_result(1)])
-    assert job.estimate == Estimate.from_dict(estimate_of(want))
+    assert job.estimate == estimate_of(want)
     assert job.estimate.mean == pytest.approx(sum(w.throughput * w.wall_s for w in want) / sum(w.wall_s for w in want))
     assert job.utilization_estimate.mean == pytest.approx(
         sum(w.utilization * w.wall_s for w in want) / sum(w.wall_s for w in want))
@@ -167,3 +167,21 @@ def test_records_written_before_typed_results_still_load(tmp_path):
 
     failed = {"status": "FAILED", "run_dir": "/x", "mlflow_run_id": None, "error": "its process died"}
     assert JobResult.from_dict(failed).to_dict() == {"schema_version": SCHEMA_VERSION, **failed}
+
+
+def test_the_parents_record_is_typed_and_written_as_result_json_always_was():
+    """The parent's part of result.json (JobResult's Kept attributes): set as attributes, kept in the
+    order set, a null it set written as null; the merged figures absorbed between them and the rest."""
+    from orchestrator.rundir import Status
+
+    job = JobResult(status=Status.RUNNING, backend="ddp")
+    job.mlflow_run_id, job.run_dir, job.mlflow = None, "/x", None
+    job.absorb(JobResult(world_size=2, steps=5, measured_steps=4, throughput=10.0, extra={"final_loss": 1.5}))
+    job.wall_s, job.straggler = 2.0, None
+    out = job.to_dict()
+    assert list(out)[:6] == ["schema_version", "status", "backend", "mlflow_run_id", "run_dir", "mlflow"]
+    assert out["mlflow_run_id"] is None and "straggler" in out and out["straggler"] is None
+    assert out["world_size"] == 2 and out["throughput"] == 10.0 and out["utilization"] is None  # measured: null kept
+    assert list(out)[-3:] == ["final_loss", "wall_s", "straggler"]
+    back = JobResult.from_dict(out)
+    assert back.run_dir == "/x" and back.wall_s == 2.0 and back.to_dict() == out

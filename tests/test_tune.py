@@ -14,6 +14,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
+from orchestrator.measure.results import JobResult
 from orchestrator.schema import ConfigError
 from orchestrator.tune.rules import counted, utilization_score
 from orchestrator.tune.space import SearchSpace
@@ -920,11 +921,11 @@ def test_a_batch_the_measured_memory_puts_over_the_limit_is_not_launched(make_cf
     assert first_over([(128, mem(300.0))]) is None  # nothing grows with the batch
     result = {"per_rank": [{"peak_mem_mb": 495.0, "start_mem_mb": 310.0, "model_state_mb": 2.2, "device_mem_mb": 850.0},
                            {"peak_mem_mb": 400.0, "start_mem_mb": 300.0, "model_state_mb": 2.2, "device_mem_mb": 850.0}]}
-    assert memory_record(result) == mem(495.0)  # the rank with the largest peak
-    assert memory_record(result, workers=2) is None  # on CPU its peak holds the workers' memory too
-    on_gpu = {"per_rank": [{**r, "mem_source": "cuda-allocator"} for r in result["per_rank"]]}
+    assert memory_record(result["per_rank"]) == mem(495.0)  # the rank with the largest peak
+    assert memory_record(result["per_rank"], workers=2) is None  # on CPU its peak holds the workers' memory too
+    on_gpu = [{**r, "mem_source": "cuda-allocator"} for r in result["per_rank"]]
     assert memory_record(on_gpu, workers=2) == mem(495.0)  # the allocator's peak is the rank's own
-    assert memory_record({"per_rank": [{"peak_mem_mb": 495.0, "model_state_mb": 2.2}]}) is None  # an older result
+    assert memory_record([{"peak_mem_mb": 495.0, "model_state_mb": 2.2}]) is None  # an older result
 
     cfg = make_cfg("mode=tune", "tune.global_batch=free",
                    "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[64,128,256,512]",
@@ -978,15 +979,14 @@ def test_confirmation_runs_are_compared_within_their_rounds():
     them (rounds past the planned ones measure only those still in contest): on its runs' median
     the leader (1,000/s) would read 850/s, under the runner-up's 950/s, measured only in the fast
     rounds. Within rounds the leader stays ahead by its 5%."""
-    from orchestrator.tune.confirm import CONFIRM_ROUND, combined
+    from orchestrator.measure.results import Estimate
+    from orchestrator.tune.confirm import ConfirmRun, combined
 
     pace = {0: 1.0, 1: 1.0, 2: 0.7, 3: 0.7}
 
     def result(thr, r):
-        return {"estimate": {"mean": thr, "rel_se": 0.02, "interval": [0.96 * thr, 1.04 * thr], "windows": 6,
-                             "measured_s": 1.0},
-                "utilization_estimate": {"mean": 0.5, "rel_se": 0.01, "interval": [0.49, 0.51], "windows": 6,
-                                         "measured_s": 1.0}, CONFIRM_ROUND: r}
+        return ConfirmRun(r, JobResult(estimate=Estimate(thr, 0.02, (0.96 * thr, 1.04 * thr), 6, 1.0),
+                                       utilization_estimate=Estimate(0.5, 0.01, (0.49, 0.51), 6, 1.0)))
 
     runs = {0: [result(1000.0 * pace[r], r) for r in range(4)], 1: [result(950.0, r) for r in range(2)],
             2: [result(900.0 * pace[r], r) for r in range(4)]}
@@ -1016,7 +1016,7 @@ def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monk
     spared, and the pick would be b64 w8 a1 (utilization 0.039 in steady state, b16 w8 a2's
     0.109). Left out, every config keeps up and the busiest is the pick; the study says which runs."""
     from orchestrator.tune import report
-    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job
+    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job_result
     from orchestrator.tune.rules import best_trials, confirmed
     from orchestrator.tune.study import Tuner
 
@@ -1037,7 +1037,7 @@ def test_a_confirmation_run_the_host_slowed_is_left_out(make_cfg, tmp_path, monk
         thr, util = {64: (1430.0, 0.04), 16: (1420.0, 0.11)}[cfg.data.batch_size]
         return {"estimate": measured(thr, 0.01), "utilization_estimate": measured(util, 0.02)}
 
-    monkeypatch.setattr(launch_module, "run_job", run_job)
+    monkeypatch.setattr(launch_module, "run_job_result", lambda *a, **kw: JobResult.from_dict(run_job(*a, **kw)))
     tuner._confirm(study, None)
     assert confirmed(study)["1"]["left_out"] == 1 and "left_out" not in confirmed(study)["0"]
     assert confirmed(study)["1"]["throughput"] == pytest.approx(1420.0)
@@ -1054,7 +1054,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
     never the pick though its trial led, and the summary says why."""
     from orchestrator.app import JobFailed
     from orchestrator.tune import report
-    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job
+    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job_result
     from orchestrator.tune.rules import best_trials, confirmed, failed_confirmation
     from orchestrator.tune.study import Tuner
 
@@ -1075,7 +1075,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
         thr = {64: 1000.0, 128: 900.0}[cfg.data.batch_size]
         return {"estimate": measured(thr, 10.0), "utilization_estimate": measured(0.9, 0.01)}
 
-    monkeypatch.setattr(launch_module, "run_job", run_job)
+    monkeypatch.setattr(launch_module, "run_job_result", lambda *a, **kw: JobResult.from_dict(run_job(*a, **kw)))
     tuner._confirm(study, None)
     assert runs.count(256) == 1 and runs.count(64) >= 2  # no second round for the one that failed
     assert set(confirmed(study)) == {"0", "2"} and failed_confirmation(study)["1"].startswith("out of memory")
@@ -1085,7 +1085,7 @@ def test_a_config_whose_confirmation_fails_is_not_the_pick(make_cfg, tmp_path, m
                                    storage="sqlite:///x.db", overrides=[], echo=True)
     assert summary["confirm_failed"]["1"].startswith("out of memory") and summary["best"]["number"] == 0
     # every candidate failing in its first round ends the confirmation, with none confirmed
-    monkeypatch.setattr(launch_module, "run_job", lambda cfg, run_dir, **kw: (_ for _ in ()).throw(JobFailed("crash", {})))
+    monkeypatch.setattr(launch_module, "run_job_result", lambda cfg, run_dir, **kw: (_ for _ in ()).throw(JobFailed("crash", {})))
     study.set_user_attr("confirmed", {})
     study.set_user_attr("confirm_failed", {})
     tuner._confirm(study, None)

@@ -10,7 +10,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator.measure.results import RankResult
+from orchestrator.measure.results import JobResult, RankResult
 from orchestrator.merge import merge
 from orchestrator.schema import ConfigError, Objective, TuneConfig
 from orchestrator.tune.report import write_outputs
@@ -100,7 +100,7 @@ def test_the_pruner_and_the_confirmation_read_real_tokens(make_cfg, tmp_path, mo
     """A trial fast in samples/s whose windows move far fewer real tokens than the best trial's
     interval is pruned on its tokens, with the reason in those words; confirmation runs combine
     their real tokens/s estimates."""
-    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job
+    from orchestrator.tune import launch as launch_module  # the tuner launches its runs through launch.run_job_result
     from orchestrator.tune.study import Tuner
 
     cfg = make_cfg(*SEQ, "mode=tune", "tune.objective=tokens", "tune.pruner=interval", "tune.confirm_top=3",
@@ -128,7 +128,7 @@ def test_the_pruner_and_the_confirmation_read_real_tokens(make_cfg, tmp_path, mo
         return {"estimate": measured(1000.0, 10.0), "utilization_estimate": measured(0.5, 0.01),
                 "tokens_estimate": measured(44000.0 if keep == 32 else 42500.0, 100.0)}
 
-    monkeypatch.setattr(launch_module, "run_job", run_job)
+    monkeypatch.setattr(launch_module, "run_job_result", lambda *a, **kw: JobResult.from_dict(run_job(*a, **kw)))
     tuner._confirm(study, None)
     # trials 1 and 2 (trial 0 cannot win on tokens), 4 rounds: 44,000 and 42,500 real tokens/s are
     # within the noise of whole runs (tune.run_noise) after 2; with it off, 2 rounds settle them

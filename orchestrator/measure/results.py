@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar, overload
 
 # 1: typed results. A file without `schema_version` (0) was written before them, with the same keys.
 SCHEMA_VERSION = 1
@@ -54,6 +54,29 @@ class _Record:
         """A key of the JSON record, typed or not (`default` when absent or null)."""
         v = getattr(self, key) if key in {f.name for f in fields(self)} else self.extra.get(key)  # type: ignore
         return default if v is None else v
+
+
+T = TypeVar("T")
+
+
+class Kept(Generic[T]):
+    """A key of a record's `extra` read and set as a typed attribute (`job.error = ...`): kept in
+    `extra` as written, so that a null set stays null in the file and the keys keep the order they
+    were set in, as the files have always had them."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = name
+
+    @overload
+    def __get__(self, obj: None, owner: Optional[type] = None) -> "Kept[T]": ...
+    @overload
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> T: ...
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else obj.extra.get(self.key)
+
+    def __set__(self, obj: Any, value: T) -> None:
+        obj.extra[self.key] = value
 
 
 # -- windows --------------------------------------------------------------------------------------
@@ -359,3 +382,41 @@ class JobResult(_Record):
     # (figure, its estimate's field): the figures a trial and its confirmation runs keep with intervals
     ESTIMATES: ClassVar[Tuple[Tuple[str, str], ...]] = (
         ("throughput", "estimate"), ("utilization", "utilization_estimate"), ("tokens_per_s", "tokens_estimate"))
+
+    # the parent's part (app, finish): where the job ran and is tracked, how it ended
+    mlflow_run_id = Kept[Optional[str]]()
+    run_dir = Kept[Optional[str]]()
+    mlflow = Kept[Optional[str]]()  # where to see the run (Tracker.where)
+    wall_s = Kept[Optional[float]]()  # the job's, launch to merge
+    error = Kept[Optional[str]]()
+    checkpointed_at_step = Kept[Optional[int]]()
+    requeue = Kept[Optional[str]]()  # the SLURM job to requeue, or None
+    diagnosis = Kept[Optional[Dict[str, Any]]]()  # the load report's (diagnose.Diagnosis.as_dict)
+    bottleneck = Kept[Optional[str]]()
+    straggler = Kept[Optional[str]]()
+    # what the ranks report alike, that the parent and the tuner read (merge copies rank 0's)
+    stopped_by = Kept[Optional[str]]()
+    loader_autotune = Kept[Optional[Dict[str, Any]]]()
+    balance = Kept[Optional[Dict[str, Any]]]()
+    time_s = Kept[Optional[Dict[str, float]]]()  # the ranks' loops: train, setup, warmup seconds
+    mfu = Kept[Optional[float]]()
+    mfu_source = Kept[Optional[str]]()
+    input_cost = Kept[Optional[Dict[str, Any]]]()
+    item_bytes = Kept[Optional[float]]()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """As result.json has always had it: where the job runs and is tracked right after its
+        status and backend (written first, when the job started), then the figures."""
+        out = super().to_dict()
+        lead = [k for k in ("schema_version", "status", "backend", "mlflow_run_id", "run_dir", "mlflow") if k in out]
+        return {**{k: out[k] for k in lead}, **out}
+
+    def absorb(self, merged: "JobResult") -> None:
+        """The ranks' merged result (merge.merge) into this record of the job: every figure it
+        has, and its untyped keys after the parent's own; the parent's status and backend stay."""
+        for f in fields(self):
+            value = getattr(merged, f.name)
+            if f.name == "extra":
+                self.extra.update(value)
+            elif value is not None:
+                setattr(self, f.name, value)

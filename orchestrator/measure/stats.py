@@ -6,11 +6,14 @@ the ranks' results, balance, the loader autotune and the tuner all read their fi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
+
+from .results import Estimate
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,10 +25,10 @@ def t95(dof: int) -> float:
     return float(stdtrit(dof, 0.975))
 
 
-def estimate(values: List[float], measured_s: float = 0.0, weights: Optional[List[float]] = None) -> Dict[str, Any]:
-    """A figure (throughput, utilization) estimated from its value per window: their `mean`, its
-    relative standard error (`rel_se`, what `StopRule` holds to trainer.rel_precision), a 95%
-    `interval`, the `windows` used and their `measured_s`.
+def estimate(values: List[float], measured_s: float = 0.0, weights: Optional[List[float]] = None) -> Estimate:
+    """A figure (throughput, utilization) estimated from its value per window (measure.results.Estimate):
+    their `mean`, its relative standard error (`rel_se`, what `StopRule` holds to trainer.rel_precision),
+    a 95% `interval`, the `windows` used and their `measured_s`.
 
     With `weights` (the windows' wall times) the mean is weighted by them: for throughput that is
     all samples / all measured time, the figure a long run delivers. The plain mean of per-window
@@ -44,46 +47,45 @@ def estimate(values: List[float], measured_s: float = 0.0, weights: Optional[Lis
     return _estimate(n, mean, sd, measured_s)
 
 
-def _estimate(n: int, mean: float, sd: float, measured_s: float) -> Dict[str, Any]:
+def _estimate(n: int, mean: float, sd: float, measured_s: float) -> Estimate:
     if n == 0:
-        return {"mean": None, "rel_se": None, "interval": None, "windows": 0, "measured_s": measured_s}
+        return Estimate(windows=0, measured_s=measured_s)
     if n == 1 or mean <= 0:
-        return {"mean": mean, "rel_se": None, "interval": None, "windows": n, "measured_s": measured_s}
+        return Estimate(mean=mean, windows=n, measured_s=measured_s)
     se = sd / math.sqrt(n)
     half = t95(n - 1) * se
-    return {"mean": mean, "rel_se": se / mean, "interval": [mean - half, mean + half], "windows": n,
-            "measured_s": measured_s}
+    return Estimate(mean=mean, rel_se=se / mean, interval=(mean - half, mean + half), windows=n, measured_s=measured_s)
 
 
-def estimate_of(windows: List[Any], key: str = "throughput") -> Dict[str, Any]:
+def estimate_of(windows: List[Any], key: str = "throughput") -> Estimate:
     """`estimate` of `key` over full measured windows (Window objects or their dicts); partial
     ones only when there is nothing else."""
     get = (lambda w, k: w[k]) if windows and isinstance(windows[0], dict) else getattr
     full = [w for w in windows if not get(w, "warmup") and not get(w, "partial")]
     full = full or [w for w in windows if not get(w, "warmup")]
     walls = [get(w, "wall_s") for w in full]
-    return estimate([get(w, key) for w in full], sum(walls), walls)
+    return estimate([get(w, key) for w in full], float(sum(walls)), walls)
 
 
-def combine(estimates: List[Dict[str, Any]]) -> Dict[str, Any]:
+def combine(estimates: List[Estimate]) -> Estimate:
     """One `estimate` of a config from several runs of it (the confirmation's re-measurements),
     each run one observation, weighted alike: the runs' mean, from 3 runs their median; its
     standard error the larger of the runs' own (their windows') and the spread between the runs'
     means. Runs are not weighted by their windows: a slow, disturbed run measures until its time
     cap and so has the most windows, and would pull the mean toward it in a narrow interval."""
-    parts = [e for e in estimates if e.get("windows") and e.get("mean") is not None]
-    windows, measured_s = sum(e["windows"] for e in parts), sum(e["measured_s"] for e in parts)
+    parts = [e for e in estimates if e.windows and e.mean is not None]
+    windows, measured_s = sum(e.windows for e in parts), sum(e.measured_s for e in parts)
     if not parts:
         return _estimate(0, 0.0, 0.0, measured_s)
     if len(parts) == 1:
-        return {**parts[0], "measured_s": measured_s}
-    k, means = len(parts), [e["mean"] for e in parts]
-    mean = statistics.median(means) if k >= 3 else statistics.fmean(means)
-    within = math.sqrt(sum(((e.get("rel_se") or 0.0) * e["mean"]) ** 2 for e in parts)) / k
+        return dataclasses.replace(parts[0], measured_s=measured_s)
+    k, means = len(parts), [e.mean for e in parts]
+    mean = statistics.median(means) if k >= 3 else statistics.fmean(means)  # type: ignore[type-var,arg-type]
+    within = math.sqrt(sum(((e.rel_se or 0.0) * m) ** 2 for e, m in zip(parts, means))) / k
     se = max(within, statistics.stdev(means) / math.sqrt(k))
     half = Z95 * se
-    return {"mean": mean, "rel_se": se / mean if mean > 0 else None,
-            "interval": [mean - half, mean + half] if mean > 0 else None, "windows": windows, "measured_s": measured_s}
+    return Estimate(mean=mean, rel_se=se / mean if mean > 0 else None,
+                    interval=(mean - half, mean + half) if mean > 0 else None, windows=windows, measured_s=measured_s)
 
 
 def round_drift(runs: Dict[Any, Dict[int, float]], sweeps: int = 100) -> Dict[int, float]:
@@ -201,6 +203,6 @@ class StopRule:
             self.reason = "max_measure_s"
         elif len(self.throughputs) >= MIN_WINDOWS and self.measured_s >= self.min_s:
             est = estimate(self.throughputs, weights=self.walls)
-            if est["interval"] is not None and est["interval"][1] - est["mean"] <= Z95 * self.rel_precision * est["mean"]:
+            if est.interval is not None and est.interval[1] - est.mean <= Z95 * self.rel_precision * est.mean:  # type: ignore[operator]
                 self.reason = "precision"
         return self.reason

@@ -36,6 +36,7 @@ from ..costs import handoff_s
 from ..diagnose import INPUT_BOUND, Handoff, diagnose
 from ..rundir import LoaderEvent
 from ..schema import Config, DataConfig
+from ..measure.results import Estimate
 from ..measure.stats import MIN_WINDOWS, estimate
 
 NEAR_ZERO_WAIT = 0.02  # input wait share below which workers are idle
@@ -88,13 +89,13 @@ class Trial:
     previous: LoaderSettings
     candidate: LoaderSettings
     kind: str  # up | down
-    base: Dict[str, Any]  # the estimate of the throughput before
+    base: Estimate  # the throughput's before
     reason: str
 
 
-def _half_width(est: Dict[str, Any]) -> float:
+def _half_width(est: Estimate) -> float:
     """Half the 95% interval of an estimate (infinite with too few windows to know the spread)."""
-    return (est["interval"][1] - est["mean"]) if est.get("interval") else math.inf
+    return (est.interval[1] - est.mean) if est.interval and est.mean is not None else math.inf
 
 
 def current_memory_mb() -> tuple:
@@ -216,7 +217,7 @@ class LoaderTuner:
         else:
             return None
         self.trial = Trial(self.settings, candidate, kind, base, reason)
-        self.record(step, "try", candidate, self.settings, reason, throughput_before=base["mean"])
+        self.record(step, "try", candidate, self.settings, reason, throughput_before=base.mean)
         return candidate
 
     def _regime(self) -> List[float]:
@@ -258,7 +259,7 @@ class LoaderTuner:
         kept when its gain passes the noise, a step down when its loss does not."""
         got = estimate(self.throughputs[-TRIAL_WINDOWS:])
         noise = math.hypot(_half_width(trial.base), _half_width(got))
-        before, after = trial.base["mean"], got["mean"]
+        before, after = trial.base.mean, got.mean
         gain = after - before
         keep = gain > noise if trial.kind == "up" else gain >= -noise
         why = {(True, True): "throughput rose by more than the noise",
@@ -279,7 +280,7 @@ class LoaderTuner:
         if n >= MIN_WINDOWS:
             keep, before, after, noise, said = self._verdict(trial)
         else:
-            keep, before, after, noise = False, trial.base["mean"], None, None
+            keep, before, after, noise = False, trial.base.mean, None, None
             said = f"too few windows to judge: {n} measured window{'s' if n != 1 else ''} at it, fewer than {MIN_WINDOWS}"
         self.trial = None
         ended = f"the run ended during the trial: {said}"

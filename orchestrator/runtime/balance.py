@@ -208,7 +208,7 @@ class Balancer:
         if len(pooled) < MIN_WINDOWS:
             return False
         tol = self.tolerance
-        intervals = [estimate([x["drift"][i] for x in pooled])["interval"] for i in range(w)]
+        intervals = [estimate([x["drift"][i] for x in pooled]).interval for i in range(w)]
         drifted = [i for i, iv in enumerate(intervals) if iv and (iv[0] > 1 + tol or iv[1] < 1 - tol)]
         new = split(g, self.speeds)
         if not drifted or new == sizes:

@@ -41,7 +41,7 @@ from ..schema import Config, ConfigError, Mode, import_target
 from .batch import Feed, to_device
 from .data import LatencyDataset, collate_fn
 from .dist import Adapter
-from .hooks import Hook
+from .state import Hook, Run
 
 __all__ = ["HOLDOUT_SEED", "EvalHook", "Evaluator", "eval_hook", "held_out", "validation_sets"]
 
@@ -160,16 +160,16 @@ class EvalHook(Hook):
         self.samples0 = 0  # a resumed run's samples before its checkpoint (full batches assumed)
         self.reached: Optional[Dict[str, Any]] = None
 
-    def start(self, run: Any) -> None:
+    def start(self, run: Run) -> None:
         d, t = run.cfg.data, run.cfg.trainer
         self.samples0 = run.step * d.batch_size * t.accumulation_steps * run.adapter.world_size
 
-    def samples(self, run: Any) -> float:
+    def samples(self, run: Run) -> float:
         """Global samples trained so far (the ranks' own counts summed)."""
         return self.samples0 + (run.adapter.all_reduce_sum([float(run.samples)])[0] if run.adapter.world_size > 1
                                 else run.samples)
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         if run.stop:  # stopped at this step by another rule: the end's evaluation follows (finish)
             return False
         if self.evaluator is None:
@@ -179,12 +179,12 @@ class EvalHook(Hook):
             return True
         return False
 
-    def finish(self, run: Any) -> None:
+    def finish(self, run: Run) -> None:
         if self.evaluator is not None and run.stopped_by != "checkpoint_signal" and (
                 not self.evals or self.evals[-1]["step"] != run.step):
             self.evaluate(run, final=True)
 
-    def evaluate(self, run: Any, final: bool = False) -> None:
+    def evaluate(self, run: Run, final: bool = False) -> None:
         """One evaluation; the meter paused meanwhile, and warmed up again after it when the loader's
         workers refilled their queue (not at the end: nothing is measured after it)."""
         meter = run.meter
@@ -210,7 +210,7 @@ class EvalHook(Hook):
                                        metrics={k[4:]: v for k, v in figures.items() if k.startswith("val/")}))
         self._check(run, figures["val_loss"], record)
 
-    def _train_target(self, run: Any) -> bool:
+    def _train_target(self, run: Run) -> bool:
         """trainer.target_loss without validation: the training loss over the last log interval
         (the Stepper sums every step's loss meanwhile: run.loss_sum), averaged over the ranks."""
         if not (run.loss_steps and (run.step % self.log_every == 0 or run.step == run.total)):
@@ -223,7 +223,7 @@ class EvalHook(Hook):
         self._check(run, mean, {"step": run.step, "wall_s": time.perf_counter() - run.t_start})
         return True
 
-    def _check(self, run: Any, loss: float, record: Dict[str, Any]) -> None:
+    def _check(self, run: Run, loss: float, record: Dict[str, Any]) -> None:
         if self.target is None or self.reached is not None or not loss <= self.target:
             return
         samples = record["samples"] if "samples" in record else self.samples(run)
@@ -231,7 +231,7 @@ class EvalHook(Hook):
         if run.step < run.total:
             run.stop, run.stopped_by = True, "target_loss"
 
-    def summary(self, run: Any, out: Dict[str, Any]) -> None:
+    def summary(self, run: Run, out: Dict[str, Any]) -> None:
         wall = time.perf_counter() - run.t_start
         if self.evals:
             last = self.evals[-1]
@@ -247,7 +247,7 @@ class EvalHook(Hook):
                        target_step=reached["step"] if reached else None)
 
 
-def eval_hook(run: Any) -> Optional[EvalHook]:
+def eval_hook(run: Run) -> Optional[EvalHook]:
     """The run's EvalHook, or None: no validation set and no target loss, or a study's trial
     (mode=tune: its runs measure the config, and an evaluation would be measured as its cost)."""
     cfg = run.cfg

@@ -2,7 +2,7 @@
 profiler, balance by speed, checkpoints, the storage-latency jump, the loader autotune and the
 learning-rate warmup.
 
-A hook sees the run's state (`loop.Run`: step, epoch, batch in the epoch, loader, meter, events)
+A hook sees the run's state (`state.Run`: step, epoch, batch in the epoch, loader, meter, events)
 and overrides only the points it needs; the loop calls a point only on the hooks that override
 it, so a run with none of these features pays nothing per step:
 
@@ -33,40 +33,8 @@ from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer
 from .data import item_bytes
 from .dist import Adapter, unwrap
+from .state import Hook, Run
 from .step import Diverged
-
-
-class Hook:
-    """A point the loop calls does nothing unless a hook overrides it (see the module's doc)."""
-
-    def before_step(self, run: Any) -> None:
-        pass
-
-    def after_step(self, run: Any) -> bool:
-        return False
-
-    def on_window(self, run: Any, win: Any) -> bool:
-        return False
-
-    def on_figures(self, run: Any, win: Any, figures: Any) -> None:
-        pass
-
-    def start(self, run: Any) -> None:
-        pass
-
-    def finish(self, run: Any) -> None:
-        pass
-
-    def close(self, run: Any) -> None:
-        pass
-
-    def summary(self, run: Any, out: Dict[str, Any]) -> None:
-        pass
-
-
-def overriding(hooks: List[Hook], point: str) -> List[Hook]:
-    """The hooks that override `point` (the loop calls no empty method on its hot path)."""
-    return [h for h in hooks if getattr(type(h), point) is not getattr(Hook, point)]
 
 
 class ProfilerHook(Hook):
@@ -77,14 +45,14 @@ class ProfilerHook(Hook):
     def __init__(self, profiler: "Profiler", start: int, n: int) -> None:
         self.profiler, self.start, self.n = profiler, start, n
 
-    def before_step(self, run: Any) -> None:
+    def before_step(self, run: Run) -> None:
         if self.profiler.at_step(run.step, self.start, self.n):
             run.meter.rewarm("profiler")
 
-    def close(self, run: Any) -> None:
+    def close(self, run: Run) -> None:
         self.profiler.stop()
 
-    def summary(self, run: Any, out: Dict[str, Any]) -> None:
+    def summary(self, run: Run, out: Dict[str, Any]) -> None:
         out["profile"] = {"steps": self.n, "trace": str(self.profiler.trace_path), "top_ops": self.profiler.top_ops}
 
 
@@ -95,11 +63,11 @@ class BalanceHook(Hook):
     def __init__(self, balancer: Balancer) -> None:
         self.balancer = balancer
 
-    def write_shares(self, run: Any) -> None:
+    def write_shares(self, run: Run) -> None:
         if run.adapter.rank == 0:  # the same on every rank; the parent logs rank<R>/share
             run.events.write(BalanceEvent(type="balance", step=run.step, shares=self.balancer.shares))
 
-    def on_window(self, run: Any, win: Any) -> bool:
+    def on_window(self, run: Run, win: Any) -> bool:
         # the run's step (the meter counts from this process's start, a resume's too)
         if self.balancer.on_window(win.wall_s, win.phases_s["comm"], win.samples, win.steps, run.step):
             self.write_shares(run)
@@ -107,10 +75,10 @@ class BalanceHook(Hook):
             return True
         return False
 
-    def start(self, run: Any) -> None:
+    def start(self, run: Run) -> None:
         self.write_shares(run)
 
-    def summary(self, run: Any, out: Dict[str, Any]) -> None:
+    def summary(self, run: Run, out: Dict[str, Any]) -> None:
         out["balance"] = self.balancer.summary()
 
 
@@ -121,17 +89,17 @@ class CheckpointHook(Hook):
     def __init__(self, ckpt_dir: Path, every: int, mlflow_run_id: Optional[str], start_step: int) -> None:
         self.ckpt_dir, self.every, self.mlflow_run_id, self.start_step = ckpt_dir, every, mlflow_run_id, start_step
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         if run.step % self.every == 0 and run.checkpointed != run.step:
             self.save(run)
             return True
         return False
 
-    def finish(self, run: Any) -> None:
+    def finish(self, run: Run) -> None:
         if run.step % self.every != 0 and run.step > self.start_step and run.checkpointed != run.step:
             self.save(run)
 
-    def save(self, run: Any) -> None:
+    def save(self, run: Run) -> None:
         # the loss is checked on logged steps only: weights that diverged in between are never
         # written, so a resume always finds the last finite checkpoint (rotation keeps the newest)
         adapter, step = run.adapter, run.step
@@ -175,7 +143,7 @@ class SignalCheckpointHook(Hook):
     def __init__(self, saver: Optional[CheckpointHook], request: Optional[Path], every: int) -> None:
         self.saver, self.request, self.every = saver, request, every  # request: rank 0 reads the parent's file
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         if run.step >= run.total:
             return False
         looks = run.step % self.every == 0
@@ -201,7 +169,7 @@ class LatencyJumpHook(Hook):
     def __init__(self, at: int, after_ms: float) -> None:
         self.at, self.after_ms = at, after_ms
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         if run.step == self.at:
             run.dataset.set_latency(self.after_ms)
         return False
@@ -214,10 +182,10 @@ class LoaderAutotuneHook(Hook):
     def __init__(self, tuner: LoaderTuner, every: int) -> None:
         self.tuner, self.every = tuner, every
 
-    def on_figures(self, run: Any, win: Any, figures: Any) -> None:
+    def on_figures(self, run: Run, win: Any, figures: Any) -> None:
         self.tuner.add(figures.throughput, win.phases_s, win.steps)
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         if run.stop or run.step % self.every != 0 or run.step >= run.total:
             return False
         new = self.tuner.at_step(run.step)
@@ -225,7 +193,7 @@ class LoaderAutotuneHook(Hook):
             run.change_loader(new)
         return True
 
-    def summary(self, run: Any, out: Dict[str, Any]) -> None:
+    def summary(self, run: Run, out: Dict[str, Any]) -> None:
         if run.adapter.rank == 0:
             self.tuner.finish(run.step)  # the last try: kept or reverted, never left open
             out["loader_autotune"] = self.tuner.summary()
@@ -317,14 +285,14 @@ class LrWarmupHook(Hook):
         self.lr, self.steps = lr, steps
         self.scheduler: Optional[torch.optim.lr_scheduler.LambdaLR] = None
 
-    def start(self, run: Any) -> None:
+    def start(self, run: Run) -> None:
         for group in run.optimizer.param_groups:
             group["initial_lr"] = self.lr
         n = self.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: min(1.0, (s + 1) / n),
                                                            last_epoch=run.step - 1)
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         if self.scheduler is not None and self.scheduler.last_epoch < self.steps:  # past the ramp: the rate stays
             self.scheduler.step()
         return False

@@ -11,7 +11,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -24,25 +24,25 @@ from torch.utils.data import DataLoader, Dataset
 from .. import checkpoint
 from ..measure.plan import loader_queue, loader_round
 from ..measure.phases import OTHER
-from ..measure.results import Window, WindowFigures, job_window
+from ..measure.results import Window
 from ..measure.stats import StopRule
-from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent, checkpoint_request_path
+from ..rundir import LogEvent, ResumeEvent, StartEvent, checkpoint_request_path
 from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
-from .autotune import LoaderSettings, LoaderTuner
 from .balance import Balancer, ShareSampler
-from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, end_workers, epoch_iterator, item_bytes,
-                   loader_config, reset_latency, steps_per_epoch, switch_loader)
+from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, end_workers, item_bytes, loader_config,
+                   reset_latency, steps_per_epoch)
 from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
 from .evaluate import eval_hook, validation_sets
-from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, LrWarmupHook, Profiler,
-                    ProfilerHook, SignalCheckpointHook, loader_tuner, overriding)
+from .hooks import (BalanceHook, CheckpointHook, LatencyJumpHook, LoaderAutotuneHook, LrWarmupHook, Profiler, ProfilerHook,
+                    SignalCheckpointHook, loader_tuner)
 from .meter import StepMeter, model_state_mb
 from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
+from .state import SPAN_EPOCHS_OF_CAP, EventLog, Hook, Run, overriding
 from .step import Stepper, check_loss
 
-__all__ = ["EventLog", "TrainResult", "build_dataset", "build_loader", "build_model", "check_model", "loss_fn",
+__all__ = ["SPAN_EPOCHS_OF_CAP", "EventLog", "Run", "TrainResult", "build_dataset", "build_loader", "build_model", "check_model", "loss_fn",
            "seed_everything", "train"]
 
 
@@ -121,21 +121,6 @@ def amp_settings(cfg: Config, device: torch.device) -> tuple[bool, torch.dtype, 
     return True, dtype, scaler
 
 
-class EventLog:
-    """JSON lines the parent tails: progress, logged points, windows. One file per rank."""
-
-    def __init__(self, path: Optional[Path]) -> None:
-        self._f = open(path, "a", buffering=1) if path else None
-
-    def write(self, event: Event) -> None:
-        if self._f:
-            self._f.write(json.dumps(event) + "\n")
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
-
-
 def param_digest(model: nn.Module) -> str:
     """sha256 of every parameter's bytes: replicas in sync have equal digests. Sharded (DTensor)
     ones are gathered one at a time (a collective: every rank calls this)."""
@@ -162,159 +147,6 @@ class TrainResult:
     meter: Dict[str, Any]
     windows: List[Window]  # warmup windows first
     setup_s: float = 0.0  # before the loop: data loader, model, optimizer, hooks (a resume's checkpoint)
-
-
-@dataclass(eq=False)
-class Run:
-    """What the loop, its step and its hooks share: the built pieces and where the run is."""
-
-    cfg: Config
-    adapter: Adapter
-    events: EventLog
-    dataset: Dataset
-    loader: DataLoader
-    model: nn.Module
-    base_optimizer: torch.optim.Optimizer
-    optimizer: torch.optim.Optimizer
-    scaler: Optional[Any]
-    amp: bool
-    amp_dtype: torch.dtype
-    meter: StepMeter
-    ck: Optional[Dict[str, Any]]
-    generator: Optional[torch.Generator]  # its state at an epoch's start fixes the epoch's order
-    balancer: Optional[Balancer] = None
-    loader_tuner: Optional[LoaderTuner] = None
-    rule: Optional[StopRule] = None  # tuning trials: measure until precise enough
-    rule_met_s: Optional[float] = None  # the rule's measured seconds when it was first met (span_done)
-    collective: bool = False  # the window figures are all-reduced (the same on every rank)
-    total: int = 0
-    per_epoch: int = 0
-    # where the run is
-    step: int = 0
-    epoch: int = 0
-    start_epoch: int = 0
-    b: int = 0  # micro-batches of this epoch done
-    n_batches: int = 0
-    it: Any = None
-    epoch_generator: Optional[torch.Tensor] = None
-    stop: bool = False
-    stopped_by: str = ""  # why it stopped before `total`, when not the stop rule (checkpoint_signal)
-    checkpointed: int = -1  # the step of the last checkpoint this rank wrote (none: -1)
-    first_loss: float = math.nan
-    last_loss: float = math.nan
-    samples: int = 0  # this rank's samples trained by this process
-    t_start: float = 0.0  # perf_counter when the loop began (its wall time, result's wall_s, counts from here)
-    val_set: Optional[Dataset] = None  # data.val or data.val_fraction's items (runtime/evaluate.py)
-    sum_train_loss: bool = False  # trainer.target_loss on the training loss: the Stepper sums every step's loss
-    loss_sum: Any = 0.0  # ... into this (a tensor once summed), over loss_steps steps
-    loss_steps: int = 0
-    logged_step: int = -1  # the last step whose loss was logged (and passed check_loss)
-    hooks: List[Hook] = field(default_factory=list)
-    noise: Optional[Any] = None  # runtime/noise.NoiseProbe: the gradient noise scale's collection
-
-    @property
-    def device(self) -> torch.device:
-        return self.adapter.device
-
-    def begin_epoch(self) -> None:
-        """Set the sampler to `epoch` and open its iterator (from the checkpoint's batch on a resume)."""
-        loader, epoch = self.loader, self.epoch
-        for sampler in (loader.sampler, loader.batch_sampler):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        resuming = self.ck is not None and epoch == self.start_epoch
-        if resuming and self.generator is not None and self.ck.get("loader_generator") is not None:  # type: ignore[union-attr]
-            self.generator.set_state(self.ck["loader_generator"])  # type: ignore[index]
-        self.epoch_generator = self.generator.get_state() if self.generator is not None else None
-        self.b = self.ck["meta"]["batch_in_epoch"] if resuming else 0  # the same order, from the checkpoint's batch
-        self.it = epoch_iterator(loader, self.b)
-        self.n_batches = len(loader)
-
-    def end_epoch(self) -> None:
-        if self.b == self.n_batches and not self.stop:  # windows of whole epochs end here (the next
-            window = self.meter.epoch_end()  # epoch's restart is measured in the next window)
-            self.stop = window is not None and self.on_window(window)
-        if self.stop or self.step >= self.total:
-            self.meter.flush()  # before the iterator's shutdown below
-        if self.b == self.n_batches:
-            next(self.it, None)  # finish the epoch's iterator as a plain `for` loop would (sampler RNG)
-
-    def rewarm(self, why: str) -> None:
-        partial = self.meter.rewarm(why)
-        self.stop = partial is not None and self.on_window(partial)
-
-    def log(self, loss: Any) -> None:
-        self.last_loss = check_loss(float(loss), self.step, self.first_loss, self.logged_step)
-        self.logged_step = self.step
-        if math.isnan(self.first_loss):
-            self.first_loss = self.last_loss
-        self.events.write(LogEvent(type="log", step=self.step, epoch=self.epoch, loss=self.last_loss))
-
-    def job_figures(self, win: Window, own: Optional[WindowFigures] = None) -> WindowFigures:
-        """The job's figures of this window (measure.results.job_window over every rank's window),
-        the same on every rank: one all-reduce, each rank's figures (`own`: win.figures())
-        summed into its own slots. Not collective, they are this rank's own (job_window of one)."""
-        own = own if own is not None else win.figures()
-        if not self.collective:
-            return own
-        n, world, rank = len(WindowFigures.PACKED), self.adapter.world_size, self.adapter.rank
-        slots = [0.0] * (n * world)
-        slots[n * rank:n * (rank + 1)] = own.packed()
-        got = self.adapter.all_reduce_sum(slots)
-        return job_window([WindowFigures.unpacked(got[n * r:n * (r + 1)]) for r in range(world)])
-
-    def on_window(self, win: Window) -> bool:
-        """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
-        t, meter = self.cfg.trainer, self.meter
-        meter.check_memory()
-        own = win.figures()
-        if win.warmup:  # its step time includes the start-up: it may only shorten the first window
-            if t.window_s > 0:
-                meter.resize(self.job_figures(win, own).step_time_s, t.window_s, at_most=t.window_steps)
-            return False
-        self.events.write(WindowEvent(type="window", step=own.step, throughput=own.throughput,
-                                      utilization=own.utilization, data_wait_frac=own.data_wait_frac,
-                                      comm_frac=own.comm_frac, step_time_s=own.step_time_s,
-                                      tokens_per_s=own.tokens_per_s, wall_s=own.wall_s))
-        if win.partial:  # cut short by a new epoch: left out of the estimate, and of the rule
-            return False
-        for hook in overriding(self.hooks, "on_window"):
-            if hook.on_window(self, win):
-                return False
-        job = self.job_figures(win, own)
-        for hook in overriding(self.hooks, "on_figures"):
-            hook.on_figures(self, win, job)
-        meter.resize(job.step_time_s, t.window_s)
-        if self.rule is None or self.rule.add(job.throughput, job.wall_s) is None:
-            return False
-        return self.span_done(job.step_time_s)
-
-    def span_done(self, step_time_s: float) -> bool:
-        """The stop rule is met: True when the measured span holds whole epochs, or when the
-        rest of the epoch would last longer than SPAN_EPOCHS_OF_CAP x the measurement's cap (without
-        a cap, x what was measured); else the measurement goes on to the epoch's point where it
-        began (StepMeter.steps_to_whole_epochs: an epoch's pre-made tail is paid for by its restart),
-        for at most that long again in all, whatever the windows do meanwhile."""
-        assert self.rule is not None
-        meter, cap = self.meter, self.cfg.trainer.max_measure_s or self.rule.measured_s
-        if self.rule_met_s is None:
-            self.rule_met_s = self.rule.measured_s
-        left = meter.steps_to_whole_epochs()
-        if (left == 0 or left * step_time_s > SPAN_EPOCHS_OF_CAP * cap
-                or self.rule.measured_s - self.rule_met_s > SPAN_EPOCHS_OF_CAP * cap):
-            return True
-        meter.stop_at(meter.steps + left)
-        return False
-
-    def change_loader(self, new: LoaderSettings) -> None:
-        """The loader autotune's switch, at this batch of the epoch; the new workers fill their
-        queue: the meter fits the new loader and warms up again."""
-        self.cfg, self.loader, self.it = switch_loader(self.cfg, new, self.loader, self.it, self.generator,
-                                                       self.epoch_generator, self.b, self.device)
-        self.meter.queue = loader_queue(self.cfg)
-        self.meter.set_round(loader_round(self.cfg))
-        self.meter.fit_epoch(steps_per_epoch(self.loader, self.cfg.trainer.accumulation_steps))
-        self.rewarm("loader")
 
 
 def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Module], dataset: Optional[Dataset],
@@ -374,7 +206,6 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
 
 # steps between the ranks' checks whether trainer.checkpoint_signal arrived (one all-reduce of a float)
 SIGNAL_CHECK_EVERY = 10
-SPAN_EPOCHS_OF_CAP = 2.0  # a measurement goes on to whole epochs when that takes at most this x its cap
 
 
 def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
@@ -451,7 +282,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 window = meter.end_step(samples, micro)
                 run.samples += samples
                 if loss is not None:
-                    run.log(loss)
+                    log_loss(run, loss)
                 if window is not None:
                     run.stop = run.on_window(window)
                 busy = loss is not None or window is not None
@@ -477,6 +308,15 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     out = result(run, train_step, time.perf_counter() - t_start)
     out.setup_s = t_start - t_setup
     return out
+
+
+def log_loss(run: Run, loss: Any) -> None:
+    """A logged step's loss: checked (step.check_loss: a diverged run stops here), kept and written."""
+    run.last_loss = check_loss(float(loss), run.step, run.first_loss, run.logged_step)
+    run.logged_step = run.step
+    if math.isnan(run.first_loss):
+        run.first_loss = run.last_loss
+    run.events.write(LogEvent(type="log", step=run.step, epoch=run.epoch, loss=run.last_loss))
 
 
 def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:

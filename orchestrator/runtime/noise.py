@@ -31,7 +31,7 @@ from ..measure.noise import NoiseEstimator
 from ..measure.results import NoiseScale
 from ..schema import BackendName, Balance, Config, Mode
 from .dist import norms
-from .hooks import Hook
+from .state import Hook, Run
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
 EVERY = 8  # trainer.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
@@ -154,14 +154,14 @@ class NoiseHook(Hook):
     def __init__(self, probe: Optional[NoiseProbe], log_every: int, method: str = "halves") -> None:
         self.probe, self.log_every, self.method = probe, log_every, method
 
-    def after_step(self, run: Any) -> bool:
+    def after_step(self, run: Run) -> bool:
         probe = self.probe
         if probe is None or len(probe.pending) < FLUSH_AT or run.step % self.log_every:
             return False
         probe.flush(run.adapter)
         return True
 
-    def summary(self, run: Any, out: Dict[str, Any]) -> None:
+    def summary(self, run: Run, out: Dict[str, Any]) -> None:
         if self.probe is None:
             out["noise_scale"] = NoiseScale(method=self.method).as_dict()
             return
@@ -169,7 +169,7 @@ class NoiseHook(Hook):
         out["noise_scale"] = self.probe.result().as_dict()
 
 
-def check_fed(run: Any, hook: Optional[NoiseHook]) -> None:
+def check_fed(run: Run, hook: Optional[NoiseHook]) -> None:
     """After the adapter installed its hooks: a `ranks` probe that nothing feeds (FSDP internals
     that differ in this torch) measures nothing; say so once."""
     probe = run.noise
@@ -181,7 +181,7 @@ def check_fed(run: Any, hook: Optional[NoiseHook]) -> None:
     hook.probe = run.noise = None
 
 
-def noise_hook(run: Any) -> Optional[NoiseHook]:
+def noise_hook(run: Run) -> Optional[NoiseHook]:
     """The run's noise-scale hook (its probe on run.noise), or None when trainer.noise_scale is off.
     A method the run cannot use says why once, and the result carries an empty estimate."""
     cfg, adapter = run.cfg, run.adapter

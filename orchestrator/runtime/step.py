@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -18,16 +18,19 @@ from ..rundir import DIVERGED_AT
 from .batch import Feed, to_device
 from .flops import StepCounter
 
+if TYPE_CHECKING:  # the run is built by loop.setup; its module does not import this one
+    from .state import Run
+
 
 class Stepper:
-    """Runs `run`'s next optimizer step (`loop.Run`: its model, optimizer, iterator, meter).
+    """Runs `run`'s next optimizer step (`state.Run`: its model, optimizer, iterator, meter).
 
     Hot path: on a ~200 us step every microsecond shows, so work that does nothing is skipped
     (CPU copies, a disabled autocast, a division by 1, loss bookkeeping on unlogged steps), and
     what a run never changes (its device, the meter's mark, whether the adapter exposes its
     communication) is read once here."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Run) -> None:
         t = run.cfg.trainer
         self.accum, self.clip, self.log_every = t.accumulation_steps, t.grad_clip, t.log_every
         self.checkpoint_every = t.checkpoint_every  # checkpointed steps are logged: a checkpoint follows a checked loss
@@ -52,7 +55,7 @@ class Stepper:
         self.noise_halves = self.noise is not None and self.noise.method == "halves"
         self.first_micro = self.noise is not None and self.noise.method == "accumulation"
 
-    def __call__(self, run: Any) -> tuple:
+    def __call__(self, run: Run) -> tuple:
         """(samples, micro-batches, the step's loss or None when the step is not logged); advances
         run.step and run.b (the batch in the epoch)."""
         step, b, it, mark, feed, noise = run.step, run.b, run.it, self.mark, self.feed, self.noise
@@ -97,7 +100,7 @@ class Stepper:
         run.step = step + 1
         return samples, micro, (step_loss if logged else None)
 
-    def arrive(self, run: Any, batch: Any) -> tuple:
+    def arrive(self, run: Run, batch: Any) -> tuple:
         """(the batch on the run's device, its size): an (input, target) pair moved as a
         hand-written loop moves it; a dict's tokens counted first, in host memory."""
         feed = self.feed
@@ -113,7 +116,7 @@ class Stepper:
             self.mark(H2D)
         return batch, feed.size(batch)
 
-    def micro_step(self, run: Any, batch: Any, n: int, m: int, micro: int) -> torch.Tensor:
+    def micro_step(self, run: Run, batch: Any, n: int, m: int, micro: int) -> torch.Tensor:
         """Micro-batch `m` of `micro`'s forward and backward (returns its loss): the gradients
         synchronized on the last one only, AMP's autocast and scaler, the loss over `micro`,
         balance=speed's weight (of global micro-batch run.b + m: run.b moves when the step ends),
@@ -139,7 +142,7 @@ class Stepper:
             return self.criterion(model(batch[0]), batch[1])  # type: ignore[misc]
         return self.feed.loss(model, batch)
 
-    def halves(self, run: Any, batch: Any, n: int) -> torch.Tensor:
+    def halves(self, run: Run, batch: Any, n: int) -> torch.Tensor:
         """The batch's forward and backward as two halves, each loss weighed by its share (the
         same gradient as the whole batch's); the first half's gradient goes to the noise probe.
         Returns the batch's loss."""
@@ -157,7 +160,7 @@ class Stepper:
             total = weighted.detach() if total is None else total + weighted.detach()
         return total  # type: ignore[return-value]
 
-    def update(self, run: Any, samples: int) -> None:
+    def update(self, run: Run, samples: int) -> None:
         """The exposed communication, the noise probe's pair, clipping and the optimizer step."""
         optimizer, scaler, mark = run.optimizer, run.scaler, self.mark
         if self.exposed_comm:

@@ -92,7 +92,7 @@ def summarize(meter: Any) -> Dict[str, Any]:
     totals = {p: sum(w.phases_s[p] for w in used) for p in PHASES}
     tiled = sum(totals.values())
     shares = {p: totals[p] / tiled if tiled > 0 else 0.0 for p in PHASES}
-    util = estimate([w.utilization for w in used], weights=[w.wall_s for w in used])["mean"]
+    util = estimate([w.utilization for w in used], weights=[w.wall_s for w in used]).mean
     utils, thr = [w.utilization for w in wins], [w.throughput for w in wins]
     return {
         "busy_frac": shares["compute"] + shares["optimizer"],
@@ -110,7 +110,7 @@ def summarize(meter: Any) -> Dict[str, Any]:
         "data_wait_frac": shares["data"],
         **{f"{p}_frac": shares[p] for p in ("h2d", "compute", "comm", "optimizer", "other")},
         **device_figures(meter.source, meter.sampler, used, util),
-        "estimate": estimate_of(meter.windows),
+        "estimate": estimate_of(meter.windows).as_dict(),
         **token_figures(used, wall),
         **base,
     }
@@ -123,7 +123,7 @@ def device_figures(source: str, sampler: Any, used: List[Window], util: float) -
     return {
         "nvml_util": util if source == "nvml" else None,
         "nvml_util_source": "nvml utilization.gpu" if source == "nvml" else "absent: no NVML device",
-        "sm_active": estimate([w.sm_active for w in sm_wins], weights=[w.wall_s for w in sm_wins])["mean"]
+        "sm_active": estimate([w.sm_active for w in sm_wins], weights=[w.wall_s for w in sm_wins]).mean
         if sm_wins else None,
         "sm_active_source": sampler.sm_source if sampler is not None else "absent: no NVML device",
     }

@@ -3,16 +3,17 @@ runs, by one tuner process of the study (`Confirmation`, mixed into study.Tuner,
 `cfg`, `t`, `name`, `storage`, `run_dir`, `optuna`, `_launch`, `_stop_if_disk_full`, `_reclaim_orphans`,
 `_say` and `_show`); and the arithmetic of its runs: each candidate's runs combined into one set
 of figures, compared within their rounds, less the runs the host's other load disturbed. A run
-is its result (result.json: JobResult) with the round it was measured in under CONFIRM_ROUND."""
+is its result (JobResult) with the round it was measured in (`ConfirmRun`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..app import JobFailed
-from ..measure.results import JobResult
+from ..measure.results import Estimate, JobResult
 from ..measure.stats import combine, disturbed, round_drift, with_run_noise
 from ..rundir import process_tag
 from .goodput import judged, scale_of, study_b
@@ -23,10 +24,18 @@ from .space import knob_words
 from .steer import CONFIRM_LONGER, CONFIRM_MAX_ROUNDS, CONFIRM_ROUNDS, WAIT_FOR_TRIALS_S
 from .storage import study_lock
 
-CONFIRM_ROUND = "confirm_round"  # the round a confirmation run's result was measured in
 PRIOR_DOF = 2.0  # measured_run_noise: the weight of tune.run_noise, in degrees of freedom
 
-Runs = Dict[int, List[Dict[str, Any]]]  # trial number -> its confirmation runs' results
+
+@dataclasses.dataclass(frozen=True)
+class ConfirmRun:
+    """A confirmation run: the round it was measured in and its result."""
+
+    round: int
+    job: JobResult
+
+
+Runs = Dict[int, List[ConfirmRun]]  # trial number -> its confirmation runs
 
 
 def combined(runs: Runs, run_noise: float, measured_noise: bool = True) -> Dict[str, Dict[str, Any]]:
@@ -52,11 +61,11 @@ def combined(runs: Runs, run_noise: float, measured_noise: bool = True) -> Dict[
             if name == "tokens_per_s" and not all(e for _, e in ests):
                 continue  # real tokens/s: batches with an attention_mask only
             rate = name != "utilization"  # a share of the time, not a rate: left as measured
-            est = combine([_scaled(e.as_dict(), 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
-            m[name] = est["mean"]
-            m[f"{name}_lo"], m[f"{name}_hi"] = est["interval"] or (None, None)
+            est = combine([_scaled(e, 1.0 / drift.get(r, 1.0) if rate else 1.0) for r, e in ests if e])
+            m[name] = est.mean
+            m[f"{name}_lo"], m[f"{name}_hi"] = est.interval or (None, None)
             if name == "throughput":
-                m.update(rel_se=est["rel_se"], windows=est["windows"], measured_s=est["measured_s"])
+                m.update(rel_se=est.rel_se, windows=est.windows, measured_s=est.measured_s)
         if left := sum(n == number for n, _ in out_runs):
             m["left_out"] = left
         if m["throughput"] is not None and m["utilization"] is not None:
@@ -95,7 +104,7 @@ def left_out(runs: Runs) -> Dict[Tuple[int, int], str]:
 
 
 def _round_jobs(runs: Runs) -> Dict[int, List[Tuple[int, JobResult]]]:
-    return {n: [(res[CONFIRM_ROUND], JobResult.from_dict(res)) for res in results] for n, results in runs.items()}
+    return {n: [(run.round, run.job) for run in rs] for n, rs in runs.items()}
 
 
 def _rates(jobs: Dict[int, List[Tuple[int, JobResult]]]) -> Dict[int, Dict[int, float]]:
@@ -108,12 +117,12 @@ def _disturbed(jobs: Dict[int, List[Tuple[int, JobResult]]]) -> Set[Tuple[int, i
     return disturbed(_rates(jobs))
 
 
-def _scaled(est: Dict[str, Any], factor: float) -> Dict[str, Any]:
-    """An estimate (`Estimate.as_dict`) with its mean and interval times `factor`."""
-    if factor == 1.0 or est.get("mean") is None:
+def _scaled(est: Estimate, factor: float) -> Estimate:
+    """An estimate with its mean and interval times `factor`."""
+    if factor == 1.0 or est.mean is None:
         return est
-    iv = est.get("interval")
-    return {**est, "mean": est["mean"] * factor, "interval": [iv[0] * factor, iv[1] * factor] if iv else None}
+    iv = est.interval
+    return dataclasses.replace(est, mean=est.mean * factor, interval=(iv[0] * factor, iv[1] * factor) if iv else None)
 
 
 class Confirmation:
@@ -166,7 +175,7 @@ class Confirmation:
             return  # nothing to choose between, or already confirmed (a resumed, finished study)
         self._say(f"[tune] confirming trials {', '.join(map(str, numbers))}: {CONFIRM_ROUNDS} interleaved rounds "
                   f"(up to {CONFIRM_MAX_ROUNDS} while the pick is within the noise), windows x{CONFIRM_LONGER:g}")
-        runs: Dict[int, List[Dict[str, Any]]] = {tr.number: [] for tr in top}
+        runs: Runs = {tr.number: [] for tr in top}
         failed: Dict[str, str] = {}  # a candidate whose run failed is out: no more rounds, never the pick
         active, done, total = top, 0, CONFIRM_ROUNDS * len(top)
         for r in range(CONFIRM_MAX_ROUNDS):
@@ -219,11 +228,11 @@ class Confirmation:
         cfg = trial_config(self.cfg, tr.user_attrs["values"], longer=CONFIRM_LONGER, b_noise=study_b(study))
         self._show(lambda p: p.confirm(done, total, f"trial {tr.number}: {knob_words(tr.user_attrs['values'])}"))
         try:
-            runs[tr.number].append({**self._launch(
+            runs[tr.number].append(ConfirmRun(r, self._launch(
                 cfg, self.run_dir / "confirm" / f"{tr.number:04d}-{r}",
                 extra_tags={**tags, "confirm_of": str(tr.number), "mlflow.parentRunId":  # under the trial
                             tr.user_attrs.get("mlflow_run_id") or parent} if tags else None, plots=False,
-                run_name=f"confirm trial {tr.number}"), CONFIRM_ROUND: r})
+                run_name=f"confirm trial {tr.number}")))
         except JobFailed as exc:
             self._stop_if_disk_full(exc, f"the confirmation of trial {tr.number}")
             failed[str(tr.number)] = why = str(exc).splitlines()[0][:300]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from ..measure.results import Estimate
 from ..measure.stats import Z95, combine
 
 POOLED_ATTR = "pooled"
@@ -54,11 +55,11 @@ def pool(own: Dict[str, Any], earlier: List[Dict[str, Any]], source: str) -> Opt
         if not all(p.get(name) for p in parts):
             continue  # real tokens/s: batches with an attention_mask only
         est = combine([_estimate(p, name) for p in parts])
-        figures[name] = est["mean"]
-        if est["interval"]:
-            figures[f"{name}_lo"], figures[f"{name}_hi"] = est["interval"]
+        figures[name] = est.mean
+        if est.interval:
+            figures[f"{name}_lo"], figures[f"{name}_hi"] = est.interval
         if name == "throughput":
-            figures["rel_se"] = est["rel_se"]
+            figures["rel_se"] = est.rel_se
     if "throughput" not in figures or "utilization" not in figures:
         return None
     trials = sorted({e["trial"] for e in earlier})
@@ -89,11 +90,11 @@ def _figures(attrs: Dict[str, Any]) -> Dict[str, Any]:
     return {k: attrs[k] for k in keys if attrs.get(k) is not None}
 
 
-def _estimate(f: Dict[str, Any], name: str) -> Dict[str, Any]:
+def _estimate(f: Dict[str, Any], name: str) -> Estimate:
     """One measurement of `name` as measure.stats.combine takes it: its mean and the relative
     standard error its 95% interval implies (the run noise included: each is a run, or the mean of
     a config's confirmation runs, apart from the others)."""
     mean, lo, hi = f[name], f.get(f"{name}_lo"), f.get(f"{name}_hi")
     se = (hi - lo) / (2 * Z95) if lo is not None and hi is not None else 0.0
-    return {"mean": mean, "rel_se": se / mean if mean > 0 else None, "windows": f.get("windows") or 1,
-            "measured_s": f.get("measured_s") or 0.0}
+    return Estimate(mean=mean, rel_se=se / mean if mean > 0 else None, interval=(lo, hi) if lo is not None else None,
+                    windows=int(f.get("windows") or 1), measured_s=f.get("measured_s") or 0.0)

@@ -1,6 +1,6 @@
 """One trial, from the sampler's proposal to its told result: claimed under the study lock (never
 two launches of one config), screened (known not to fit, shown by the job model unable to win, an
-invalid combination: recorded without a launch), launched through `run_job` with the pruner's
+invalid combination: recorded without a launch), launched through `run_job_result` with the pruner's
 window monitor (prune.py), and its figures, score and MLflow tags recorded. Mixed into
 study.Tuner (TrialLaunching), which gives it `cfg`, `t`, `name`, `storage`, `space`, `multi`,
 `offset`, `tracker`, `proposals`, `pool`, `run_dir`, `spent`, `mine`, `rejected`, `optuna`,
@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
-from ..app import JobDiverged, JobFailed, JobStopped, check_launch, run_job
+from ..app import JobDiverged, JobFailed, JobStopped, check_launch, run_job_result
 from ..measure.plan import steady_warmup_steps
 from ..measure.results import Estimate, JobResult
 from ..measure.stats import with_run_noise
@@ -77,7 +77,7 @@ class TrialLaunching:
                                   monitor=monitor, run_name=f"trial {trial.number}", plots=self.t.trial_plots)
             self._completed(study, trial, rec, result, t0)
         except JobStopped as exc:
-            rec.state, rec.mlflow_run_id = "PRUNED", exc.result.get("mlflow_run_id")
+            rec.state, rec.mlflow_run_id = "PRUNED", exc.job.mlflow_run_id
             trial.set_user_attr("mlflow_run_id", rec.mlflow_run_id)
             rec.error = pruned_note(trial, pruned) or rec.error
             study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
@@ -152,32 +152,32 @@ class TrialLaunching:
         if rec.state == "PRUNED":  # trial_state says it was stopped on purpose
             self.tracker.end_run(rec.mlflow_run_id, "FINISHED")
 
-    def _completed(self, study: Any, trial: Any, rec: TrialRecord, result: Dict[str, Any], t0: float) -> None:
+    def _completed(self, study: Any, trial: Any, rec: TrialRecord, result: JobResult, t0: float) -> None:
         """A measured trial: its figures on the trial and its MLflow run, its score told, and the
         guided search's next proposal (the job model's, else the diagnosis')."""
         values = rec.values
         rec.metrics = with_run_noise(trial_metrics(result), self.t.run_noise)
         rec.measured_s = rec.metrics.get("measured_s", 0.0)
         if self.t.objective is Objective.mfu and "mfu" not in rec.metrics:
-            raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.get('mfu_source')})", result)
+            raise JobFailed(f"tune.objective=mfu: this trial has no mfu ({result.mfu_source})", result)
         if self.t.objective is Objective.tokens and "tokens_per_s" not in rec.metrics:  # the rank refuses it first
             raise JobFailed("tune.objective=tokens: this trial counted no real tokens (its batches have no "
                             "attention_mask); use tune.objective=throughput", result)
-        rec.mlflow_run_id = result.get("mlflow_run_id")
+        rec.mlflow_run_id = result.mlflow_run_id
         self._log_estimate(rec.mlflow_run_id, rec.metrics)
         workers = values[WORKERS_KEY] if values.get(WORKERS_KEY) is not None else self.cfg.data.num_workers
-        for k, v in {**rec.metrics, "stopped_by": result.get("stopped_by"), "mlflow_run_id": rec.mlflow_run_id,
-                     "duration_s": time.monotonic() - t0, "steps_per_epoch": result.get("steps_per_epoch"),
-                     "input_cost": result.get("input_cost"), "item_bytes": result.get("item_bytes"),
-                     "memory": memory_record(result, workers)}.items():
+        for k, v in {**rec.metrics, "stopped_by": result.stopped_by, "mlflow_run_id": rec.mlflow_run_id,
+                     "duration_s": time.monotonic() - t0, "steps_per_epoch": result.steps_per_epoch,
+                     "input_cost": result.input_cost, "item_bytes": result.item_bytes,
+                     "memory": memory_record(result.per_rank, workers)}.items():
             trial.set_user_attr(k, v)
-        if result.get("diagnosis"):
-            trial.set_user_attr("verdict", result["diagnosis"]["verdict"])
-        self._goodput(study, trial, rec, result.get("noise_scale"))
+        if result.diagnosis:
+            trial.set_user_attr("verdict", result.diagnosis["verdict"])
+        self._goodput(study, trial, rec, result.noise_scale.as_dict() if result.noise_scale else None)
         self._tell(study, trial, rec)
         rec.state = "COMPLETE"
-        if not self.proposals.model(study, trial, values) and result.get("diagnosis"):
-            self.proposals.diagnosis(study, trial, values, result["diagnosis"])
+        if not self.proposals.model(study, trial, values) and result.diagnosis:
+            self.proposals.diagnosis(study, trial, values, result.diagnosis)
 
     def _failed(self, study: Any, trial: Any, rec: TrialRecord, exc: JobFailed, values: Dict[str, Any],
                 cfg: Config) -> Optional[str]:
@@ -185,8 +185,8 @@ class TrialLaunching:
         memory one proposes half the batch at twice the accumulation. Returns why every trial would
         be refused alike under the tokens objective (its batches carry no mask), else None."""
         self._stop_if_disk_full(exc, f"trial {trial.number}", study, trial)
-        err = exc.result.get("error", str(exc))
-        rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.result.get("mlflow_run_id")
+        err = exc.job.error if exc.job.error is not None else str(exc)
+        rec.state, rec.mlflow_run_id = "DIVERGED" if isinstance(exc, JobDiverged) else "FAIL", exc.job.mlflow_run_id
         if isinstance(exc, JobDiverged):  # said as such in trials.csv and summary.json
             trial.set_user_attr("diverged", True)
         rec.error = ("out of memory: " if _is_oom(err) else "") + str(exc)
@@ -215,19 +215,19 @@ class TrialLaunching:
         raise StudyFailed(f"{what} could not write: {str(exc).splitlines()[0][:300]}; the disk is the host's, not the "
                           f"config's: free some space and rerun with tune.study_name={self.name} to finish") from None
 
-    def _launch(self, cfg: Config, run_dir: Path, **kwargs: Any) -> Dict[str, Any]:
-        """run_job on the study's ranks and tracker (a trial or a confirmation run); its seconds,
-        and its training loops' and warmups' (merge's `time_s`), go toward the study's time
-        breakdown (_measured_share), whether it finished, was pruned or failed."""
+    def _launch(self, cfg: Config, run_dir: Path, **kwargs: Any) -> JobResult:
+        """run_job_result on the study's ranks and tracker (a trial or a confirmation run); its
+        seconds, and its training loops' and warmups' (merge's `time_s`), go toward the study's
+        time breakdown (_measured_share), whether it finished, was pruned or failed."""
         launched, result = time.monotonic(), None
         try:
-            result = run_job(cfg, run_dir, echo=False, ranks=self.pool, tracker=self.tracker.sibling(), **kwargs)
+            result = run_job_result(cfg, run_dir, echo=False, ranks=self.pool, tracker=self.tracker.sibling(), **kwargs)
             return result
         except (JobStopped, JobFailed) as exc:
-            result = exc.result
+            result = exc.job
             raise
         finally:
-            loops = (result or {}).get("time_s") or {}
+            loops = (result.time_s if result is not None else None) or {}
             self.spent["launch"] += time.monotonic() - launched
             self.spent["train"] += float(loops.get("train") or 0.0)
             self.spent["warmup"] += float(loops.get("warmup") or 0.0)
@@ -321,14 +321,14 @@ def _is_oom(err: str) -> bool:
     return any(s in err for s in ("OutOfMemoryError", "CUDA out of memory", "out of memory", "memory_cap_mb"))
 
 
-def trial_metrics(result: Dict[str, Any]) -> Dict[str, float]:
-    """A measured job's figures for the study (its result, as result.json holds it: JobResult):
+def trial_metrics(result: Union[JobResult, Mapping[str, Any]]) -> Dict[str, float]:
+    """A measured job's figures for the study (its JobResult, or result.json as a file holds it):
     METRICS, with `throughput` and `utilization` their estimates (means over the measured time,
     merge.merge, as the confirmation runs combine them), the 95% intervals of those means, the
     throughput's relative standard error, windows and measured seconds (the rest of a trial's wall
     time is overhead); for batches with an attention_mask, real tokens/s (`tokens_per_s`)
     likewise with its interval."""
-    job = JobResult.from_dict(result)
+    job = result if isinstance(result, JobResult) else JobResult.from_dict(result)
     out = {k: float(v) for k in METRICS if isinstance(v := job.get(k), (int, float))}
     for name, key in JobResult.ESTIMATES:
         est: Optional[Estimate] = getattr(job, key)

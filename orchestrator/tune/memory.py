@@ -28,12 +28,12 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 
-def memory_record(result: Dict[str, Any], workers: int = 0) -> Optional[Dict[str, float]]:
-    """The memory figures of a measured job (its result.json) that the fit needs, from the rank
+def memory_record(per_rank: Optional[List[Dict[str, Any]]], workers: int = 0) -> Optional[Dict[str, float]]:
+    """The memory figures of a measured job (its ranks' figures: JobResult.per_rank) that the fit needs, from the rank
     with the largest peak; None when a figure is missing (an old result, a rank that did not say),
     and on CPU for a job with loader workers: its peak counts their memory, which the batch does
     not grow (a fit to it would hold back batches that fit)."""
-    ranks = [r for r in result.get("per_rank") or [] if r.get("peak_mem_mb")]
+    ranks = [r for r in per_rank or [] if r.get("peak_mem_mb")]
     if not ranks:
         return None
     r = max(ranks, key=lambda r: r["peak_mem_mb"])

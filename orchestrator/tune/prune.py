@@ -53,12 +53,12 @@ def window_monitor(study: Any, trial: Any, t: TuneConfig, offset: float, pruned:
 def _below_bar(window_thr: List[float], bar: Optional[tuple], name: str, window: int, job: Dict[str, float],
                pruned: Dict[str, Any]) -> bool:
     """tune.pruner=interval: the windows so far lie wholly below `bar` (interval_bar): pruned."""
-    est = estimate(window_thr) if len(window_thr) >= MIN_WINDOWS and bar is not None else {}
-    if est.get("interval") and est["interval"][1] < bar[0]:
+    est = estimate(window_thr) if len(window_thr) >= MIN_WINDOWS and bar is not None else None
+    if est is not None and est.interval and est.interval[1] < bar[0]:  # type: ignore[index]
         what = {"tokens_per_s": "real tokens/s", "goodput": "goodput"}.get(name, "throughput")
         pruned.update(flag=True, window=window, job=job, reason=(
-            f"{what} {est['mean']:.1f}/s over {len(window_thr)} windows, at most "
-            f"{est['interval'][1]:.1f}/s (95%): below {bar[1]}"))
+            f"{what} {est.mean:.1f}/s over {len(window_thr)} windows, at most "
+            f"{est.interval[1]:.1f}/s (95%): below {bar[1]}"))
     return pruned["flag"]
 
 
