@@ -197,6 +197,21 @@ def test_a_config_moved_to_more_ranks_shares_the_cores_between_their_workers():
     assert at_world(pick, 2, 2) is pick
 
 
+def test_a_config_moved_to_more_ranks_keeps_the_workers_that_wait_on_storage():
+    """The job model's loader costs weigh the scaling: workers that mostly wait (storage latency)
+    are as many a rank at any world size; those that mostly compute share the cores."""
+    from orchestrator.tune.warm import at_world
+
+    pick = {"data.batch_size": 32, "data.num_workers": 8, "trainer.accumulation_steps": 1}
+    waits = {"load_cpu": 0.116e-3, "load_wait": 1.109e-3}  # storage_1 of the zoo: 1 ms an item
+    assert at_world(pick, 1, 2, waits)["data.num_workers"] == 8
+    computes = {"load_cpu": 1.6e-3, "load_wait": 0.0}
+    assert at_world(pick, 1, 2, computes)["data.num_workers"] == 4
+    half = {"load_cpu": 1e-3, "load_wait": 1e-3}
+    assert at_world(pick, 1, 2, half)["data.num_workers"] == 6
+    assert at_world(pick, 1, 2, {})["data.num_workers"] == 4
+
+
 def test_a_resumed_study_borrows_again_from_the_study_it_recorded(storage, make_cfg):
     """A resumed warm-started study lends the job model the same trials again, by the name it
     recorded; one whose source was deleted since goes on with its own."""

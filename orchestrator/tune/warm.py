@@ -197,7 +197,7 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
     queued = []
     old_world = int(earlier.attrs.get("world_size") or cfg.world_size)
     for values in seeds(storage, earlier):
-        params = space.params_of(at_world(values, old_world, cfg.world_size))
+        params = space.params_of(at_world(values, old_world, cfg.world_size, carried.loader))
         if params and params not in queued:
             study.enqueue_trial(params, user_attrs={"warm_from": earlier.name})
             queued.append(params)
@@ -208,14 +208,20 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
     return record
 
 
-def at_world(values: Dict[str, Any], old: int, new: int) -> Dict[str, Any]:
-    """An earlier study's config moved from `old` ranks to `new` on the same machine kind: the loader
-    workers a rank runs scaled by old/new (the machine's cores are shared by every rank's workers;
-    at least 1 where it had some); the per-rank batch kept."""
+def at_world(values: Dict[str, Any], old: int, new: int, loader: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+    """An earlier study's config moved from `old` ranks to `new` on the same machine kind, the
+    per-rank batch kept. The machine's cores are shared by every rank's workers, so the part of a
+    worker's time spent computing scales by old/new; the part spent waiting (storage, a network)
+    needs as many workers a rank at any world size. `loader`, the job model's per-item costs
+    (`load_cpu`, `load_wait`, seconds), weighs the two; without it the workers scale by old/new.
+    At least 1 worker where it had some."""
     workers = values.get("data.num_workers")
     if old == new or not workers:
         return values
-    return {**values, "data.num_workers": max(1, round(int(workers) * old / new))}
+    cpu, wait = (loader or {}).get("load_cpu"), (loader or {}).get("load_wait")
+    waiting = wait / (cpu + wait) if cpu is not None and wait is not None and cpu + wait > 0 else 0.0
+    scale = (1 - waiting) * old / new + waiting
+    return {**values, "data.num_workers": max(1, round(int(workers) * scale))}
 
 
 def _lend(proposals: Any, carried: Carried) -> None:
