@@ -5,6 +5,7 @@ when no other rank takes part."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any, Dict, List
 
@@ -177,3 +178,35 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
     loop_mod.train(cfg, adapter)
     assert len(per_step) == 20
     assert all(c == Counter({"process": 3, "thread": 2}) for c in per_step.values()), per_step
+
+
+def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(monkeypatch):
+    """Past the warmup, a step that logs nothing and closes no window runs these of the
+    orchestrator's Python functions and no other: the step, its update, the loss, three marks
+    and the step's end. Hooks that act every log_every steps (the noise scale's reads) are not
+    called in between, and the optimizer steps without the adapter's pass-through."""
+    cfg = to_config(compose_dict(DEFAULT_JOB))
+    assert cfg.trainer.log_every == 10 and cfg.trainer.window_steps == 20 and cfg.trainer.noise_scale
+    segments: List[Counter] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or "/orchestrator/" not in frame.f_code.co_filename:
+            return
+        name = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+        if name == "step.py:__call__":
+            segments.append(Counter())
+        if segments:
+            segments[-1][name] += 1
+
+    adapter = Adapter(cfg)
+    adapter.setup()
+    sys.setprofile(profile)
+    try:
+        loop_mod.train(cfg, adapter)
+    finally:
+        sys.setprofile(None)
+    assert len(segments) == 20
+    want = Counter({"step.py:__call__": 1, "step.py:update": 1, "batch.py:cross_entropy": 1, "meter.py:mark": 3,
+                    "meter.py:end_step": 1})
+    for step in (11, 12, 13, 14, 15, 16, 17):  # none logs, closes a window or is the noise scale's
+        assert segments[step] == want, (step, segments[step])

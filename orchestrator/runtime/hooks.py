@@ -8,7 +8,8 @@ it, so a run with none of these features pays nothing per step:
 
 - `before_step(run)`: at the top of an optimizer step;
 - `after_step(run) -> bool`: after the step was counted and its window handled; True when it did
-  bookkeeping (then the time since is nobody's data wait);
+  bookkeeping (then the time since is nobody's data wait). A hook whose after_step acts only on
+  multiples of `after_every` steps says so: the loop calls it on those steps only;
 - `on_window(run, win) -> bool`: a measured, whole window closed; True when it is not steady (the
   hook changed what the next windows measure): its figures then feed nothing;
 - `on_figures(run, win, figures)`: the job's figures of a steady window (measure.results.WindowFigures
@@ -19,6 +20,7 @@ it, so a run with none of these features pays nothing per step:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -38,6 +40,8 @@ from .step import Diverged
 
 class Hook:
     """A point the loop calls does nothing unless a hook overrides it (see the module's doc)."""
+
+    after_every = 1  # after_step does nothing unless run.step is a multiple of this
 
     def before_step(self, run: Any) -> None:
         pass
@@ -67,6 +71,12 @@ class Hook:
 def overriding(hooks: List[Hook], point: str) -> List[Hook]:
     """The hooks that override `point` (the loop calls no empty method on its hot path)."""
     return [h for h in hooks if getattr(type(h), point) is not getattr(Hook, point)]
+
+
+def after_period(hooks: List[Hook]) -> int:
+    """The steps between the loop's calls of `hooks`' after_step: every hook acts on multiples of
+    its `after_every` only, so on multiples of their greatest common divisor (1: none)."""
+    return math.gcd(*(h.after_every for h in hooks)) if hooks else 1
 
 
 class ProfilerHook(Hook):
@@ -120,6 +130,7 @@ class CheckpointHook(Hook):
 
     def __init__(self, ckpt_dir: Path, every: int, mlflow_run_id: Optional[str], start_step: int) -> None:
         self.ckpt_dir, self.every, self.mlflow_run_id, self.start_step = ckpt_dir, every, mlflow_run_id, start_step
+        self.after_every = max(1, every)
 
     def after_step(self, run: Any) -> bool:
         if run.step % self.every == 0 and run.checkpointed != run.step:
@@ -213,6 +224,7 @@ class LoaderAutotuneHook(Hook):
 
     def __init__(self, tuner: LoaderTuner, every: int) -> None:
         self.tuner, self.every = tuner, every
+        self.after_every = every
 
     def on_figures(self, run: Any, win: Any, figures: Any) -> None:
         self.tuner.add(figures.throughput, win.phases_s, win.steps)

@@ -36,7 +36,7 @@ from .dist import Adapter, amp_dtype, unwrap
 from .flops import mfu_figures
 from .evaluate import eval_hook, validation_sets
 from .hooks import (BalanceHook, CheckpointHook, Hook, LatencyJumpHook, LoaderAutotuneHook, LrWarmupHook, Profiler,
-                    ProfilerHook, SignalCheckpointHook, loader_tuner, overriding)
+                    ProfilerHook, SignalCheckpointHook, after_period, loader_tuner, overriding)
 from .meter import StepMeter, model_state_mb
 from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
@@ -436,6 +436,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 profiling=bool(cfg.trainer.profile_steps and trace_path is not None))
     run.hooks = build_hooks(run, trace_path, ckpt_dir, mlflow_run_id)
     before, after = overriding(run.hooks, "before_step"), overriding(run.hooks, "after_step")
+    after_every = after_period(after)  # the steps the `after` hooks may act on (hooks.Hook.after_every)
     start(run)
     train_step, meter = Stepper(run), run.meter
     t_start = run.t_start = time.perf_counter()
@@ -455,8 +456,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if window is not None:
                     run.stop = run.on_window(window)
                 busy = loss is not None or window is not None
-                for hook in after:
-                    busy = hook.after_step(run) or busy
+                if after and run.step % after_every == 0:
+                    for hook in after:
+                        busy = hook.after_step(run) or busy
                 if busy:
                     meter.mark(OTHER)  # the bookkeeping above is nobody's data wait
                 if run.stop:
