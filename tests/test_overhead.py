@@ -148,10 +148,39 @@ def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch
     assert win.utilization == pytest.approx(4.5 / 8.5)
 
 
-def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
-    """A CPU-time reading is a system call (over ten times a perf_counter reading): a step of the
-    default job reads the process's CPU clock at its three marks (data, compute, optimizer) and the
-    loop thread's at two (the busy phases' sum is its only figure between them)."""
+def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock(monkeypatch):
+    """One rank, one torch thread, no loader workers: each phase's CPU time is the loop thread's,
+    read once a mark (the process's clock is not read), compute and optimizer apart."""
+    clocks = Clocks(monkeypatch)
+    monkeypatch.setattr(meter_mod, "process_time", lambda: pytest.fail("the process's clock was read"))
+    monkeypatch.setattr(meter_mod.torch, "get_num_threads", lambda: 1)
+    m = StepMeter(torch.device("cpu"), window_steps=1, warmup_steps=1, nvml=False, one_process=True,
+                  optimizer_follows_compute=True)
+    m.start()
+    wins = []
+    for _ in range(2):
+        clocks.spend(1.0, 0.5, 0.25)
+        m.mark(DATA)
+        clocks.spend(2.0, 3.0, 1.5)
+        m.mark(COMPUTE)
+        clocks.spend(1.0, 1.0, 0.75)
+        m.mark(OPTIMIZER)
+        wins.append(m.end_step(samples=4))
+    m.close()
+    win = wins[-1]
+    assert win is not None and not win.warmup
+    assert win.phases_cpu_s == {"other": 0.0, "data": 0.25, "h2d": 0.0, "compute": 1.5, "comm": 0.0,
+                                "optimizer": 0.75}
+    assert win.busy_cpu_s == 2.25 and win.utilization == pytest.approx(2.25 / 4.0)
+
+
+@pytest.mark.parametrize("threads, want", [(1, {"thread": 3}), (2, {"process": 3, "thread": 2})])
+def test_a_step_of_the_default_job_reads_the_cpu_clocks_once_a_mark(monkeypatch, threads, want):
+    """A CPU-time reading is a system call (over ten times a perf_counter reading). A step of the
+    default job, one rank with no loader workers, on one torch thread reads the loop thread's clock
+    once at each of its three marks (data, compute, optimizer): the process's CPU is that thread's.
+    On more threads it reads the process's clock at the three marks and the loop thread's at two
+    (the busy phases' sum is its only figure between them)."""
     reads = Counter()
 
     def counted(name: str, clock: Any) -> Any:
@@ -160,6 +189,9 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
             return clock()
         return read
 
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # nothing in the run changes it back
     monkeypatch.setattr(meter_mod, "process_time", counted("process", meter_mod.process_time))
     monkeypatch.setattr(meter_mod, "thread_time", counted("thread", meter_mod.thread_time))
     per_step: Dict[int, Counter] = {}
@@ -175,9 +207,13 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
     cfg = to_config(compose_dict(DEFAULT_JOB))
     adapter = Adapter(cfg)
     adapter.setup()
-    loop_mod.train(cfg, adapter)
+    try:
+        loop_mod.train(cfg, adapter)
+    finally:
+        monkeypatch.undo()
+        torch.set_num_threads(threads_before)
     assert len(per_step) == 20
-    assert all(c == Counter({"process": 3, "thread": 2}) for c in per_step.values()), per_step
+    assert all(c == Counter(want) for c in per_step.values()), per_step
 
 
 def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(monkeypatch):

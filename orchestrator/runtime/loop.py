@@ -353,7 +353,8 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
     # profiled steps follow the warmup and are kept out of the measured windows (hooks.ProfilerHook)
     meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
-                      memory_cap_mb=t.memory_cap_mb, warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
+                      memory_cap_mb=t.memory_cap_mb, one_process=adapter.world_size == 1,
+                      warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
                       optimizer_follows_compute=(t.accumulation_steps == 1 and adapter.world_size == 1
                                                  and not adapter.exposed_comm))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,

@@ -57,6 +57,7 @@ class StepMeter:
     epoch_steps: int = 0  # optimizer steps an epoch (0: not known): short epochs are measured whole
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
+    one_process: bool = False  # the job's only rank: no communication thread spends the process's CPU
     # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch
     # a step, no exposed communication: runtime/step.py): the loop thread's CPU time is not read at the
     # COMPUTE mark, as only its sum over the two busy phases is a figure
@@ -78,9 +79,16 @@ class StepMeter:
         # process's would add the intra-op threads' spin-waits meanwhile)
         self._inproc = self.queue == 0
         self._thread_on = not self.cuda or self._inproc
+        self.threads = max(1, torch.get_num_threads())
+        # one rank on CPU with one torch thread and no loader workers: the process's CPU time in a
+        # phase is its loop thread's, so only the thread's clock is read (one system call a mark)
+        self._cpu_is_thread = not self.cuda and self._inproc and self.threads == 1 and self.one_process
+        self._cpu_on = self._cpu_on and not self._cpu_is_thread
+        # the thread's clock at the compute mark only splits the busy phases: skipped where only their
+        # sum is read (the optimizer's mark always follows; the process's clock splits them otherwise)
+        self._copy_compute = self.optimizer_follows_compute and not self._cpu_is_thread
         self._thread_cpu: List[float] = []
         self._hook_cpu = self._hook_thread = 0.0
-        self.threads = max(1, torch.get_num_threads())
         self._span = CpuSpan()  # the process's and the loader's CPU over the steady span
         self._span_samples = 0  # samples in it (measured, re-warm and partial windows alike)
         self._samples = 0
@@ -140,7 +148,7 @@ class StepMeter:
             self._cpu.append(process_time())
         if self._thread_on:
             thread = self._thread_cpu
-            thread.append(thread[-1] if phase == COMPUTE and self.optimizer_follows_compute else thread_time())
+            thread.append(thread[-1] if phase == COMPUTE and self._copy_compute else thread_time())
 
     def _split_at_hook(self) -> int:
         """DDP: the last gradient bucket was handed to the all-reduce at the hook's token; compute
@@ -311,7 +319,8 @@ class StepMeter:
         wall1 = perf_counter()
         marks, toks = self._phases, self._toks
         pauses, self._pauses = self._pauses, []
-        figures = window_figures(marks, toks, self._cpu, self._thread_cpu, cuda=self.cuda, inproc=self._inproc,
+        cpu = self._thread_cpu if self._cpu_is_thread else self._cpu
+        figures = window_figures(marks, toks, cpu, self._thread_cpu, cuda=self.cuda, inproc=self._inproc,
                                  sampler=self.sampler, t0=self._wall0, t1=wall1, pauses=pauses)
         if self.cuda:  # the window's events are recorded again by the next marks
             self._events.extend(tok for tok in toks[:-1] if tok is not toks[-1])
