@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from orchestrator.measure.phases import COMPUTE, DATA, OPTIMIZER
 from orchestrator.runtime import loop as loop_mod
 from orchestrator.runtime import meter as meter_mod
+from orchestrator.runtime import windows as windows_mod
 from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.meter import StepMeter
 from orchestrator.runtime.step import Stepper
@@ -150,8 +151,17 @@ def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch
 
 def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock(monkeypatch):
     """One rank, one torch thread, no loader workers: each phase's CPU time is the loop thread's,
-    read once a mark (the process's clock is not read), compute and optimizer apart."""
+    read once a mark (the process's clock is not read), compute and optimizer apart; a window
+    closes with one pass over its marks for wall time and one for CPU time."""
     clocks = Clocks(monkeypatch)
+    passes = Counter()
+    real_by_phase = windows_mod.by_phase
+
+    def by_phase(*args: Any) -> Any:
+        passes["by_phase"] += 1
+        return real_by_phase(*args)
+
+    monkeypatch.setattr(windows_mod, "by_phase", by_phase)
     monkeypatch.setattr(meter_mod, "process_time", lambda: pytest.fail("the process's clock was read"))
     monkeypatch.setattr(meter_mod.torch, "get_num_threads", lambda: 1)
     m = StepMeter(torch.device("cpu"), window_steps=1, warmup_steps=1, nvml=False, one_process=True,
@@ -172,6 +182,7 @@ def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock
     assert win.phases_cpu_s == {"other": 0.0, "data": 0.25, "h2d": 0.0, "compute": 1.5, "comm": 0.0,
                                 "optimizer": 0.75}
     assert win.busy_cpu_s == 2.25 and win.utilization == pytest.approx(2.25 / 4.0)
+    assert passes["by_phase"] == 2 * len(wins)
 
 
 @pytest.mark.parametrize("threads, want", [(1, {"thread": 3}), (2, {"process": 3, "thread": 2})])
