@@ -5,6 +5,7 @@ when no other rank takes part."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any, Dict, List
 
@@ -15,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from orchestrator.measure.phases import COMPUTE, DATA, OPTIMIZER
 from orchestrator.runtime import loop as loop_mod
 from orchestrator.runtime import meter as meter_mod
+from orchestrator.runtime import windows as windows_mod
 from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.meter import StepMeter
 from orchestrator.runtime.step import Stepper
@@ -147,10 +149,49 @@ def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch
     assert win.utilization == pytest.approx(4.5 / 8.5)
 
 
-def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
-    """A CPU-time reading is a system call (over ten times a perf_counter reading): a step of the
-    default job reads the process's CPU clock at its three marks (data, compute, optimizer) and the
-    loop thread's at two (the busy phases' sum is its only figure between them)."""
+def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock(monkeypatch):
+    """One rank, one torch thread, no loader workers: each phase's CPU time is the loop thread's,
+    read once a mark (the process's clock is not read), compute and optimizer apart; a window
+    closes with one pass over its marks for wall time and one for CPU time."""
+    clocks = Clocks(monkeypatch)
+    passes = Counter()
+    real_by_phase = windows_mod.by_phase
+
+    def by_phase(*args: Any) -> Any:
+        passes["by_phase"] += 1
+        return real_by_phase(*args)
+
+    monkeypatch.setattr(windows_mod, "by_phase", by_phase)
+    monkeypatch.setattr(meter_mod, "process_time", lambda: pytest.fail("the process's clock was read"))
+    monkeypatch.setattr(meter_mod.torch, "get_num_threads", lambda: 1)
+    m = StepMeter(torch.device("cpu"), window_steps=1, warmup_steps=1, nvml=False, one_process=True,
+                  optimizer_follows_compute=True)
+    m.start()
+    wins = []
+    for _ in range(2):
+        clocks.spend(1.0, 0.5, 0.25)
+        m.mark(DATA)
+        clocks.spend(2.0, 3.0, 1.5)
+        m.mark(COMPUTE)
+        clocks.spend(1.0, 1.0, 0.75)
+        m.mark(OPTIMIZER)
+        wins.append(m.end_step(samples=4))
+    m.close()
+    win = wins[-1]
+    assert win is not None and not win.warmup
+    assert win.phases_cpu_s == {"other": 0.0, "data": 0.25, "h2d": 0.0, "compute": 1.5, "comm": 0.0,
+                                "optimizer": 0.75}
+    assert win.busy_cpu_s == 2.25 and win.utilization == pytest.approx(2.25 / 4.0)
+    assert passes["by_phase"] == 2 * len(wins)
+
+
+@pytest.mark.parametrize("threads, want", [(1, {"thread": 3}), (2, {"process": 3, "thread": 2})])
+def test_a_step_of_the_default_job_reads_the_cpu_clocks_once_a_mark(monkeypatch, threads, want):
+    """A CPU-time reading is a system call (over ten times a perf_counter reading). A step of the
+    default job, one rank with no loader workers, on one torch thread reads the loop thread's clock
+    once at each of its three marks (data, compute, optimizer): the process's CPU is that thread's.
+    On more threads it reads the process's clock at the three marks and the loop thread's at two
+    (the busy phases' sum is its only figure between them)."""
     reads = Counter()
 
     def counted(name: str, clock: Any) -> Any:
@@ -159,6 +200,9 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
             return clock()
         return read
 
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # nothing in the run changes it back
     monkeypatch.setattr(meter_mod, "process_time", counted("process", meter_mod.process_time))
     monkeypatch.setattr(meter_mod, "thread_time", counted("thread", meter_mod.thread_time))
     per_step: Dict[int, Counter] = {}
@@ -174,6 +218,42 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_five_times(monkeypatch):
     cfg = to_config(compose_dict(DEFAULT_JOB))
     adapter = Adapter(cfg)
     adapter.setup()
-    loop_mod.train(cfg, adapter)
+    try:
+        loop_mod.train(cfg, adapter)
+    finally:
+        monkeypatch.undo()
+        torch.set_num_threads(threads_before)
     assert len(per_step) == 20
-    assert all(c == Counter({"process": 3, "thread": 2}) for c in per_step.values()), per_step
+    assert all(c == Counter(want) for c in per_step.values()), per_step
+
+
+def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(monkeypatch):
+    """Past the warmup, a step that logs nothing and closes no window runs these of the
+    orchestrator's Python functions and no other: the step, its update, the loss, three marks
+    and the step's end. Hooks that act every log_every steps (the noise scale's reads) are not
+    called in between, and the optimizer steps without the adapter's pass-through."""
+    cfg = to_config(compose_dict(DEFAULT_JOB))
+    assert cfg.trainer.log_every == 10 and cfg.trainer.window_steps == 20 and cfg.trainer.noise_scale
+    segments: List[Counter] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or "/orchestrator/" not in frame.f_code.co_filename:
+            return
+        name = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+        if name == "step.py:__call__":
+            segments.append(Counter())
+        if segments:
+            segments[-1][name] += 1
+
+    adapter = Adapter(cfg)
+    adapter.setup()
+    sys.setprofile(profile)
+    try:
+        loop_mod.train(cfg, adapter)
+    finally:
+        sys.setprofile(None)
+    assert len(segments) == 20
+    want = Counter({"step.py:__call__": 1, "step.py:update": 1, "batch.py:cross_entropy": 1, "meter.py:mark": 3,
+                    "meter.py:end_step": 1})
+    for step in (11, 12, 13, 14, 15, 16, 17):  # none logs, closes a window or is the noise scale's
+        assert segments[step] == want, (step, segments[step])

@@ -8,7 +8,8 @@ it, so a run with none of these features pays nothing per step:
 
 - `before_step(run)`: at the top of an optimizer step;
 - `after_step(run) -> bool`: after the step was counted and its window handled; True when it did
-  bookkeeping (then the time since is nobody's data wait);
+  bookkeeping (then the time since is nobody's data wait). A hook whose after_step acts only on
+  multiples of `after_every` steps says so: the loop calls it on those steps only;
 - `on_window(run, win) -> bool`: a measured, whole window closed; True when it is not steady (the
   hook changed what the next windows measure): its figures then feed nothing;
 - `on_figures(run, win, figures)`: the job's figures of a steady window (measure.results.WindowFigures
@@ -88,6 +89,7 @@ class CheckpointHook(Hook):
 
     def __init__(self, ckpt_dir: Path, every: int, mlflow_run_id: Optional[str], start_step: int) -> None:
         self.ckpt_dir, self.every, self.mlflow_run_id, self.start_step = ckpt_dir, every, mlflow_run_id, start_step
+        self.after_every = max(1, every)
 
     def after_step(self, run: Run) -> bool:
         if run.step % self.every == 0 and run.checkpointed != run.step:
@@ -181,6 +183,7 @@ class LoaderAutotuneHook(Hook):
 
     def __init__(self, tuner: LoaderTuner, every: int) -> None:
         self.tuner, self.every = tuner, every
+        self.after_every = every
 
     def on_figures(self, run: Run, win: Any, figures: Any) -> None:
         self.tuner.add(figures.throughput, win.phases_s, win.steps)

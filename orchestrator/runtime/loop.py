@@ -39,7 +39,7 @@ from .hooks import (BalanceHook, CheckpointHook, LatencyJumpHook, LoaderAutotune
 from .meter import StepMeter, model_state_mb
 from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
-from .state import SPAN_EPOCHS_OF_CAP, EventLog, Hook, Run, overriding
+from .state import SPAN_EPOCHS_OF_CAP, EventLog, Hook, Run, after_period, overriding
 from .step import Stepper, check_loss
 
 __all__ = ["SPAN_EPOCHS_OF_CAP", "EventLog", "Run", "TrainResult", "build_dataset", "build_loader", "build_model", "check_model", "loss_fn",
@@ -185,7 +185,8 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
     # profiled steps follow the warmup and are kept out of the measured windows (hooks.ProfilerHook)
     meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
-                      memory_cap_mb=t.memory_cap_mb, warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
+                      memory_cap_mb=t.memory_cap_mb, one_process=adapter.world_size == 1,
+                      warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
                       optimizer_follows_compute=(t.accumulation_steps == 1 and adapter.world_size == 1
                                                  and not adapter.exposed_comm))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,
@@ -267,6 +268,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 profiling=bool(cfg.trainer.profile_steps and trace_path is not None))
     run.hooks = build_hooks(run, trace_path, ckpt_dir, mlflow_run_id)
     before, after = overriding(run.hooks, "before_step"), overriding(run.hooks, "after_step")
+    after_every = after_period(after)  # the steps the `after` hooks may act on (state.Hook.after_every)
     start(run)
     train_step, meter = Stepper(run), run.meter
     t_start = run.t_start = time.perf_counter()
@@ -286,8 +288,9 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
                 if window is not None:
                     run.stop = run.on_window(window)
                 busy = loss is not None or window is not None
-                for hook in after:
-                    busy = hook.after_step(run) or busy
+                if after and run.step % after_every == 0:
+                    for hook in after:
+                        busy = hook.after_step(run) or busy
                 if busy:
                     meter.mark(OTHER)  # the bookkeeping above is nobody's data wait
                 if run.stop:

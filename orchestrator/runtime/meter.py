@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from time import perf_counter, process_time, thread_time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,6 +47,17 @@ __all__ = ["EPOCH_WINDOWS", "PAUSED", "MemorySampler", "NvmlSampler", "StepMeter
 EPOCH_WINDOWS = 4  # an epoch shorter than this many windows is measured in windows of whole epochs
 
 
+def cpu_clocks(cuda: bool, inproc: bool, threads: int, one_process: bool) -> Tuple[bool, bool, bool]:
+    """Which CPU clocks a mark reads (each reading is a system call): (the process's, the loop
+    thread's, the process's CPU is the loop thread's). On CPU the process's gives each phase's CPU
+    time; the loop thread's gives utilization (its busy phases' share) and, with no loader workers
+    (`inproc`), the data phase's CPU, the loader's own (the process's would add the intra-op threads'
+    spin-waits meanwhile). One rank (`one_process`) on one torch thread without loader workers: the
+    process's CPU in a phase is its loop thread's, whose clock alone is read."""
+    thread_is_process = not cuda and inproc and threads == 1 and one_process
+    return not cuda and not thread_is_process, not cuda or inproc, thread_is_process
+
+
 @dataclass
 class StepMeter:
     device: torch.device
@@ -57,6 +68,7 @@ class StepMeter:
     epoch_steps: int = 0  # optimizer steps an epoch (0: not known): short epochs are measured whole
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
+    one_process: bool = False  # the job's only rank: no communication thread spends the process's CPU
     # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch
     # a step, no exposed communication: runtime/step.py): the loop thread's CPU time is not read at the
     # COMPUTE mark, as only its sum over the two busy phases is a figure
@@ -71,16 +83,16 @@ class StepMeter:
         # CPU, a recorded CUDA event on CUDA), and on CPU the process's CPU time (phases' CPU time)
         self._phases: List[int] = []
         self._toks: List[Any] = []
-        self._cpu_on = not self.cuda
         self._cpu: List[float] = []
-        # the loop's own thread's CPU time at each mark: on CPU its busy phases' share is the
-        # utilization, and with no loader workers its data phase is the loader's own CPU (the
-        # process's would add the intra-op threads' spin-waits meanwhile)
+        self._thread_cpu: List[float] = []  # the loop's own thread's CPU time at each mark (cpu_clocks)
         self._inproc = self.queue == 0
-        self._thread_on = not self.cuda or self._inproc
-        self._thread_cpu: List[float] = []
-        self._hook_cpu = self._hook_thread = 0.0
         self.threads = max(1, torch.get_num_threads())
+        self._cpu_on, self._thread_on, self._cpu_is_thread = cpu_clocks(self.cuda, self._inproc, self.threads,
+                                                                        self.one_process)
+        # the thread's clock at the compute mark only splits the busy phases: skipped where only their sum is
+        # read (the optimizer's mark always follows; where the process's CPU is the thread's it splits them)
+        self._copy_compute = self.optimizer_follows_compute and not self._cpu_is_thread
+        self._hook_cpu = self._hook_thread = 0.0
         self._span = CpuSpan()  # the process's and the loader's CPU over the steady span
         self._span_samples = 0  # samples in it (measured, re-warm and partial windows alike)
         self._samples = 0
@@ -140,7 +152,7 @@ class StepMeter:
             self._cpu.append(process_time())
         if self._thread_on:
             thread = self._thread_cpu
-            thread.append(thread[-1] if phase == COMPUTE and self.optimizer_follows_compute else thread_time())
+            thread.append(thread[-1] if phase == COMPUTE and self._copy_compute else thread_time())
 
     def _split_at_hook(self) -> int:
         """DDP: the last gradient bucket was handed to the all-reduce at the hook's token; compute
@@ -311,7 +323,8 @@ class StepMeter:
         wall1 = perf_counter()
         marks, toks = self._phases, self._toks
         pauses, self._pauses = self._pauses, []
-        figures = window_figures(marks, toks, self._cpu, self._thread_cpu, cuda=self.cuda, inproc=self._inproc,
+        cpu = self._thread_cpu if self._cpu_is_thread else self._cpu  # the same list: walked once (window_figures)
+        figures = window_figures(marks, toks, cpu, self._thread_cpu, cuda=self.cuda, inproc=self._inproc,
                                  sampler=self.sampler, t0=self._wall0, t1=wall1, pauses=pauses)
         if self.cuda:  # the window's events are recorded again by the next marks
             self._events.extend(tok for tok in toks[:-1] if tok is not toks[-1])

@@ -153,6 +153,7 @@ class NoiseHook(Hook):
 
     def __init__(self, probe: Optional[NoiseProbe], log_every: int, method: str = "halves") -> None:
         self.probe, self.log_every, self.method = probe, log_every, method
+        self.after_every = log_every  # it reads the pairs at logged steps only
 
     def after_step(self, run: Run) -> bool:
         probe = self.probe

@@ -49,6 +49,8 @@ class Hook:
     """A point the loop calls does nothing unless a hook overrides it (runtime/hooks.py says when
     the loop calls each)."""
 
+    after_every = 1  # after_step does nothing unless run.step is a multiple of this
+
     def before_step(self, run: Run) -> None:
         pass
 
@@ -77,6 +79,12 @@ class Hook:
 def overriding(hooks: List[Hook], point: str) -> List[Hook]:
     """The hooks that override `point` (the loop calls no empty method on its hot path)."""
     return [h for h in hooks if getattr(type(h), point) is not getattr(Hook, point)]
+
+
+def after_period(hooks: List[Hook]) -> int:
+    """The steps between the loop's calls of `hooks`' after_step: every hook acts on multiples of
+    its `after_every` only, so on multiples of their greatest common divisor (1: none)."""
+    return math.gcd(*(h.after_every for h in hooks)) if hooks else 1
 
 
 @dataclass(eq=False)

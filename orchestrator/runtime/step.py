@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 from ..measure.phases import COMM, COMPUTE, DATA, H2D, OPTIMIZER
 from ..rundir import DIVERGED_AT
 from .batch import Feed, to_device
+from .dist import Adapter
 from .flops import StepCounter
 
 if TYPE_CHECKING:  # the run is built by loop.setup; its module does not import this one
@@ -37,6 +38,8 @@ class Stepper:
         self.feed = Feed(run.cfg)
         self.criterion = self.feed.criterion
         self.device, self.mark, self.exposed_comm = run.device, run.meter.mark, run.adapter.exposed_comm
+        # the adapter's step is the optimizer's own (no scaler, no backend's override): called directly
+        self.direct_step = run.scaler is None and type(run.adapter).step is Adapter.step
         self.move = self.device.type != "cpu"
         self.autocast = ((lambda: torch.autocast(run.device.type, dtype=run.amp_dtype)) if run.amp
                          else contextlib.nullcontext)
@@ -62,7 +65,7 @@ class Stepper:
         counting = step == self.counted_step and self.counter is not None
         if counting:
             self.counter.__enter__()  # type: ignore[union-attr]
-        micro = min(self.accum, run.n_batches - b)  # the epoch's last step takes the remainder
+        micro = 1 if self.accum == 1 else min(self.accum, run.n_batches - b)  # the last step: the remainder
         logged = ((step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
                   or (self.checkpoint_every > 0 and (step + 1) % self.checkpoint_every == 0))
         summed = logged or self.sum_losses
@@ -172,7 +175,10 @@ class Stepper:
             if scaler is not None:
                 scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(run.model.parameters(), self.clip)
-        run.adapter.step(optimizer, scaler)
+        if self.direct_step:
+            optimizer.step()
+        else:
+            run.adapter.step(optimizer, scaler)
         optimizer.zero_grad()  # set_to_none (torch's default; Horovod's override takes no args)
         mark(OPTIMIZER)
 

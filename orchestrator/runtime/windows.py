@@ -54,7 +54,10 @@ def window_figures(marks: List[int], toks: List[Any], cpu_at: List[float], threa
         phases, cpu = by_phase(marks, toks), by_phase(marks, cpu_at)
     # the loop thread's CPU time per phase (only its busy phases' sum and its data phase are read)
     thread_on = not cuda or inproc
-    loop = by_phase(marks, thread_at) if thread_on else dict.fromkeys(PHASES, 0.0)
+    if cpu_at is thread_at:  # the process's CPU is the loop thread's (meter.StepMeter._cpu_is_thread)
+        loop = dict(cpu)
+    else:
+        loop = by_phase(marks, thread_at) if thread_on else dict.fromkeys(PHASES, 0.0)
     if thread_on and inproc:
         cpu["data"] = loop["data"]
     wall = t1 - t0 - sum(b - a for a, b in pauses)
