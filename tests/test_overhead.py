@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from orchestrator.measure.phases import COMPUTE, DATA, OPTIMIZER
 from orchestrator.runtime import loop as loop_mod
 from orchestrator.runtime import meter as meter_mod
+from orchestrator.runtime import state as state_mod
 from orchestrator.runtime import windows as windows_mod
 from orchestrator.runtime.dist import Adapter
 from orchestrator.runtime.meter import StepMeter
@@ -85,7 +86,7 @@ def test_a_window_alone_is_the_jobs_window_without_aggregating_it(monkeypatch):
     def refuse(ranks: List[Any]) -> Any:
         raise AssertionError("job_window called for a window no other rank shares")
 
-    monkeypatch.setattr(loop_mod, "job_window", refuse)
+    monkeypatch.setattr(state_mod, "job_window", refuse)
     cfg = to_config(compose_dict(DEFAULT_JOB + ["trainer.window_steps=2", "trainer.warmup_steps=1"]))
     adapter = Adapter(cfg)
     adapter.setup()
