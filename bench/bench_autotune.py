@@ -37,7 +37,7 @@ from orchestrator.merge import load_rank_results
 from orchestrator.tune.study import run_study
 
 LATENCY_MS = 3.0
-COMMON = ["tracking.enabled=false", "trainer.save_model=false", "trainer.epochs=1000", "trainer.window_steps=10",
+COMMON = ["tracking.enabled=false", "trainer.save_model=false", "trainer.epochs=1000", "measure.window_steps=10",
           "trainer.log_every=100", "data.args.size=4096", "data.batch_size=32", "tune.max_workers=4"]
 
 

@@ -56,7 +56,7 @@ def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int, to
     cfg = compose_config([
         f"backend={backend}", "parallelism.nproc_per_node=2", f"parallelism.balance={balance}",
         f"parallelism.balance_tolerance={tolerance}",
-        f"trainer.max_steps={steps}", "trainer.warmup_steps=5", "trainer.window_steps=10",
+        f"trainer.max_steps={steps}", "measure.warmup_steps=5", "measure.window_steps=10",
         "trainer.save_model=false", "tracking.enabled=false", *WORKLOADS[name][0]])
     run_dir = tmp / f"{name.replace(' ', '_')}-{balance}-{i}"
     result = run_job(cfg, run_dir, echo=False, plots=False)

@@ -31,10 +31,10 @@ from typing import List
 from bench.lib import ROOT, table
 from tests.slurm import SlurmCluster, skip_reason
 
-JOB = ["backend=ddp", "data.args.size=4096", "data.batch_size=32", "trainer.max_steps=40", "trainer.warmup_steps=2",
-       "trainer.window_steps=4", "tracking.enabled=false"]
-TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
-        "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
+JOB = ["backend=ddp", "data.args.size=4096", "data.batch_size=32", "trainer.max_steps=40", "measure.warmup_steps=2",
+       "measure.window_steps=4", "tracking.enabled=false"]
+TUNE = ["mode=tune", "measure.warmup_steps=2", "measure.trial_steps=8", "measure.window_steps=4", "tune.pruner=none",
+        "measure.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
         "tune.space.num_workers.high=0", "data.read_latency_ms=1", "tracking.enabled=false"]
 PY = sys.executable
 

@@ -9,7 +9,7 @@ sqlite:///<tmp>/optuna.db):
     (many tiny parameter tensors, almost no compute: the all-reduce dominates).
 
 Every job below is `run_job(trial_config(cfg, values))`: exactly the short job a trial launches
-(a steady-state warmup, then measured to tune.rel_precision), with `values` built by the tuner's own
+(a steady-state warmup, then measured to measure.rel_precision), with `values` built by the tuner's own
 `SearchSpace.sample` (so workers=0 points get the same prefetch/persistent resets as trials).
 
 1. Tuning quality, per workload. The search space is categorical on every knob:

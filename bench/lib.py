@@ -145,8 +145,8 @@ def reference_config(trial_cfg: Config, trial: Figures, factor: float) -> Config
     trial_samples = max(trial["throughput"] * trial["measured_s"], samples_per_step * 4)
     warm = 3 * steady_warmup_steps(trial_cfg)
     steps = warm + math.ceil(factor * trial_samples / samples_per_step)
-    return apply(trial_cfg, {"trainer.rel_precision": 0.0, "trainer.warmup_steps": warm, "trainer.max_steps": steps,
-                             "trainer.window_s": REFERENCE_WINDOW_S, "trainer.timeout_s": 1800})
+    return apply(trial_cfg, {"measure.rel_precision": 0.0, "measure.warmup_steps": warm, "trainer.max_steps": steps,
+                             "measure.window_s": REFERENCE_WINDOW_S, "trainer.timeout_s": 1800})
 
 
 def validity(name: str, cfg: Config, space: SearchSpace, grid: List[Point], factor: float, tmp: Path,

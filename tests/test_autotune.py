@@ -91,7 +91,7 @@ def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, t
     order, nothing twice or skipped across the switches, and ended with the parameters of the same
     run without autotune."""
     same = ["backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=300",
-            "data.args.size=512", "trainer.window_steps=8", "trainer.warmup_steps=1", "trainer.log_every=20",
+            "data.args.size=512", "measure.window_steps=8", "measure.warmup_steps=1", "trainer.log_every=20",
             "data.latency_jump_at=30", "data.latency_after_ms=3", "tune.max_workers=4"]
     cfg = make_cfg(*same, f"+model.args.record_dir={tmp_path}", "trainer.loader_autotune=true",
                    "trainer.loader_autotune_every=10")

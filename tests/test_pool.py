@@ -13,8 +13,8 @@ from orchestrator.tune.study import run_study
 from .conftest import job_processes
 
 # trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
-         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
+SHORT = ["mode=tune", "measure.warmup_steps=2", "measure.window_steps=4", "measure.window_s=0.05", "measure.rel_precision=0.1",
+         "measure.min_measure_s=0.1", "measure.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
          "tune.baseline=false", "tune.extend_edges=false", "tune.global_batch=free"]
 
 

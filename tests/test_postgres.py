@@ -20,8 +20,8 @@ from .pg import PASSWORD, PostgresServer, pg_bin
 
 pytestmark = pytest.mark.skipif(pg_bin() is None, reason="PostgreSQL is not installed (make setup installs it)")
 
-TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
-        "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0",
+TUNE = ["mode=tune", "measure.warmup_steps=2", "measure.trial_steps=8", "measure.window_steps=4", "tune.pruner=none",
+        "measure.rel_precision=0", "tune.confirm_top=0", "tune.patience=0",
         "tune.space.batch_size.high=32", "tune.space.num_workers.high=0"]
 
 

@@ -79,7 +79,7 @@ def _setup(cfg):
 
 @pytest.mark.parametrize("n, b", [(4, 8), (3, 5)])
 def test_accumulation_equals_one_large_batch(make_cfg, n, b):
-    common = ["data.shuffle=false", "trainer.lr=1.0", "trainer.max_steps=1", "trainer.warmup_steps=0"]
+    common = ["data.shuffle=false", "trainer.lr=1.0", "trainer.max_steps=1", "measure.warmup_steps=0"]
     small = _grads_after_one_step(make_cfg(*common, f"data.batch_size={b}", f"trainer.accumulation_steps={n}"))
     large = _grads_after_one_step(make_cfg(*common, f"data.batch_size={n * b}", "trainer.accumulation_steps=1"))
     for k in large:

@@ -22,8 +22,8 @@ from orchestrator.tune.study import run_study
 from .conftest import ROOT
 
 # trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
-         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
+SHORT = ["mode=tune", "measure.warmup_steps=2", "measure.window_steps=4", "measure.window_s=0.05", "measure.rel_precision=0.1",
+         "measure.min_measure_s=0.1", "measure.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
          "tune.extend_edges=false", "tune.global_batch=free"]
 
 
@@ -269,8 +269,8 @@ def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):
 @pytest.mark.slow  # 19 s of four processes
 def test_runs_started_together_on_a_fresh_tracking_db(tmp_path):
     mlflow_url = f"sqlite:///{tmp_path}/mlflow.db"
-    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "trainer.max_steps=6", "trainer.warmup_steps=1",
-                               "trainer.window_steps=2", f"tracking.uri={mlflow_url}", f"hydra.run.dir={tmp_path}/r{i}"],
+    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "trainer.max_steps=6", "measure.warmup_steps=1",
+                               "measure.window_steps=2", f"tracking.uri={mlflow_url}", f"hydra.run.dir={tmp_path}/r{i}"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
@@ -323,7 +323,7 @@ def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
 @pytest.mark.slow  # a study of its own, 9-21 s
 def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "trainer.warmup_steps=1",
+        [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "measure.warmup_steps=1",
          "model._target_=tasks.models.Linear,tasks.faults.FailingLinear", f"tracking.uri={mlflow_uri}",
          "tracking.experiment=sweep-test", f"hydra.sweep.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -766,7 +766,7 @@ def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_p
 def test_the_rerun_line_trains_and_measures(tmp_path):
     """The study's printed rerun line, run as printed: the rerun's result has figures."""
     study_dir, rerun_dir = tmp_path / "study", tmp_path / "rerun"
-    args = [sys.executable, "-m", "orchestrator", *SHORT, "trainer.warmup_steps=1", "tune.n_trials=2",
+    args = [sys.executable, "-m", "orchestrator", *SHORT, "measure.warmup_steps=1", "tune.n_trials=2",
             "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "tune.space.accumulation_steps.high=1",
             f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tracking.enabled=false", f"hydra.run.dir={study_dir}"]
     subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
@@ -775,7 +775,8 @@ def test_the_rerun_line_trains_and_measures(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads((rerun_dir / "result.json").read_text())
     assert result["status"] == "FINISHED" and result["throughput"] > 0 and result["utilization"] is not None
-    assert "trainer.warmup_steps=1" in rerun and not any(a.startswith(("mode=", "tune.")) for a in rerun)
+    assert "measure.warmup_steps=1" in rerun and not any(a.startswith(("mode=", "tune.")) for a in rerun)
+    assert not any(a.startswith(("measure.rel_precision=", "measure.max_measure_s=")) for a in rerun)  # the trials' stop rule
 
 
 @pytest.mark.slow  # a study of its own, 9-21 s

@@ -70,7 +70,7 @@ def overriding(hooks: List[Hook], point: str) -> List[Hook]:
 
 
 class ProfilerHook(Hook):
-    """trainer.profile_steps: the `n` steps from `start` (the end of the warmup) are profiled; they
+    """measure.profile_steps: the `n` steps from `start` (the end of the warmup) are profiled; they
     are kept out of the measured windows, and so is their teardown (trace export) and the loader
     queue that filled up meanwhile: the meter warms up again."""
 

@@ -265,12 +265,12 @@ class Run:
 
     def on_window(self, win: Window) -> bool:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
-        t, meter = self.cfg.trainer, self.meter
+        m, meter = self.cfg.measure, self.meter
         meter.check_memory()
         own = win.figures()
         if win.warmup:  # its step time includes the start-up: it may only shorten the first window
-            if t.window_s > 0:
-                meter.resize(self.job_figures(win, own).step_time_s, t.window_s, at_most=t.window_steps)
+            if m.window_s > 0:
+                meter.resize(self.job_figures(win, own).step_time_s, m.window_s, at_most=m.window_steps)
             return False
         self.events.write(WindowEvent(type="window", step=own.step, throughput=own.throughput,
                                       utilization=own.utilization, data_wait_frac=own.data_wait_frac,
@@ -284,7 +284,7 @@ class Run:
         job = self.job_figures(win, own)
         for hook in overriding(self.hooks, "on_figures"):
             hook.on_figures(self, win, job)
-        meter.resize(job.step_time_s, t.window_s)
+        meter.resize(job.step_time_s, m.window_s)
         if self.rule is None or self.rule.add(job.throughput, job.wall_s) is None:
             return False
         return self.span_done(job.step_time_s)
@@ -296,7 +296,7 @@ class Run:
         began (StepMeter.steps_to_whole_epochs: an epoch's pre-made tail is paid for by its restart),
         for at most that long again in all, whatever the windows do meanwhile."""
         assert self.rule is not None
-        meter, cap = self.meter, self.cfg.trainer.max_measure_s or self.rule.measured_s
+        meter, cap = self.meter, self.cfg.measure.max_measure_s or self.rule.measured_s
         if self.rule_met_s is None:
             self.rule_met_s = self.rule.measured_s
         left = meter.steps_to_whole_epochs()
@@ -352,8 +352,9 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     # the DataLoader's (workers' base seeds; ShareSampler's order is that of seed + epoch)
     generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
     # profiled steps follow the warmup and are kept out of the measured windows (hooks.ProfilerHook)
-    meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
-                      memory_cap_mb=t.memory_cap_mb, warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
+    m = cfg.measure
+    meter = StepMeter(device, window_steps=m.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
+                      memory_cap_mb=t.memory_cap_mb, warmup_steps=m.warmup_steps + (m.profile_steps + 1 if profiling else 0),
                       optimizer_follows_compute=(t.accumulation_steps == 1 and adapter.world_size == 1
                                                  and not adapter.exposed_comm))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,
@@ -363,8 +364,8 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
         run.balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance, step=run.step,
                                 resumed=saved)
     meter.fit_epoch(steps_per_epoch(loader, t.accumulation_steps))
-    run.rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
-    run.collective = adapter.world_size > 1 and (run.rule is not None or t.window_s > 0 or t.loader_autotune)
+    run.rule = StopRule(m.rel_precision, m.min_measure_s, m.max_measure_s) if m.rel_precision > 0 else None
+    run.collective = adapter.world_size > 1 and (run.rule is not None or m.window_s > 0 or t.loader_autotune)
     run.loader_tuner = loader_tuner(cfg, adapter, dataset, events, ck)
     reset_latency(cfg, dataset, run.step)
     run.per_epoch = steps_per_epoch(loader, t.accumulation_steps)
@@ -385,8 +386,9 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
     hooks: List[Hook] = []
     if t.warmup_lr_steps:
         hooks.append(LrWarmupHook(t.lr, t.warmup_lr_steps))
-    if t.profile_steps and trace_path is not None:
-        hooks.append(ProfilerHook(Profiler(run.device, trace_path), t.warmup_steps, t.profile_steps))
+    m = cfg.measure
+    if m.profile_steps and trace_path is not None:
+        hooks.append(ProfilerHook(Profiler(run.device, trace_path), m.warmup_steps, m.profile_steps))
     if run.balancer is not None:
         hooks.append(BalanceHook(run.balancer))
     saves = ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
@@ -433,7 +435,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
     t_setup = time.perf_counter()
     run = setup(cfg, adapter, events or EventLog(None), model, dataset, resume,
-                profiling=bool(cfg.trainer.profile_steps and trace_path is not None))
+                profiling=bool(cfg.measure.profile_steps and trace_path is not None))
     run.hooks = build_hooks(run, trace_path, ckpt_dir, mlflow_run_id)
     before, after = overriding(run.hooks, "before_step"), overriding(run.hooks, "after_step")
     start(run)
@@ -481,10 +483,10 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
 
 def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:
     """The rank's result: the meter's summary with MFU, the stop reason and each hook's part."""
-    t, meter = run.cfg.trainer, run.meter
+    meter = run.meter
     summary = meter.summary()
     summary.update(mfu_figures(train_step.flops, summary.get("throughput"), run.device, run.amp, run.amp_dtype,
-                               t.peak_tflops))
+                               run.cfg.measure.peak_tflops))
     summary["stopped_by"] = run.stopped_by or (run.rule.reason if run.rule is not None and run.rule.reason else "steps")
     summary["model_state_mb"] = model_state_mb(run.model, run.optimizer)
     for hook in run.hooks:
