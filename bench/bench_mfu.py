@@ -40,7 +40,7 @@ def steady_mfu(batch: int, tmp: Path, n: int) -> dict:
 
 
 def counting_cost(preset: str) -> float:
-    cfg = compose_config([f"experiment={preset}", "tracking.enabled=false", "data.read_latency_ms=0"])
+    cfg = compose_config([f"experiment={preset}", "tracking.enabled=false", "sim.read_latency_ms=0"])
     adapter = Adapter(cfg)
     adapter.setup()
     model = build_model(cfg)

@@ -3,7 +3,7 @@
 Workloads (tracking off, everything under one temporary directory, Optuna storage
 sqlite:///<tmp>/optuna.db):
 
-  * input_bound: experiment=input_bound, data.read_latency_ms=2, data.args.blur_passes=1
+  * input_bound: experiment=input_bound, sim.read_latency_ms=2, data.args.blur_passes=1
     (single process; the loader's per-sample reads and transform dominate);
   * comm_heavy:  experiment=comm_heavy, backend=ddp, parallelism.nproc_per_node=2
     (many tiny parameter tensors, almost no compute: the all-reduce dominates).

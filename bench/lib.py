@@ -40,7 +40,7 @@ KEYS = {"batch_size": "data.batch_size", "num_workers": "data.num_workers",
 # bench_tune's workloads, whose 24-point grids bench_trials and bench_samplers measure too
 WORKLOADS: Dict[str, Dict[str, Any]] = {
     "input_bound": {
-        "overrides": ["experiment=input_bound", "data.read_latency_ms=2", "data.args.blur_passes=1"],
+        "overrides": ["experiment=input_bound", "sim.read_latency_ms=2", "data.args.blur_passes=1"],
         "space": {"batch_size": [16, 32, 64], "num_workers": [0, 1, 2, 4], "accumulation_steps": [1, 2]},
         "quick": {"batch_size": [8, 16, 32, 64], "num_workers": [0, 4], "accumulation_steps": [1, 2]},
     },

@@ -209,9 +209,6 @@ class DataConfig:
     persistent_workers: bool = False
     shuffle: bool = True
     drop_last: bool = True
-    read_latency_ms: float = 0.0  # simulated per-sample storage latency, for any dataset
-    latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
-    latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
     # {_target_, args}: the loaders' collate_fn, called as fn(items, **args); null: torch's default
     collate_fn: Optional[Any] = None  # Any: OmegaConf merges a mapping given on the command line over null
     batch_key: Optional[str] = None  # a dict batch's key whose leading dimension is the batch size; null: the first tensor's
@@ -240,11 +237,6 @@ class DataConfig:
             not self.persistent_workers or self.num_workers > 0,
             "data.persistent_workers: needs data.num_workers > 0; set it to false or raise num_workers",
         )
-        _require(self.read_latency_ms >= 0, f"data.read_latency_ms: must be >= 0, got {self.read_latency_ms}")
-        _require(self.latency_jump_at >= 0, f"data.latency_jump_at: must be a step >= 0 (0 = never), got {self.latency_jump_at}")
-        _require(self.latency_after_ms >= 0, f"data.latency_after_ms: must be >= 0, got {self.latency_after_ms}")
-        _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
-                 "data.latency_after_ms: applies with data.latency_jump_at > 0 (the step the latency changes at)")
         check_target("data", self._target_, self.args)
         if self.collate_fn is not None:
             target, args = target_spec("data.collate_fn", self.collate_fn)
@@ -258,6 +250,24 @@ class DataConfig:
                                              "or a share of the training set held out)")
             target, args = target_spec("data.val", self.val)
             check_target("data.val", target, args)
+
+
+@dataclass
+class SimConfig:
+    """A simulated slow storage for the benchmarks and tests (and `experiment=input_bound`): a
+    per-item read latency around any dataset (runtime/data.py, LatencyDataset), and a change of
+    it at a step, a load change for the loader's autotune to follow."""
+
+    read_latency_ms: float = 0.0  # per-item read latency, training and validation sets alike; 0: none
+    latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
+    latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
+
+    def __post_init__(self) -> None:
+        _require(self.read_latency_ms >= 0, f"sim.read_latency_ms: must be >= 0, got {self.read_latency_ms}")
+        _require(self.latency_jump_at >= 0, f"sim.latency_jump_at: must be a step >= 0 (0 = never), got {self.latency_jump_at}")
+        _require(self.latency_after_ms >= 0, f"sim.latency_after_ms: must be >= 0, got {self.latency_after_ms}")
+        _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
+                 "sim.latency_after_ms: applies with sim.latency_jump_at > 0 (the step the latency changes at)")
 
 
 @dataclass
@@ -694,6 +704,7 @@ class Config:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sim: SimConfig = field(default_factory=SimConfig)  # benchmarks and tests: a simulated slow storage
     tags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -762,6 +773,7 @@ def register_configs() -> None:
         ("measure", MeasureConfig),
         ("tune", TuneConfig),
         ("tracking", TrackingConfig),
+        ("sim", SimConfig),
     ):
         # conf/<group>/*.yaml start with `- /<group>_schema@_here_`: a root config, not a group, so
         # neither the group's choices nor --help list it
@@ -855,7 +867,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 __all__: List[str] = [
     "AmpDtype", "Balance", "Launcher", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
-    "DistBackend", "Loss", "MeasureConfig", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
+    "DistBackend", "Loss", "MeasureConfig", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig", "SimConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "plain", "to_config", "to_yaml",
 ]

@@ -30,7 +30,7 @@ def test_compose_config_is_the_cli_config_and_leaves_hydra_clear():
     """The helper the tests and the benchmarks share: overrides applied, validated, and Hydra's
     global state left clear for the next composition (or the CLI's)."""
     cfg = compose_config(["data.batch_size=7", "experiment=input_bound"])
-    assert cfg.data.batch_size == 7 and cfg.data.read_latency_ms > 0  # the experiment's own setting
+    assert cfg.data.batch_size == 7 and cfg.sim.read_latency_ms > 0  # the experiment's own setting
     assert not GlobalHydra.instance().is_initialized()
     with pytest.raises(ConfigError, match="data.batch_size"):
         compose_config(["data.batch_size=0"])
@@ -157,7 +157,7 @@ def test_flatten_gives_scalar_params():
 
 def test_non_finite_floats_are_refused():
     for override, field in [("trainer.lr=inf", "trainer.lr"), ("trainer.timeout_s=inf", "trainer.timeout_s"),
-                            ("data.read_latency_ms=inf", "data.read_latency_ms"),
+                            ("sim.read_latency_ms=inf", "sim.read_latency_ms"),
                             ("tune.space.batch_size.high=inf", "tune.space.batch_size.high")]:
         with pytest.raises(ConfigError) as info:
             to_config(compose_dict([override]))

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from .conftest import ROOT, job_processes, run_cli
 
 # long enough never to end by itself while a test looks at it (each test stops it)
-ENDLESS = ["data.args.size=4096", "data.batch_size=8", "data.read_latency_ms=2", "trainer.max_steps=100000", "trainer.epochs=1000",
+ENDLESS = ["data.args.size=4096", "data.batch_size=8", "sim.read_latency_ms=2", "trainer.max_steps=100000", "trainer.epochs=1000",
            "measure.warmup_steps=1", "measure.window_steps=5", "trainer.log_every=1"]
 
 

@@ -78,7 +78,7 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["linear_classifier", "transformer_lm", "input_bound"])
 def test_mfu_on_shipped_workloads(make_cfg, preset):
-    cfg = make_cfg(f"experiment={preset}", "trainer.max_steps=8", "data.read_latency_ms=0")
+    cfg = make_cfg(f"experiment={preset}", "trainer.max_steps=8", "sim.read_latency_ms=0")
     adapter = Adapter(cfg)
     adapter.setup()
     res = train(cfg, adapter).meter

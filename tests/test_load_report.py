@@ -21,7 +21,7 @@ def report_of(run_dir):
 
 
 def test_read_latency_is_input_bound(make_cfg, tmp_path):
-    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1",
+    cfg = make_cfg("experiment=input_bound", "sim.read_latency_ms=3", "data.args.blur_passes=1",
                    "trainer.max_steps=14", *MEASURE)
     result = run_job(cfg, tmp_path, echo=False)
     rep = report_of(tmp_path)

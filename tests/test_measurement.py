@@ -34,9 +34,9 @@ def latency_runs():
     common = ["experiment=transformer_lm", "data.args.size=256", f"data.batch_size={BATCH}", "trainer.max_steps=26",
               "measure.warmup_steps=2", "measure.window_steps=8"]
     return {
-        "slow": run(make(*common, f"data.read_latency_ms={LAT_MS}")),
-        "fast": run(make(*common, "data.read_latency_ms=0")),
-        "workers": run(make(*common, f"data.read_latency_ms={LAT_MS}", "data.num_workers=2",
+        "slow": run(make(*common, f"sim.read_latency_ms={LAT_MS}")),
+        "fast": run(make(*common, "sim.read_latency_ms=0")),
+        "workers": run(make(*common, f"sim.read_latency_ms={LAT_MS}", "data.num_workers=2",
                             "data.persistent_workers=true")),
     }
 

@@ -26,7 +26,7 @@ def trials_of(summary):
 def test_pool_and_relaunch_find_the_same_best(make_cfg, tmp_path, backend):
     # 3 ms reads per sample: 4 DataLoader workers are clearly better than none
     common = [f"backend={backend}", "parallelism.nproc_per_node=2", "experiment=input_bound",
-              "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=2",
+              "sim.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=2",
               "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
               "tune.space.accumulation_steps.high=1", "tune.space.num_workers.type=categorical",
               "tune.space.num_workers.choices=[0,4]"]

@@ -78,7 +78,7 @@ def test_bad_storage_is_one_line_before_any_trial(pg, make_cfg, tmp_path):
 def test_database_restart_mid_study_loses_nothing(pg, tmp_path, mlflow_uri):
     storage = pg.url("optuna")
     args = [*TUNE, "tune.n_trials=6", "tune.study_name=restart", f"tune.storage={storage}",
-            f"tracking.uri={mlflow_uri}", "data.read_latency_ms=0.3"]
+            f"tracking.uri={mlflow_uri}", "sim.read_latency_ms=0.3"]
     procs = tuners(2, args, tmp_path, "r")
     end = time.monotonic() + 180
     while time.monotonic() < end:

@@ -24,7 +24,7 @@ from orchestrator.tune.rules import counted
 from .conftest import ROOT, job_processes, run_cli
 
 # ~15 ms per step on 2 ranks: long enough to be interrupted mid-way
-SLOW = ["data.args.size=2048", "data.batch_size=8", "data.read_latency_ms=2", "trainer.lr=0.05",
+SLOW = ["data.args.size=2048", "data.batch_size=8", "sim.read_latency_ms=2", "trainer.lr=0.05",
         "trainer.max_steps=60", "trainer.checkpoint_every=10", "measure.warmup_steps=1", "measure.window_steps=5"]
 
 
@@ -116,7 +116,7 @@ def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend
 
 
 SHORT_RUN = ["trainer.max_steps=12", "trainer.checkpoint_every=5", "measure.warmup_steps=1", "measure.window_steps=2",
-             "data.read_latency_ms=0.2"]
+             "sim.read_latency_ms=0.2"]
 
 
 @pytest.mark.slow  # kept out of the suite's 10 minutes (make test-slow)
@@ -142,7 +142,7 @@ def test_finished_run_is_never_rewritten_and_continues_only_when_raised(tmp_path
     changed = run_cli([*SHORT_RUN[:-1], f"tracking.uri={mlflow_uri}", f"trainer.resume={run_dir}"], cwd=tmp_path)
     assert changed.returncode == 2
     lines = [x for x in changed.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "data.read_latency_ms (0.2 -> 0.0)" in lines[0], changed.stderr
+    assert len(lines) == 1 and "sim.read_latency_ms (0.2 -> 0.0)" in lines[0], changed.stderr
     assert lines[0].startswith("error: trainer.resume: a resume continues the same run")
     assert (run_dir / "result.json").read_bytes() == recorded and not (tmp_path / "outputs").exists()
 
@@ -266,7 +266,7 @@ def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     args = ["mode=tune", "tune.n_trials=4", "tune.study_name=interrupt-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
             "measure.warmup_steps=1", "measure.trial_steps=20", "measure.window_steps=10", "tune.pruner=none",
             "measure.rel_precision=0", "tune.confirm_top=0",
-            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "data.read_latency_ms=1",
+            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "sim.read_latency_ms=1",
             "tune.global_batch=free"]
     first = cli(args, tmp_path / "first", mlflow_uri)
     storage = f"sqlite:///{tmp_path}/optuna.db"

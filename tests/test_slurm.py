@@ -221,7 +221,7 @@ def cut_a_worker(cluster, mlflow_uri, tmp_path, *action: str) -> tuple:
     journal = f"journal:///{tmp_path}/study.log"
     args = [*TUNE, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", "tune.workers=2", "tune.n_trials=4",
             "tune.study_name=cut", f"tune.storage={journal}", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}/run",
-            "data.read_latency_ms=1"]
+            "sim.read_latency_ms=1"]
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **cluster.env})
     job, trial = None, None
@@ -370,7 +370,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, make_cfg, m
     resumes that run (same run dir, one MLflow run, resumed_from_step) to the full step count, with
     the parameters of an uninterrupted run."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    args = ["backend=ddp", *REQUEUE_WORKLOAD, "data.read_latency_ms=3", "measure.warmup_steps=1",
+    args = ["backend=ddp", *REQUEUE_WORKLOAD, "sim.read_latency_ms=3", "measure.warmup_steps=1",
             "measure.window_steps=5", "trainer.log_every=5", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"]
     cmd = " ".join(["exec", sys.executable, "-m", "orchestrator", *[f"'{a}'" for a in args]])
     warning = "--signal=B:USR1@60" if to == "batch" else "--signal=USR1@60"

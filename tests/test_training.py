@@ -32,7 +32,7 @@ TASKS = [
     ("linear_classifier", ["trainer.lr=0.1"], 60, True),
     ("mlp_accumulation", [], 8, False),
     ("linear_regression", [], 60, True),
-    ("input_bound", ["data.read_latency_ms=0", "data.args.size=512", "data.batch_size=16", "trainer.lr=0.05",
+    ("input_bound", ["sim.read_latency_ms=0", "data.args.size=512", "data.batch_size=16", "trainer.lr=0.05",
                      "trainer.momentum=0.9"], 60, True),
     ("transformer_lm", ["data.args.size=512"], 40, True),
     ("comm_heavy", ["trainer.lr=0.05", "data.batch_size=32"], 60, True),

@@ -40,7 +40,7 @@ def workers_study(tmp_path_factory, mlflow_uri):
     run_dir = tmp_path_factory.mktemp("tune-workers")
     cfg = to_config(compose_dict(TINY + [
         f"tracking.uri={mlflow_uri}", "tracking.experiment=tune-tests", "experiment=input_bound",
-        "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5", "tune.confirm_top=2",
+        "sim.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5", "tune.confirm_top=2",
         f"tune.storage=sqlite:///{run_dir}/optuna.db",
         "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
         "tune.space.accumulation_steps.high=1", "tune.max_workers=4",
@@ -132,7 +132,7 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     # transformer with 1 ms reads: batch 1 keeps the step busier by wall time (less efficient
     # kernels: more CPU per sample too) but moves fewer samples per second than batch 64
-    cfg = make_cfg("experiment=transformer_lm", "data.read_latency_ms=1", *SHORT, "tune.n_trials=4",
+    cfg = make_cfg("experiment=transformer_lm", "sim.read_latency_ms=1", *SHORT, "tune.n_trials=4",
                    "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
                    "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[1,64]",
                    "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1")
@@ -516,7 +516,7 @@ def test_guided_search_follows_the_job_model(make_cfg, tmp_path):
     """The baseline (no workers, 3 ms reads per sample) waits on its reads: the job model fitted to
     it predicts that sleeping workers pay beyond the 2 cores, and its proposal runs next, with the
     prediction and what it rests on as the reason."""
-    common = ["experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
+    common = ["experiment=input_bound", "sim.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
               "tune.n_trials=2", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
               "tune.space.accumulation_steps.high=1", "tune.max_workers=8"]
     cfg = make_cfg(*common, f"tune.storage=sqlite:///{tmp_path}/optuna.db")
@@ -685,7 +685,7 @@ def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, cap
     is input-bound at the most workers the space allows (a read sleeps 320 ms a batch: no load on the
     machine makes that compute-bound); the study widens num_workers (up to tune.max_workers_cap) and
     tries the step."""
-    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=40", "data.args.blur_passes=0", *SHORT,
+    cfg = make_cfg("experiment=input_bound", "sim.read_latency_ms=40", "data.args.blur_passes=0", *SHORT,
                    "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=grid", "tune.max_workers=2",
                    "tune.max_workers_cap=3", "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
                    "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[8]",
@@ -787,7 +787,7 @@ def test_a_pruned_trial_shows_its_last_window_and_the_pruners_reason(make_cfg, t
                    f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.type=categorical",
                    "tune.space.batch_size.choices=[32]", "tune.space.num_workers.high=0",
                    "tune.space.accumulation_steps.high=4",
-                   "+tune.space.read={key: data.read_latency_ms, type: categorical, choices: [0.0, 2.0]}")
+                   "+tune.space.read={key: sim.read_latency_ms, type: categorical, choices: [0.0, 2.0]}")
     summary = run_study(cfg, tmp_path)
     out = capsys.readouterr().out
     pruned = [t for t in study_of(summary).trials if t.state == optuna.trial.TrialState.PRUNED]

@@ -196,7 +196,7 @@ class SignalCheckpointHook(Hook):
 
 
 class LatencyJumpHook(Hook):
-    """data.latency_jump_at: from that step on the dataset reads with data.latency_after_ms."""
+    """sim.latency_jump_at: from that step on the dataset reads with sim.latency_after_ms."""
 
     def __init__(self, at: int, after_ms: float) -> None:
         self.at, self.after_ms = at, after_ms

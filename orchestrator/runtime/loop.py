@@ -399,8 +399,8 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
         # after the periodic checkpoint (a step both ask for is saved once), before the loader autotune
         request = checkpoint_request_path(ckpt_dir) if adapter.rank == 0 else None
         hooks.append(SignalCheckpointHook(saver, request, SIGNAL_CHECK_EVERY))
-    if isinstance(run.dataset, LatencyDataset) and cfg.data.latency_jump_at > 0:
-        hooks.append(LatencyJumpHook(cfg.data.latency_jump_at, cfg.data.latency_after_ms))
+    if isinstance(run.dataset, LatencyDataset) and cfg.sim.latency_jump_at > 0:
+        hooks.append(LatencyJumpHook(cfg.sim.latency_jump_at, cfg.sim.latency_after_ms))
     if run.loader_tuner is not None:
         hooks.append(LoaderAutotuneHook(run.loader_tuner, t.loader_autotune_every))
     noise = noise_hook(run)  # sets run.noise
