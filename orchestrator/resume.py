@@ -165,7 +165,7 @@ MAY_CHANGE = (
     "trainer.eval_every", "trainer.val_metric", "trainer.target_loss", "data.val.",
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
-    "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance", "parallelism.balance_tolerance",
+    "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance",
     "parallelism.oversubscribe",
 )
 

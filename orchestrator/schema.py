@@ -306,14 +306,10 @@ class ParallelismConfig:
     hostfile: Optional[str] = None  # horovod: a hostfile instead of hosts
     shard_size: int = 0  # fsdp: ranks a model is sharded over (HSDP: replicated across groups); 0: all ranks
     balance: Balance = Balance.even  # speed: split the global batch by the ranks' measured speeds
-    balance_tolerance: float = 0.1  # speed: re-balance when the shares the speeds call for differ more
     oversubscribe: bool = False  # start nproc_per_node ranks even beyond 4 a CPU core of this machine (launch.py)
 
     def __post_init__(self) -> None:
         _require(self.shard_size >= 0, f"parallelism.shard_size: must be >= 0 (0 = all ranks), got {self.shard_size}")
-        _require(0 < self.balance_tolerance < 1,
-                 f"parallelism.balance_tolerance: must be in (0, 1) (a relative change of a share), "
-                 f"got {self.balance_tolerance}")
         _require(self.nproc_per_node >= 1, f"parallelism.nproc_per_node: must be >= 1, got {self.nproc_per_node}")
         _require(self.nnodes >= 1, f"parallelism.nnodes: must be >= 1, got {self.nnodes}")
         _require(
@@ -601,7 +597,6 @@ class TuneConfig:
     trial_plots: bool = False  # timeline/breakdown PNGs for every trial (~0.4 s each); the report files always
     trial_timeout_s: float = 600.0
     extend_edges: bool = True  # a best on the top of a dimension its verdict points past: widen it a step, try it
-    max_workers_cap: Optional[int] = None  # how far extend_edges may take data.num_workers; null: 4 x CPU cores per rank
     allow_large_global_batch: bool = False  # pick a trial that trains one optimizer step per epoch (or fewer)
     patience: int = 10  # end the study after this many trials in a row that beat the best by less than its noise; 0: off
     # auto: a new study starts from the newest earlier study of this job (its fingerprint) in tune.storage;
@@ -623,8 +618,6 @@ class TuneConfig:
                  f"tune.max_workers: must be null or >= 0, got {self.max_workers}")
         _require(0 <= self.max_failure_rate <= 1, f"tune.max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
         _require(self.trial_timeout_s > 0, f"tune.trial_timeout_s: must be > 0, got {self.trial_timeout_s}")
-        _require(self.max_workers_cap is None or self.max_workers_cap >= 0,
-                 f"tune.max_workers_cap: must be null or >= 0, got {self.max_workers_cap}")
         _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
         _require(isinstance(self.warm_start, str) and self.warm_start.strip() == self.warm_start != "",
                  f"tune.warm_start: allowed: auto, off, a study's name or its MLflow run id, got {self.warm_start!r}")

@@ -121,7 +121,6 @@ def test_names_later_issues_rely_on():
     (["backend=fsdp", "backend.shard_modules=[nn.Linear]"], "backend.shard_modules: 'nn.Linear' is not a class name"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip: must be >= 0 (0 = off), got -1"),
     (["backend=ddp", "parallelism.balance=fast"], "parallelism.balance: invalid value 'fast'; allowed: even, speed"),
-    (["backend=ddp", "parallelism.balance_tolerance=0"], "parallelism.balance_tolerance: must be in (0, 1)"),
     (["parallelism.balance=speed"], "parallelism.balance: speed splits the batch between ranks, and backend=single"),
     (["trainer.amp=maybe"], "trainer.amp: invalid value 'maybe'; allowed: true, false"),
     (["data.batch_size=[1,2"], "data.batch_size: malformed override 'data.batch_size=[1,2'; expected data.batch_size=<an integer>"),

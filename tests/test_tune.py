@@ -680,14 +680,17 @@ def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp
 
 
 @pytest.mark.slow  # a study of its own, 9-21 s
-def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys):
+def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys, monkeypatch):
     """40 ms sleeping reads per sample (320 ms per batch of 8 per worker, no transform): the best
     is input-bound at the most workers the space allows (a read sleeps 320 ms a batch: no load on the
-    machine makes that compute-bound); the study widens num_workers (up to tune.max_workers_cap) and
+    machine makes that compute-bound); the study widens num_workers (up to its cap, 3 here) and
     tries the step."""
+    from orchestrator.tune import proposals
+
+    monkeypatch.setattr(proposals, "workers_cap", lambda space: 3)  # 4 x the cores of a rank elsewhere
     cfg = make_cfg("experiment=input_bound", "sim.read_latency_ms=40", "data.args.blur_passes=0", *SHORT,
                    "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=grid", "tune.max_workers=2",
-                   "tune.max_workers_cap=3", "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
                    "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[8]",
                    "tune.space.accumulation_steps.high=1", "~tune.space.prefetch_factor")
     summary = run_study(cfg, tmp_path)
@@ -702,7 +705,7 @@ def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, cap
     assert study_of(summary).user_attrs["extended"] == {"num_workers": 3}
     assert "widened num_workers to [0, 3], trying num_workers=3" in out
     if summary["edges"]:  # the best on the new edge, still input-bound: the cap is said
-        assert summary["edges"][0]["capped"] == "tune.max_workers_cap=3" and "[tune] edge: " in out
+        assert summary["edges"][0]["capped"].startswith("data.num_workers=3 is the most") and "[tune] edge: " in out
     rows = (tmp_path / "trials.csv").read_text().splitlines()
     assert "global_batch" in rows[0] and "prune_reason" in rows[0] and ",edge," in "\n".join(rows)
 
@@ -727,7 +730,7 @@ def test_the_edge_rules(make_cfg):
     assert edges_of(trial(0, "input-bound", **{"data.num_workers": 1}), space) == []  # not on the top
     assert next_step(dims["data.num_workers"], trial(0, "input-bound"), [], workers_cap=8) == {"value": 3}
     assert next_step(dims["data.num_workers"], trial(0, "input-bound"), [], workers_cap=2) == {
-        "capped": "tune.max_workers_cap=2"}
+        "capped": "data.num_workers=2 is the most a study tries (4 x the CPU cores of a rank)"}
     assert next_step(dims["data.batch_size"], trial(0, "compute-bound"), [], 8) == {"value": 128}
     assert "trains 2 steps per epoch" in next_step(dims["data.batch_size"], trial(0, "compute-bound", per_epoch=2),
                                                     [], 8)["capped"]

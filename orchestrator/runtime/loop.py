@@ -29,7 +29,7 @@ from ..measure.stats import StopRule
 from ..rundir import Event, LogEvent, ResumeEvent, StartEvent, WindowEvent, checkpoint_request_path
 from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
 from .autotune import LoaderSettings, LoaderTuner
-from .balance import Balancer, ShareSampler
+from .balance import TOLERANCE as BALANCE_TOLERANCE, Balancer, ShareSampler
 from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, end_workers, epoch_iterator, item_bytes,
                    loader_config, reset_latency, steps_per_epoch, switch_loader)
 from .dist import Adapter, amp_dtype, unwrap
@@ -361,7 +361,7 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
               generator, step=ck["meta"]["step"] if ck is not None else 0, val_set=val_set)
     if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
         saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
-        run.balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance, step=run.step,
+        run.balancer = Balancer(loader.batch_sampler, adapter, BALANCE_TOLERANCE, step=run.step,
                                 resumed=saved)
     meter.fit_epoch(steps_per_epoch(loader, t.accumulation_steps))
     run.rule = StopRule(m.rel_precision, m.min_measure_s, m.max_measure_s) if m.rel_precision > 0 else None
