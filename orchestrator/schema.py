@@ -837,8 +837,11 @@ def to_yaml(cfg: Config) -> str:
 
 
 def load_config(path: str) -> Config:
-    """What the ranks call: the parent's resolved YAML, validated again (cheap), no Hydra."""
-    return to_config(OmegaConf.load(path))
+    """What the ranks call: the parent's resolved YAML, validated again (cheap), no Hydra; a
+    run's config.yaml written before a key moved reads with the new names (moved.migrate)."""
+    from .moved import migrate
+
+    return to_config(migrate(OmegaConf.to_container(OmegaConf.load(path))))
 
 
 def flatten(cfg: Config) -> Dict[str, Any]:
