@@ -64,12 +64,12 @@ class Bench:
 
     def steady(self, overrides: Sequence[str]) -> List[str]:
         """Overrides that make a run of this config steady state and about `seconds` long."""
-        probe = self.run([*overrides, "trainer.max_steps=40", "trainer.warmup_steps=10", "trainer.window_steps=10"])
+        probe = self.run([*overrides, "trainer.max_steps=40", "measure.warmup_steps=10", "measure.window_steps=10"])
         step = probe.get("step_time_s") or 0.01
         steps = int(min(4000, max(100, self.seconds / step)))
         warmup = max(30, steps // 10)
-        return [*overrides, f"trainer.max_steps={steps + warmup}", f"trainer.warmup_steps={warmup}",
-                f"trainer.window_steps={max(5, steps // 20)}"]
+        return [*overrides, f"trainer.max_steps={steps + warmup}", f"measure.warmup_steps={warmup}",
+                f"measure.window_steps={max(5, steps // 20)}"]
 
 
 def spread(values: List[float]) -> float:

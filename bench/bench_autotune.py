@@ -37,7 +37,7 @@ from orchestrator.merge import load_rank_results
 from orchestrator.tune.study import run_study
 
 LATENCY_MS = 3.0
-COMMON = ["tracking.enabled=false", "trainer.save_model=false", "trainer.epochs=1000", "trainer.window_steps=10",
+COMMON = ["tracking.enabled=false", "trainer.save_model=false", "trainer.epochs=1000", "measure.window_steps=10",
           "trainer.log_every=100", "data.args.size=4096", "data.batch_size=32", "tune.max_workers=4"]
 
 
@@ -65,7 +65,7 @@ def reached(half: Dict[str, Any], target: float) -> float:
 
 
 def best_fixed(tmp: Path, trials: int) -> Dict[str, Any]:
-    cfg = compose_config([*COMMON, "mode=tune", f"data.read_latency_ms={LATENCY_MS}", f"tune.n_trials={trials}",
+    cfg = compose_config([*COMMON, "mode=tune", f"sim.read_latency_ms={LATENCY_MS}", f"tune.n_trials={trials}",
                        "tune.objective=throughput", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off", "~tune.space.batch_size",
                        "~tune.space.accumulation_steps", "~tune.space.pin_memory", "tune.extend_edges=false"])
     summary = run_study(cfg, tmp / "study", echo=False)
@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     os.chdir(ROOT)
     jump = args.steps // 2
-    load = [f"trainer.max_steps={args.steps}", f"data.latency_jump_at={jump}", f"data.latency_after_ms={LATENCY_MS}"]
+    load = [f"trainer.max_steps={args.steps}", f"sim.latency_jump_at={jump}", f"sim.latency_after_ms={LATENCY_MS}"]
     print(f"load average before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="bench_autotune_") as d:
         tmp = Path(d)

@@ -16,7 +16,7 @@ the even step time; the target is judged on that, with the A/B ratio and its spr
 Equal ranks are measured twice: SlowLinear with slow_factor=1 (sleep-bound, little noise), and the
 default job (seed 000's linear classifier, batch 32 per rank, real CPU compute on both cores).
 
-    .venv/bin/python -m bench.bench_balance [--rounds 3] [--steps 200] [--backend ddp] [--tolerance 0.1]
+    .venv/bin/python -m bench.bench_balance [--rounds 3] [--steps 200] [--backend ddp]
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ def steady_step_time(run_dir: Path, since_step: int = 0) -> float:
     return statistics.median(max(ws[i]["wall_s"] / ws[i]["steps"] for ws in per_rank) for i in range(n)) if n else None
 
 
-def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int, tolerance: float = 0.1) -> Dict:
+def run(name: str, balance: str, steps: int, backend: str, tmp: Path, i: int) -> Dict:
     cfg = compose_config([
         f"backend={backend}", "parallelism.nproc_per_node=2", f"parallelism.balance={balance}",
-        f"parallelism.balance_tolerance={tolerance}",
-        f"trainer.max_steps={steps}", "trainer.warmup_steps=5", "trainer.window_steps=10",
+        f"trainer.max_steps={steps}", "measure.warmup_steps=5", "measure.window_steps=10",
         "trainer.save_model=false", "tracking.enabled=false", *WORKLOADS[name][0]])
     run_dir = tmp / f"{name.replace(' ', '_')}-{balance}-{i}"
     result = run_job(cfg, run_dir, echo=False, plots=False)
@@ -101,7 +100,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--backend", default="ddp", choices=["ddp", "horovod"])
     ap.add_argument("--only", default=None, help="one workload by name")
-    ap.add_argument("--tolerance", type=float, default=0.1, help="parallelism.balance_tolerance")
     args = ap.parse_args()
     table: List[tuple] = []
     own: Dict[str, float] = {}
@@ -113,7 +111,7 @@ def main() -> None:
             ratios, rows = [], []
             for i in range(args.rounds):
                 order = ("even", "speed") if i % 2 == 0 else ("speed", "even")  # ABBA: a drifting machine load
-                got = {mode: run(name, mode, steps, args.backend, Path(tmp), i, args.tolerance) for mode in order}  # favours neither
+                got = {mode: run(name, mode, steps, args.backend, Path(tmp), i) for mode in order}  # favours neither
                 even, speed = got["even"], got["speed"]
                 ratios.append(even["step_s"] / speed["step_s"])
                 rows.append((even, speed))

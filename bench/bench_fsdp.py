@@ -31,8 +31,8 @@ TARGET = 0.65
 def overrides(args: argparse.Namespace, backend: str) -> list:
     return ["experiment=transformer_lm", f"model.args.d_model={args.d_model}", f"model.args.n_layers={args.layers}",
             f"model.args.n_heads={args.d_model // 64}", f"data.batch_size={args.batch}", f"backend={backend}",
-            "parallelism.nproc_per_node=2", f"trainer.max_steps={args.steps}", "trainer.warmup_steps=3",
-            "trainer.window_steps=3", "tracking.enabled=false", "trainer.save_model=false"]
+            "parallelism.nproc_per_node=2", f"trainer.max_steps={args.steps}", "measure.warmup_steps=3",
+            "measure.window_steps=3", "tracking.enabled=false", "trainer.save_model=false"]
 
 
 def run(args: argparse.Namespace, backend: str, tmp: Path, n: int) -> dict:

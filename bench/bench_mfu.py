@@ -34,13 +34,13 @@ PRESETS = ("linear_classifier", "mlp_accumulation", "linear_regression", "input_
 def steady_mfu(batch: int, tmp: Path, n: int) -> dict:
     cfg = compose_config(["experiment=transformer_lm", f"data.batch_size={batch}", "tracking.enabled=false",
                        "trainer.save_model=false", "trainer.epochs=1000", f"trainer.max_steps={max(40, 2400 // batch)}",
-                       f"trainer.warmup_steps={max(10, 240 // batch)}", f"trainer.window_steps={max(4, 240 // batch)}"])
+                       f"measure.warmup_steps={max(10, 240 // batch)}", f"measure.window_steps={max(4, 240 // batch)}"])
     r = run_job(cfg, tmp / f"b{batch}-{n}", echo=False)
     return {"mfu": r["mfu"], "throughput": r["throughput"]}
 
 
 def counting_cost(preset: str) -> float:
-    cfg = compose_config([f"experiment={preset}", "tracking.enabled=false", "data.read_latency_ms=0"])
+    cfg = compose_config([f"experiment={preset}", "tracking.enabled=false", "sim.read_latency_ms=0"])
     adapter = Adapter(cfg)
     adapter.setup()
     model = build_model(cfg)

@@ -10,7 +10,7 @@ Measures, side by side and interleaved (same seeds, fixed torch threads):
             (cfg composed from conf/ with Hydra, backend=single, tracking off);
   * noop:   the same `train()` with `StepMeter.mark/end_step/comm_hook_fired`
             replaced by no-ops in this process only (the loop without its instrumentation);
-  * quiet:  the same `train()` with trainer.noise_scale=false (the gradient noise scale's cost is
+  * quiet:  the same `train()` with measure.noise_scale=false (the gradient noise scale's cost is
             orch over quiet).
 
 Per-step wall time is measured by the benchmark, never read from the meter:
@@ -203,13 +203,13 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=20, help="first steps left out of the steady state")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--noise-every", type=int, default=0,
-                    help="trainer.noise_every of orch and noop (0: the default); 1 prices a step of two halves")
+                    help="measure.noise_every of orch and noop (0: the default); 1 prices a step of two halves")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     cfg = seed_config(args.steps)
     if args.noise_every:
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, noise_every=args.noise_every))
+        cfg = dataclasses.replace(cfg, measure=dataclasses.replace(cfg.measure, noise_every=args.noise_every))
     data_mod.DataLoader = ProbedLoader  # the orchestrator's build_loader (runtime/data.py) gets the same probe
 
     def orch() -> Dict[str, float]:
@@ -222,7 +222,7 @@ def main() -> None:
     def plain() -> Dict[str, float]:
         return run_plain(args.steps, args.skip)
 
-    quiet_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, noise_scale=False))
+    quiet_cfg = dataclasses.replace(cfg, measure=dataclasses.replace(cfg.measure, noise_scale=False))
 
     def quiet() -> Dict[str, float]:
         return run_orch(quiet_cfg, args.skip)

@@ -27,10 +27,10 @@ def study(backend: str, reuse: bool, trials: int, measure: int, tmp: Path) -> di
     run_dir = tmp / f"{backend}-reuse-{reuse}"
     # ~15 ms steps: seed 000's model behind 0.5 ms reads per sample
     cfg = compose_config([
-        "mode=tune", f"backend={backend}", "parallelism.nproc_per_node=2", "data.read_latency_ms=0.5",
-        f"tune.n_trials={trials}", "tune.warmup_steps=5", f"tune.measure_steps={measure}",
-        "tune.rel_precision=0", "tune.confirm_top=0",  # a fixed measured part: the overhead is the figure
-        f"tune.window_steps={max(1, measure // 5)}", "tune.pruner=none", "tune.baseline=false",
+        "mode=tune", f"backend={backend}", "parallelism.nproc_per_node=2", "sim.read_latency_ms=0.5",
+        f"tune.n_trials={trials}", "measure.warmup_steps=5", f"measure.trial_steps={measure}",
+        "measure.rel_precision=0", "tune.confirm_top=0",  # a fixed measured part: the overhead is the figure
+        f"measure.window_steps={max(1, measure // 5)}", "tune.pruner=none", "tune.baseline=false",
         f"tune.reuse_ranks={reuse}", f"tune.storage=sqlite:///{run_dir}/optuna.db", "tune.warm_start=off",
         f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tune.space.num_workers.high=0",
         "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16,32,64]",

@@ -5,7 +5,7 @@ single local process has; on a real cluster each node brings its own).
 1. Time from the command to the first measured step (the first `window` event of rank 0) of a
    2-rank ddp job: local (`torchrun --standalone`, 2 ranks on this machine) vs SLURM (`sbatch
    --nodes=2`, one torchrun agent per node by srun, c10d rendezvous), median of --repeats.
-2. A study of --trials trials (tune.reuse_ranks, data.read_latency_ms=1, tracking off): a local
+2. A study of --trials trials (tune.reuse_ranks, sim.read_latency_ms=1, tracking off): a local
    tuner vs SLURM job arrays of 1 and 2 workers (tune.workers, a journal study): wall time,
    trials per hour, and the median share of a trial's wall time outside its measurement (its
    overhead), as the study's summary.json has it. One journal storage for all three.
@@ -31,11 +31,11 @@ from typing import List
 from bench.lib import ROOT, table
 from tests.slurm import SlurmCluster, skip_reason
 
-JOB = ["backend=ddp", "data.args.size=4096", "data.batch_size=32", "trainer.max_steps=40", "trainer.warmup_steps=2",
-       "trainer.window_steps=4", "tracking.enabled=false"]
-TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
-        "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
-        "tune.space.num_workers.high=0", "data.read_latency_ms=1", "tracking.enabled=false"]
+JOB = ["backend=ddp", "data.args.size=4096", "data.batch_size=32", "trainer.max_steps=40", "measure.warmup_steps=2",
+       "measure.window_steps=4", "tracking.enabled=false"]
+TUNE = ["mode=tune", "measure.warmup_steps=2", "measure.trial_steps=8", "measure.window_steps=4", "tune.pruner=none",
+        "measure.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
+        "tune.space.num_workers.high=0", "sim.read_latency_ms=1", "tracking.enabled=false"]
 PY = sys.executable
 
 

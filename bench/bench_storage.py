@@ -1,6 +1,6 @@
 """Studies shared through PostgreSQL: how fast, and what the database costs per trial.
 
-1. Wall time of a 12-trial study on experiment=input_bound (data.read_latency_ms=1, tracking
+1. Wall time of a 12-trial study on experiment=input_bound (sim.read_latency_ms=1, tracking
    off, kept-alive ranks) with 1, 2 and 4 tuner processes on one PostgreSQL study: trials per
    minute. On 2 cores the processes share the CPU, so more of them mostly overlap start-up and
    storage round trips; on machines of their own they would add up.
@@ -36,7 +36,7 @@ TRIALS = 12
 
 def study_wall_time(storage: str, processes: int, tmp: Path) -> float:
     name = f"bench-{processes}"
-    args = [sys.executable, "-m", "orchestrator", "mode=tune", "experiment=input_bound", "data.read_latency_ms=1",
+    args = [sys.executable, "-m", "orchestrator", "mode=tune", "experiment=input_bound", "sim.read_latency_ms=1",
             "tracking.enabled=false", f"tune.n_trials={TRIALS}", f"tune.study_name={name}", f"tune.storage={storage}", "tune.warm_start=off",
             "tune.pruner=none", "tune.space.batch_size.high=64", "tune.max_workers=4"]
     t0 = time.monotonic()

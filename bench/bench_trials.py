@@ -8,7 +8,7 @@ kept-alive ranks (orchestrator/tune/pool.py), as the tuner's trials do.
 
 1. Measurement validity, per grid config:
    * the trial: `run_job(trial_config(cfg, values))`, exactly the job a trial launches (steady
-     warmup, measured to tune.rel_precision); its estimate is `result["estimate"]["mean"]`;
+     warmup, measured to measure.rel_precision); its estimate is `result["estimate"]["mean"]`;
    * the steady-state reference: the same config with a warmup of 3x the steady warmup (well past
      the loader's queue) and >= 10x the trial's measured samples, in windows of 0.25 s; its figure
      is the same estimator over its windows (epoch restarts included, as in every run).
@@ -22,8 +22,8 @@ kept-alive ranks (orchestrator/tune/pool.py), as the tuner's trials do.
    Score of a config (the objective's rule, utilization): its steady utilization / the best's when
    its steady throughput is within tune.throughput_floor of the best throughput, else its
    throughput / the best's.
-3. Study time: each of those studies is also run as before this change (tune.rel_precision=0,
-   tune.measure_steps=20, tune.confirm_top=0: a fixed 20 steps after the warmup, no confirmation);
+3. Study time: each of those studies is also run as before this change (measure.rel_precision=0,
+   measure.trial_steps=20, tune.confirm_top=0: a fixed 20 steps after the warmup, no confirmation);
    the ratio of study wall times (target <= 2x) and the median trial durations are printed.
 
 `--quick` runs every other accumulation of each grid (12 or 16 of its 24 points; the studies search
@@ -65,7 +65,7 @@ TRIALS_SHARE = 0.25
 
 def study_time(name: str, cfg_overrides: List[str], seed: int, tmp: Path, old: bool) -> Dict[str, Any]:
     tag = "old" if old else "new"
-    extra = ["tune.rel_precision=0", "tune.measure_steps=20", "tune.confirm_top=0"] if old else []
+    extra = ["measure.rel_precision=0", "measure.trial_steps=20", "tune.confirm_top=0"] if old else []
     cfg = compose_config([*cfg_overrides, f"tune.seed={seed}", f"tune.study_name=bench-{name}-{seed}-{tag}", *extra])
     t0 = time.monotonic()
     summary = run_study(cfg, tmp / "studies" / f"{name}-{seed}-{tag}", echo=False)

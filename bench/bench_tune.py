@@ -3,13 +3,13 @@
 Workloads (tracking off, everything under one temporary directory, Optuna storage
 sqlite:///<tmp>/optuna.db):
 
-  * input_bound: experiment=input_bound, data.read_latency_ms=2, data.args.blur_passes=1
+  * input_bound: experiment=input_bound, sim.read_latency_ms=2, data.args.blur_passes=1
     (single process; the loader's per-sample reads and transform dominate);
   * comm_heavy:  experiment=comm_heavy, backend=ddp, parallelism.nproc_per_node=2
     (many tiny parameter tensors, almost no compute: the all-reduce dominates).
 
 Every job below is `run_job(trial_config(cfg, values))`: exactly the short job a trial launches
-(a steady-state warmup, then measured to tune.rel_precision), with `values` built by the tuner's own
+(a steady-state warmup, then measured to measure.rel_precision), with `values` built by the tuner's own
 `SearchSpace.sample` (so workers=0 points get the same prefetch/persistent resets as trials).
 
 1. Tuning quality, per workload. The search space is categorical on every knob:

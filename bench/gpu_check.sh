@@ -34,7 +34,7 @@ else
   SIZE=(data.batch_size=8 trainer.max_steps=30)
 fi
 LM=(experiment=transformer_lm "${SIZE[@]}" backend.device=$DEVICE tracking.enabled=false trainer.save_model=false
-    trainer.warmup_steps=10 trainer.window_steps=10)
+    measure.warmup_steps=10 measure.window_steps=10)
 run() {  # name, overrides...
   local name=$1; shift
   echo "== $name"
@@ -47,19 +47,19 @@ run ddp_nccl backend=ddp parallelism.nproc_per_node=1 backend.dist_backend=nccl
 run fsdp_amp backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl trainer.amp=true trainer.checkpoint_every=50
 run amp_bf16 trainer.amp=true trainer.amp_dtype=bf16
 run amp_fp16 trainer.amp=true trainer.amp_dtype=fp16
-run profiler trainer.amp=true trainer.profile_steps=5
+run profiler trainer.amp=true measure.profile_steps=5
 # validation under fsdp with AMP: 5% held out, an evaluation every 40 steps and at the end, kept out of the windows
 run validation backend=fsdp parallelism.nproc_per_node=1 backend.dist_backend=nccl trainer.amp=true \
   data.val_fraction=0.05 trainer.eval_every=40
 # the gradient noise scale on CUDA: 2 ranks on the one GPU (gloo), the DDP hook's method; its cost beside `single`
 run ddp_gloo_2 backend=ddp parallelism.nproc_per_node=2 backend.dist_backend=gloo
-run single_quiet backend=single trainer.noise_scale=false
-run study mode=tune tune.n_trials=4 tune.warmup_steps=5 tune.measure_steps=20 tune.window_steps=5 \
+run single_quiet backend=single measure.noise_scale=false
+run study mode=tune tune.n_trials=4 measure.warmup_steps=5 measure.trial_steps=20 measure.window_steps=5 \
   "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 tune.space.batch_size.high=64 \
   tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
 # the global batch freed, ranked by goodput: the learning rate that follows it, what a sample is worth
-run goodput mode=tune tune.global_batch=free tune.objective=goodput tune.n_trials=4 tune.warmup_steps=5 \
-  tune.measure_steps=20 tune.window_steps=5 "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 \
+run goodput mode=tune tune.global_batch=free tune.objective=goodput tune.n_trials=4 measure.warmup_steps=5 \
+  measure.trial_steps=20 measure.window_steps=5 "tune.storage=sqlite:///$OUT/optuna.db" tune.space.batch_size.low=8 \
   tune.space.batch_size.high=64 tune.space.num_workers.high=2 tune.space.accumulation_steps.high=2
 
 "$PY" - "$OUT" <<'PY'

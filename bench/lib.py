@@ -40,7 +40,7 @@ KEYS = {"batch_size": "data.batch_size", "num_workers": "data.num_workers",
 # bench_tune's workloads, whose 24-point grids bench_trials and bench_samplers measure too
 WORKLOADS: Dict[str, Dict[str, Any]] = {
     "input_bound": {
-        "overrides": ["experiment=input_bound", "data.read_latency_ms=2", "data.args.blur_passes=1"],
+        "overrides": ["experiment=input_bound", "sim.read_latency_ms=2", "data.args.blur_passes=1"],
         "space": {"batch_size": [16, 32, 64], "num_workers": [0, 1, 2, 4], "accumulation_steps": [1, 2]},
         "quick": {"batch_size": [8, 16, 32, 64], "num_workers": [0, 4], "accumulation_steps": [1, 2]},
     },
@@ -145,8 +145,8 @@ def reference_config(trial_cfg: Config, trial: Figures, factor: float) -> Config
     trial_samples = max(trial["throughput"] * trial["measured_s"], samples_per_step * 4)
     warm = 3 * steady_warmup_steps(trial_cfg)
     steps = warm + math.ceil(factor * trial_samples / samples_per_step)
-    return apply(trial_cfg, {"trainer.rel_precision": 0.0, "trainer.warmup_steps": warm, "trainer.max_steps": steps,
-                             "trainer.window_s": REFERENCE_WINDOW_S, "trainer.timeout_s": 1800})
+    return apply(trial_cfg, {"measure.rel_precision": 0.0, "measure.warmup_steps": warm, "trainer.max_steps": steps,
+                             "measure.window_s": REFERENCE_WINDOW_S, "trainer.timeout_s": 1800})
 
 
 def validity(name: str, cfg: Config, space: SearchSpace, grid: List[Point], factor: float, tmp: Path,

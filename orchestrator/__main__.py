@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import config_library_error, format_error
+from .moved import moved_override
 from .schema import Config, ConfigError, Mode, register_configs, to_config
 from .slurm import secondary_task
 from .stores import redact, redact_files
@@ -341,10 +342,10 @@ def refuse_if_owned(argv: List[str]) -> None:
 
 def check_command_line(argv: List[str]) -> List[str]:
     """What the command line refuses before Hydra makes a run dir, each in one line (exit 2): an
-    override without key or value, a resume of nothing, a run dir another live job owns. Returns
+    override without key or value, an old key (moved.py), a resume of nothing, a run dir another live job owns. Returns
     the command pointed at the run it resumes (a requeued SLURM job's own, trainer.resume's dir).
     The job's own checks follow once its config is composed (checks.preflight, in run_job)."""
-    odd = odd_override(argv)
+    odd = odd_override(argv) or moved_override(argv)
     if odd is not None:
         print(f"error: {redact(odd)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)

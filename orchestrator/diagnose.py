@@ -245,7 +245,7 @@ def _input_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, cuda: bool, 
     cost = handoff(batch_bytes, d.batch_size) if batch_bytes else {"seconds": 1e-3, "source": "an estimate"}
     model = _job_model(job, cfg, handoff)
     cap = cfg.tune.max_workers if cfg.tune.max_workers is not None else \
-        workers_cap(cfg, (job.get("input_cost") or {}).get("cores") or (os.cpu_count() or 1))
+        workers_cap((job.get("input_cost") or {}).get("cores") or (os.cpu_count() or 1))
     if d.num_workers == 0:
         _in_process_moves(diag, job, cfg, wait, other, cost, model, cap)
     else:
@@ -318,11 +318,9 @@ def _worker_moves(diag: Diagnosis, job: Dict[str, Any], cfg: Config, wait: float
     diag.moves.append(bigger)
 
 
-def workers_cap(cfg: Config, cores: float) -> int:
-    """How many loader workers advice may ask for: tune.max_workers_cap, else 4 x the rank's cores
-    (workers that wait on storage pay beyond the cores; the job model says how many)."""
-    if cfg.tune.max_workers_cap is not None:
-        return cfg.tune.max_workers_cap
+def workers_cap(cores: float) -> int:
+    """How many loader workers advice may ask for: 4 x the rank's cores (workers that wait on
+    storage pay beyond the cores; the job model says how many), as far as a study widens them."""
     return max(2, 4 * int(cores))
 
 
@@ -366,7 +364,7 @@ def straggler_note(job: Dict[str, Any]) -> Optional[str]:
         return (f"rank {r} is a straggler at the balanced shares ({shares} of the global batch): its own work per "
                 f"window is {_pct(at['own_time_spread'])} above the fastest rank's (> {_pct(STRAGGLER_SPREAD)}) over "
                 f"{at['windows']} windows at those shares; the shares follow its measured speed within "
-                f"parallelism.balance_tolerance={bal.get('tolerance', 0):g}, so its speed varies more than they "
+                f"a tolerance of {bal.get('tolerance', 0):g}, so its speed varies more than they "
                 "follow: check its device, its data shard and what else runs on its host")
     return (f"rank {imb['straggler_rank']} is a straggler: its own work per step is {_pct(imb['own_time_spread'])} above "
             f"the fastest rank's (> {_pct(STRAGGLER_SPREAD)}); the others wait for it in the all-reduce. Check its "

@@ -8,6 +8,8 @@ import re
 import typing
 from typing import Any, List, Optional
 
+from .moved import moved_line
+
 
 
 def _schema_at(path: str, root: type) -> Optional[Any]:
@@ -134,6 +136,10 @@ def _unknown_key(text: str, key: Optional[str], root: type) -> Optional[str]:
     if not m:
         return None
     full = key or m.group(1)
+    given = re.search(rf"\+{re.escape(full)}=(\S+)", text)  # Hydra's hint names the override's value
+    moved = moved_line(full, given.group(1) if given else None)
+    if moved:
+        return moved
     parent = full.rsplit(".", 1)[0] if "." in full else ""
     allowed = _allowed_keys(parent, root)
     if allowed:

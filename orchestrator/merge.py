@@ -247,6 +247,6 @@ def measurement_warning(result: Dict[str, Any]) -> str:
         ran, act = f"the run reached trainer.target_loss after {steps} steps", "a lower trainer.target_loss trains longer"
     if not measured:
         return (f"nothing was measured: {ran}, inside its warmup ({warm.get('min_steps', '?')} steps and the "
-                f"loader's queue); {act} or lower trainer.warmup_steps")
+                f"loader's queue); {act} or lower measure.warmup_steps")
     return (f"only {windows} measured window{'s' if windows != 1 else ''} ({measured} step{'s' if measured != 1 else ''} after a "
             f"{warm.get('steps', '?')}-step warmup), the figures are rough: {ran}; {act}")

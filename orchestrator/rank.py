@@ -62,7 +62,7 @@ def run_one(root: Path, adapter, cfg, datasets: Optional[dict] = None) -> None:
 
     dataset = None
     if datasets is not None:
-        key = json.dumps([cfg.data._target_, cfg.data.args, cfg.data.read_latency_ms, cfg.data.latency_jump_at],
+        key = json.dumps([cfg.data._target_, cfg.data.args, cfg.sim.read_latency_ms, cfg.sim.latency_jump_at],
                          sort_keys=True, default=str)
         if key not in datasets:
             datasets.clear()  # one at a time: a study varies the loader, rarely the data

@@ -159,13 +159,13 @@ MAY_CHANGE = (
     "mode", "tags", "tune.", "tracking.",
     "trainer.max_steps", "trainer.epochs", "trainer.checkpoint_every", "trainer.checkpoint_signal", "trainer.timeout_s",
     "trainer.resume",
-    "trainer.log_every", "trainer.window_steps", "trainer.warmup_steps", "trainer.profile_steps",
-    "trainer.save_model", "trainer.memory_cap_mb", "trainer.window_s", "trainer.rel_precision",
-    "trainer.min_measure_s", "trainer.max_measure_s", "trainer.peak_tflops", "trainer.loader_autotune",
+    "trainer.log_every", "measure.window_steps", "measure.warmup_steps", "measure.profile_steps",
+    "trainer.save_model", "trainer.memory_cap_mb", "measure.window_s", "measure.rel_precision",
+    "measure.min_measure_s", "measure.max_measure_s", "measure.trial_steps", "measure.peak_tflops", "trainer.loader_autotune",
     "trainer.eval_every", "trainer.val_metric", "trainer.target_loss", "data.val.",
     "data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory",
     "parallelism.node_rank", "parallelism.master_addr", "parallelism.master_port", "parallelism.hosts",
-    "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance", "parallelism.balance_tolerance",
+    "parallelism.hostfile", "backend.reshard_after_forward", "parallelism.balance",
     "parallelism.oversubscribe",
 )
 

@@ -209,9 +209,6 @@ class DataConfig:
     persistent_workers: bool = False
     shuffle: bool = True
     drop_last: bool = True
-    read_latency_ms: float = 0.0  # simulated per-sample storage latency, for any dataset
-    latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
-    latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
     # {_target_, args}: the loaders' collate_fn, called as fn(items, **args); null: torch's default
     collate_fn: Optional[Any] = None  # Any: OmegaConf merges a mapping given on the command line over null
     batch_key: Optional[str] = None  # a dict batch's key whose leading dimension is the batch size; null: the first tensor's
@@ -240,11 +237,6 @@ class DataConfig:
             not self.persistent_workers or self.num_workers > 0,
             "data.persistent_workers: needs data.num_workers > 0; set it to false or raise num_workers",
         )
-        _require(self.read_latency_ms >= 0, f"data.read_latency_ms: must be >= 0, got {self.read_latency_ms}")
-        _require(self.latency_jump_at >= 0, f"data.latency_jump_at: must be a step >= 0 (0 = never), got {self.latency_jump_at}")
-        _require(self.latency_after_ms >= 0, f"data.latency_after_ms: must be >= 0, got {self.latency_after_ms}")
-        _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
-                 "data.latency_after_ms: applies with data.latency_jump_at > 0 (the step the latency changes at)")
         check_target("data", self._target_, self.args)
         if self.collate_fn is not None:
             target, args = target_spec("data.collate_fn", self.collate_fn)
@@ -258,6 +250,24 @@ class DataConfig:
                                              "or a share of the training set held out)")
             target, args = target_spec("data.val", self.val)
             check_target("data.val", target, args)
+
+
+@dataclass
+class SimConfig:
+    """A simulated slow storage for the benchmarks and tests (and `experiment=input_bound`): a
+    per-item read latency around any dataset (runtime/data.py, LatencyDataset), and a change of
+    it at a step, a load change for the loader's autotune to follow."""
+
+    read_latency_ms: float = 0.0  # per-item read latency, training and validation sets alike; 0: none
+    latency_jump_at: int = 0  # at this optimizer step the per-item latency becomes latency_after_ms; 0: never
+    latency_after_ms: float = 0.0  # with latency_jump_at: the latency from then on (a slower tier, heavier work)
+
+    def __post_init__(self) -> None:
+        _require(self.read_latency_ms >= 0, f"sim.read_latency_ms: must be >= 0, got {self.read_latency_ms}")
+        _require(self.latency_jump_at >= 0, f"sim.latency_jump_at: must be a step >= 0 (0 = never), got {self.latency_jump_at}")
+        _require(self.latency_after_ms >= 0, f"sim.latency_after_ms: must be >= 0, got {self.latency_after_ms}")
+        _require(self.latency_jump_at > 0 or self.latency_after_ms == 0,
+                 "sim.latency_after_ms: applies with sim.latency_jump_at > 0 (the step the latency changes at)")
 
 
 @dataclass
@@ -296,14 +306,10 @@ class ParallelismConfig:
     hostfile: Optional[str] = None  # horovod: a hostfile instead of hosts
     shard_size: int = 0  # fsdp: ranks a model is sharded over (HSDP: replicated across groups); 0: all ranks
     balance: Balance = Balance.even  # speed: split the global batch by the ranks' measured speeds
-    balance_tolerance: float = 0.1  # speed: re-balance when the shares the speeds call for differ more
     oversubscribe: bool = False  # start nproc_per_node ranks even beyond 4 a CPU core of this machine (launch.py)
 
     def __post_init__(self) -> None:
         _require(self.shard_size >= 0, f"parallelism.shard_size: must be >= 0 (0 = all ranks), got {self.shard_size}")
-        _require(0 < self.balance_tolerance < 1,
-                 f"parallelism.balance_tolerance: must be in (0, 1) (a relative change of a share), "
-                 f"got {self.balance_tolerance}")
         _require(self.nproc_per_node >= 1, f"parallelism.nproc_per_node: must be >= 1, got {self.nproc_per_node}")
         _require(self.nnodes >= 1, f"parallelism.nnodes: must be >= 1, got {self.nnodes}")
         _require(
@@ -356,23 +362,15 @@ class TrainerConfig:
     amp_dtype: AmpDtype = AmpDtype.bf16
     seed: int = 0
     deterministic: bool = False
-    warmup_steps: int = 5  # excluded from every measured figure
     warmup_lr_steps: int = 0  # optimizer steps of linear learning-rate warmup from lr/n to lr; 0: off
-    window_steps: int = 20  # measurement window: figures are over the measured windows' time, the spread over windows
     log_every: int = 10  # steps between logged loss/throughput/utilization points
     timeout_s: float = 0.0  # whole-job wall-clock limit; 0: none
     save_model: bool = True  # rank 0 writes the trained weights to RUN_DIR/model.pt
     memory_cap_mb: float = 0.0  # a rank process above this RSS fails the job (CPU "OOM"); 0: none
-    profile_steps: int = 0  # torch.profiler over this many steps after warmup (not measured); 0: off
-    window_s: float = 0.0  # windows after the first last this long (whole steps); 0: window_steps steps each
-    rel_precision: float = 0.0  # stop once throughput's relative standard error over windows <= this; 0: off
-    min_measure_s: float = 0.0  # with rel_precision: measure at least this long
-    max_measure_s: float = 0.0  # with rel_precision: stop after this much measured time (0: no cap)
     checkpoint_every: int = 0  # steps between checkpoints (rank 0, atomic); 0: off
     # on this signal (SLURM's warning before the time limit): checkpoint at the next step boundary and stop;
     # in a requeue-able SLURM batch job, requeue it (the requeued job resumes there); none: off
     checkpoint_signal: CheckpointSignal = CheckpointSignal.USR1
-    peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
     resume: Optional[str] = None  # a run dir, or `latest`: continue from its last checkpoint
     loader_autotune: bool = False  # tune data.num_workers / prefetch_factor online (runtime/autotune.py)
     loader_autotune_every: int = 100  # steps between the autotuner's looks at the last windows
@@ -381,11 +379,6 @@ class TrainerConfig:
     val_metric: Any = None
     # stop once reached: the validation loss when there is validation, else the training loss over a log interval
     target_loss: Optional[float] = None
-    # the gradient noise scale B_simple, measured while training (runtime/noise.py, docs/measurement.md)
-    noise_scale: bool = True
-    # steps between the estimated ones, besides the warmup's; 0: every 8th, or every 100th where a step
-    # of two half batches (one process, no accumulation) pays an extra forward and backward
-    noise_every: int = 0
     # off | auto | a study name: apply the pick of the newest study of this job (its fingerprint) in tune.storage
     tuned: str = "off"
 
@@ -402,22 +395,14 @@ class TrainerConfig:
             f"trainer.accumulation_steps: must be an integer >= 1, got {self.accumulation_steps}",
         )
         _require(self.grad_clip >= 0, f"trainer.grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")
-        _require(self.warmup_steps >= 0, f"trainer.warmup_steps: must be >= 0, got {self.warmup_steps}")
         _require(self.warmup_lr_steps >= 0,
                  f"trainer.warmup_lr_steps: must be an integer >= 0 (0 = off), got {self.warmup_lr_steps}")
-        _require(self.window_steps >= 1, f"trainer.window_steps: must be >= 1, got {self.window_steps}")
         _require(self.log_every >= 1, f"trainer.log_every: must be >= 1, got {self.log_every}")
         _require(self.timeout_s >= 0, f"trainer.timeout_s: must be >= 0 (0 = none), got {self.timeout_s}")
         _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every: must be >= 0 (0 = off), got {self.checkpoint_every}")
-        _require(self.profile_steps >= 0, f"trainer.profile_steps: must be >= 0 (0 = off), got {self.profile_steps}")
         _require(self.memory_cap_mb >= 0, f"trainer.memory_cap_mb: must be >= 0 (0 = none), got {self.memory_cap_mb}")
-        _require(self.peak_tflops >= 0,
-                 f"trainer.peak_tflops: must be >= 0 (0 = the table or a CPU measurement), got {self.peak_tflops}")
-        _measure_rule("trainer", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
         _require(self.loader_autotune_every >= 1,
                  f"trainer.loader_autotune_every: must be an integer >= 1 (steps), got {self.loader_autotune_every}")
-        _require(self.noise_every >= 0,
-                 f"trainer.noise_every: must be an integer >= 0 (steps; 0 = automatic), got {self.noise_every}")
         _require(self.eval_every >= 0, f"trainer.eval_every: must be an integer >= 0 (steps; 0 = at the end only), "
                                        f"got {self.eval_every}")
         if self.val_metric is not None:
@@ -448,14 +433,69 @@ def _refuse_non_finite(node: Any, where: str) -> None:
                     _refuse_non_finite(item, f"{key}.{name}")
 
 
-def _measure_rule(where: str, window_s: float, rel_precision: float, min_s: float, max_s: float) -> None:
-    """The measurement's stop rule, shared by trainer.* and tune.*."""
-    _require(window_s >= 0, f"{where}.window_s: must be >= 0 seconds (0 = windows of window_steps), got {window_s}")
-    _require(0 <= rel_precision < 1, f"{where}.rel_precision: must be in [0, 1) (0 = off), got {rel_precision}")
-    _require(min_s >= 0, f"{where}.min_measure_s: must be >= 0 seconds, got {min_s}")
-    _require(max_s >= 0, f"{where}.max_measure_s: must be >= 0 seconds (0 = no cap), got {max_s}")
-    _require(max_s == 0 or max_s >= min_s,
-             f"{where}.max_measure_s: must be 0 (no cap) or >= {where}.min_measure_s ({min_s:g}), got {max_s:g}")
+# The defaults a null of MeasureConfig takes: a plain run measures its whole length in windows of 20
+# steps; a study's trial (tune/launch.py, trial_config) stops once its throughput is known to 5%.
+RUN_MEASURE = {"warmup_steps": 5, "window_steps": 20, "window_s": 0.0, "rel_precision": 0.0,
+               "min_measure_s": 0.0, "max_measure_s": 0.0}
+TRIAL_MEASURE = {"warmup_steps": 3, "window_steps": 5, "window_s": 0.1, "rel_precision": 0.05,
+                 "min_measure_s": 0.3, "max_measure_s": 2.0}
+
+
+@dataclass
+class MeasureConfig:
+    """How a job's figures are measured (docs/measurement.md), read by a plain run and by every
+    trial of a study alike. A null is the mode's default (RUN_MEASURE, TRIAL_MEASURE): a trial
+    measures less, and stops once its throughput is precise enough; `Config` fills them in."""
+
+    warmup_steps: Optional[int] = None  # excluded from every measured figure; null: 5 (a study's trials: 3)
+    # a window's steps (a trial's first window: at most this many, the step time not known yet); null: 20 (trials: 5)
+    window_steps: Optional[int] = None
+    window_s: Optional[float] = None  # windows after the first last this long (whole steps); 0: window_steps each; null: 0 (trials: 0.1)
+    # stop once throughput's relative standard error over windows <= this (its t interval); 0: off; null: 0 (trials: 0.05)
+    rel_precision: Optional[float] = None
+    min_measure_s: Optional[float] = None  # with rel_precision: measure at least this long; null: 0 (trials: 0.3)
+    max_measure_s: Optional[float] = None  # with rel_precision: stop after this much measured time; 0: no cap; null: 0 (trials: 2)
+    trial_steps: int = 20  # a study's trial with rel_precision=0 measures this many steps after its warmup
+    profile_steps: int = 0  # torch.profiler over this many steps after warmup (not measured); 0: off
+    peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
+    # the gradient noise scale B_simple, measured while training (runtime/noise.py, docs/measurement.md)
+    noise_scale: bool = True
+    # steps between the estimated ones, besides the warmup's; 0: every 8th, or every 50th where a step
+    # of two half batches (one process, no accumulation) pays an extra forward and backward (runtime/noise.py)
+    noise_every: int = 0
+
+    def resolved(self, trial: bool) -> "MeasureConfig":
+        """Every null replaced by the run's default (or a study's trial's, `trial`)."""
+        defaults = TRIAL_MEASURE if trial else RUN_MEASURE
+        nulls = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **nulls) if nulls else self
+
+    def __post_init__(self) -> None:
+        def given(name: str) -> bool:
+            return getattr(self, name) is not None
+
+        _require(not given("warmup_steps") or self.warmup_steps >= 0,
+                 f"measure.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _require(not given("window_steps") or self.window_steps >= 1,
+                 f"measure.window_steps: must be >= 1, got {self.window_steps}")
+        _require(not given("window_s") or self.window_s >= 0,
+                 f"measure.window_s: must be >= 0 seconds (0 = windows of window_steps), got {self.window_s}")
+        _require(not given("rel_precision") or 0 <= self.rel_precision < 1,
+                 f"measure.rel_precision: must be in [0, 1) (0 = off), got {self.rel_precision}")
+        _require(not given("min_measure_s") or self.min_measure_s >= 0,
+                 f"measure.min_measure_s: must be >= 0 seconds, got {self.min_measure_s}")
+        _require(not given("max_measure_s") or self.max_measure_s >= 0,
+                 f"measure.max_measure_s: must be >= 0 seconds (0 = no cap), got {self.max_measure_s}")
+        if given("min_measure_s") and given("max_measure_s"):
+            _require(self.max_measure_s == 0 or self.max_measure_s >= self.min_measure_s,
+                     f"measure.max_measure_s: must be 0 (no cap) or >= measure.min_measure_s "
+                     f"({self.min_measure_s:g}), got {self.max_measure_s:g}")
+        _require(self.trial_steps >= 1, f"measure.trial_steps: must be >= 1, got {self.trial_steps}")
+        _require(self.profile_steps >= 0, f"measure.profile_steps: must be >= 0 (0 = off), got {self.profile_steps}")
+        _require(self.peak_tflops >= 0,
+                 f"measure.peak_tflops: must be >= 0 (0 = the table or a CPU measurement), got {self.peak_tflops}")
+        _require(self.noise_every >= 0,
+                 f"measure.noise_every: must be an integer >= 0 (steps; 0 = automatic), got {self.noise_every}")
 
 
 class Objective(str, Enum):
@@ -541,13 +581,6 @@ class TuneConfig:
     # throughput | mfu | tokens | both (utilization and throughput, a Pareto front)
     objective: Objective = Objective.goodput
     throughput_floor: float = 0.95  # utilization objective: trials below floor x best throughput can't win
-    warmup_steps: int = 3  # discarded at the start of every trial (and at least the loader's pre-filled queue)
-    measure_steps: int = 20  # with rel_precision=0: measured steps per trial
-    window_steps: int = 5  # the first window: at most this many steps (the step time is not known yet)
-    window_s: float = 0.1  # later windows last this long (whole steps)
-    rel_precision: float = 0.05  # measure until throughput's relative standard error over windows <= this (judged on its t interval)
-    min_measure_s: float = 0.3  # ... and at least this long
-    max_measure_s: float = 2.0  # ... or stop here
     confirm_top: int = 3  # re-measure this many best candidates, interleaved, before picking; 0: off
     run_noise: float = 0.10  # a run's mean is off by this (relative sd) beyond its windows' spread: every interval is widened by it
     # batch x accumulation x world: user (held at the base config's), free (searched), or held at an integer
@@ -564,7 +597,6 @@ class TuneConfig:
     trial_plots: bool = False  # timeline/breakdown PNGs for every trial (~0.4 s each); the report files always
     trial_timeout_s: float = 600.0
     extend_edges: bool = True  # a best on the top of a dimension its verdict points past: widen it a step, try it
-    max_workers_cap: Optional[int] = None  # how far extend_edges may take data.num_workers; null: 4 x CPU cores per rank
     allow_large_global_batch: bool = False  # pick a trial that trains one optimizer step per epoch (or fewer)
     patience: int = 10  # end the study after this many trials in a row that beat the best by less than its noise; 0: off
     # auto: a new study starts from the newest earlier study of this job (its fingerprint) in tune.storage;
@@ -580,20 +612,12 @@ class TuneConfig:
         _require(self.workers >= 1, f"tune.workers: must be an integer >= 1 (1: this process tunes), got {self.workers}")
         _require(0 < self.throughput_floor <= 1, f"tune.throughput_floor: must be in (0, 1], got {self.throughput_floor}")
         _require(0 <= self.run_noise < 1, f"tune.run_noise: must be in [0, 1), got {self.run_noise}")
-        _require(self.warmup_steps >= 0, f"tune.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        _require(self.measure_steps >= 1, f"tune.measure_steps: must be >= 1, got {self.measure_steps}")
-        _require(self.window_steps >= 1, f"tune.window_steps: must be >= 1, got {self.window_steps}")
-        _measure_rule("tune", self.window_s, self.rel_precision, self.min_measure_s, self.max_measure_s)
-        _require(self.rel_precision == 0 or self.max_measure_s > 0,
-                 f"tune.max_measure_s: must be > 0 with tune.rel_precision > 0 (a trial needs a cap), got {self.max_measure_s}")
         _require(self.confirm_top >= 0, f"tune.confirm_top: must be >= 0 (0 = off), got {self.confirm_top}")
         self.global_batch = _global_batch(self.global_batch)
         _require(self.max_workers is None or self.max_workers >= 0,
                  f"tune.max_workers: must be null or >= 0, got {self.max_workers}")
         _require(0 <= self.max_failure_rate <= 1, f"tune.max_failure_rate: must be in [0, 1], got {self.max_failure_rate}")
         _require(self.trial_timeout_s > 0, f"tune.trial_timeout_s: must be > 0, got {self.trial_timeout_s}")
-        _require(self.max_workers_cap is None or self.max_workers_cap >= 0,
-                 f"tune.max_workers_cap: must be null or >= 0, got {self.max_workers_cap}")
         _require(self.patience >= 0, f"tune.patience: must be >= 0 (0 = off), got {self.patience}")
         _require(isinstance(self.warm_start, str) and self.warm_start.strip() == self.warm_start != "",
                  f"tune.warm_start: allowed: auto, off, a study's name or its MLflow run id, got {self.warm_start!r}")
@@ -670,12 +694,18 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sim: SimConfig = field(default_factory=SimConfig)  # benchmarks and tests: a simulated slow storage
     tags: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _refuse_non_finite(self, "")
+        self.measure = self.measure.resolved(trial=self.mode is Mode.tune)
+        _require(self.mode is not Mode.tune or self.measure.rel_precision == 0 or self.measure.max_measure_s > 0,
+                 f"measure.max_measure_s: must be > 0 with measure.rel_precision > 0 in a study (a trial needs a cap), "
+                 f"got {self.measure.max_measure_s:g}")
         _require(
             not self.single_process or self.parallelism.nnodes == 1,
             f"parallelism.nnodes: backend={self.backend.name.value} runs one process on one machine; "
@@ -733,8 +763,10 @@ def register_configs() -> None:
         ("backend", BackendConfig),
         ("parallelism", ParallelismConfig),
         ("trainer", TrainerConfig),
+        ("measure", MeasureConfig),
         ("tune", TuneConfig),
         ("tracking", TrackingConfig),
+        ("sim", SimConfig),
     ):
         # conf/<group>/*.yaml start with `- /<group>_schema@_here_`: a root config, not a group, so
         # neither the group's choices nor --help list it
@@ -805,8 +837,11 @@ def to_yaml(cfg: Config) -> str:
 
 
 def load_config(path: str) -> Config:
-    """What the ranks call: the parent's resolved YAML, validated again (cheap), no Hydra."""
-    return to_config(OmegaConf.load(path))
+    """What the ranks call: the parent's resolved YAML, validated again (cheap), no Hydra; a
+    run's config.yaml written before a key moved reads with the new names (moved.migrate)."""
+    from .moved import migrate
+
+    return to_config(migrate(OmegaConf.to_container(OmegaConf.load(path))))
 
 
 def flatten(cfg: Config) -> Dict[str, Any]:
@@ -828,7 +863,7 @@ def flatten(cfg: Config) -> Dict[str, Any]:
 
 __all__: List[str] = [
     "AmpDtype", "Balance", "Launcher", "BackendConfig", "BackendName", "Config", "ConfigError", "DataConfig", "Device",
-    "DistBackend", "Loss", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig",
+    "DistBackend", "Loss", "MeasureConfig", "Mode", "ModelConfig", "OptimizerName", "ParallelismConfig", "SimConfig",
     "TrackingConfig", "TrainerConfig", "TuneConfig", "flatten", "load_config", "register_configs",
     "plain", "to_config", "to_yaml",
 ]

@@ -4,8 +4,8 @@ A dataset factory is any importable callable named by `data._target_`; it is cal
 keyword arguments in `data.args` and returns a map-style `torch.utils.data.Dataset` whose items
 are `(input, target)` tensors. It runs once per rank, so it must be deterministic given its
 arguments (pass `seed: ${trainer.seed}` in `data.args` to tie it to the run's seed). The loader
-knobs (`data.batch_size`, `data.num_workers`, ...) and `data.read_latency_ms` are applied by the
-orchestrator around whatever the factory returns.
+knobs (`data.batch_size`, `data.num_workers`, ...) and a simulated read latency (`sim.read_latency_ms`)
+are applied by the orchestrator around whatever the factory returns.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 # Small enough for 2 cores; every test overrides what it measures.
 # The tuner's tests were written for the utilization objective at the user's global batch; the
 # defaults (goodput, the batch free) have tests of their own (test_goodput.py).
-TINY = ["trainer.warmup_steps=1", "trainer.window_steps=2", "trainer.log_every=1", "tune.objective=utilization",
+TINY = ["measure.warmup_steps=1", "measure.window_steps=2", "trainer.log_every=1", "tune.objective=utilization",
         "tune.global_batch=user"]
 
 

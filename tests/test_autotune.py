@@ -91,14 +91,14 @@ def test_latency_jump_gets_more_workers_on_2_ranks_in_the_same_order(make_cfg, t
     order, nothing twice or skipped across the switches, and ended with the parameters of the same
     run without autotune."""
     same = ["backend=ddp", "parallelism.nproc_per_node=2", *RECORDED, "trainer.epochs=40", "trainer.max_steps=300",
-            "data.args.size=512", "trainer.window_steps=8", "trainer.warmup_steps=1", "trainer.log_every=20",
-            "data.latency_jump_at=30", "data.latency_after_ms=3", "tune.max_workers=4"]
+            "data.args.size=512", "measure.window_steps=8", "measure.warmup_steps=1", "trainer.log_every=20",
+            "sim.latency_jump_at=30", "sim.latency_after_ms=3", "tune.max_workers=4"]
     cfg = make_cfg(*same, f"+model.args.record_dir={tmp_path}", "trainer.loader_autotune=true",
                    "trainer.loader_autotune_every=10")
     result = run_job(cfg, tmp_path / "run", echo=False, plots=False)
     # the untouched run: no latency (it changes the speed, not the samples), so it takes seconds
     (tmp_path / "plain").mkdir()
-    plain = run_job(make_cfg(*same, "data.latency_after_ms=0", f"+model.args.record_dir={tmp_path / 'plain'}",
+    plain = run_job(make_cfg(*same, "sim.latency_after_ms=0", f"+model.args.record_dir={tmp_path / 'plain'}",
                              "tracking.enabled=false"), tmp_path / "plain_run", echo=False, plots=False)
     assert plain["per_rank"][0]["param_digest"] == result["per_rank"][0]["param_digest"]
     for rank in (0, 1):
@@ -157,7 +157,7 @@ def test_autotune_options_are_checked(make_cfg):
         make_cfg("trainer.loader_autotune=true", "mode=tune")
     with pytest.raises(ConfigError, match="trainer.loader_autotune: not with parallelism.balance=speed"):
         make_cfg("trainer.loader_autotune=true", "parallelism.balance=speed", "backend=ddp", "parallelism.nproc_per_node=2")
-    with pytest.raises(ConfigError, match="data.latency_after_ms: applies with data.latency_jump_at > 0"):
-        make_cfg("data.latency_after_ms=3")
-    with pytest.raises(ConfigError, match="data.latency_jump_at: must be a step >= 0"):
-        make_cfg("data.latency_jump_at=-1")
+    with pytest.raises(ConfigError, match="sim.latency_after_ms: applies with sim.latency_jump_at > 0"):
+        make_cfg("sim.latency_after_ms=3")
+    with pytest.raises(ConfigError, match="sim.latency_jump_at: must be a step >= 0"):
+        make_cfg("sim.latency_jump_at=-1")

@@ -47,7 +47,7 @@ def test_a_zoo_task_runs_on_ranks_that_import_it_from_the_working_directory(tmp_
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     cfg = compose_config([*TASKS["storage_1"]["overrides"], "tracking.enabled=false", "trainer.max_steps=4",
-                          "trainer.warmup_steps=1", "trainer.window_steps=2", "trainer.save_model=false",
+                          "measure.warmup_steps=1", "measure.window_steps=2", "trainer.save_model=false",
                           "+data.args.size=256"])
     result = run_job(cfg, tmp_path / "run", echo=False, plots=False)
     assert result["status"] == "FINISHED" and result["steps"] == 4

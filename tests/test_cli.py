@@ -13,7 +13,7 @@ from .conftest import run_cli
 
 @pytest.mark.slow  # 13 s; test_progress's run (a pty) and make setup's default job run the CLI too
 def test_cli_runs_a_job(tmp_path, mlflow_uri):
-    out = run_cli(["trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.window_steps=2",
+    out = run_cli(["trainer.max_steps=6", "measure.warmup_steps=1", "measure.window_steps=2",
                    f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}"])
     assert out.returncode == 0, out.stderr
     assert f"run dir: {tmp_path}" in out.stdout
@@ -155,7 +155,7 @@ def test_cli_a_rank_failure_is_one_line_naming_the_rank(tmp_path, mlflow_uri, ar
      r"error: rank 0 diverged at step \d+: the loss is \S+, over 1000 x the first logged loss \(\S+\); lower trainer.lr "
      r"or turn off trainer.amp; no checkpoint was written before it \(run dir: \S+\)$"),
     (["model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=5", "+model.args.nan=true",
-      "trainer.checkpoint_every=2", "trainer.max_steps=30", "trainer.noise_scale=false"],  # one forward a step
+      "trainer.checkpoint_every=2", "trainer.max_steps=30", "measure.noise_scale=false"],  # one forward a step
      r"error: rank 0 diverged at step 6: the loss is nan \(not finite\); lower trainer.lr or turn off trainer.amp; "
      r"the last good checkpoint, step 2, is kept: \S+/checkpoints/step_00000002.pt \(run dir: \S+\)$"),
 ], ids=["exploding", "nan"])
@@ -203,7 +203,7 @@ def test_passwords_in_store_urls_are_masked_everywhere(tmp_path):
 
     secret = "Pw-only-in-the-url-7"
     store = f"sqlite:///{tmp_path}/mlflow.db"
-    out = run_cli(["-m", "trainer.max_steps=4", "trainer.warmup_steps=1", "trainer.window_steps=2",
+    out = run_cli(["-m", "trainer.max_steps=4", "measure.warmup_steps=1", "measure.window_steps=2",
                    f"tune.storage=postgresql+psycopg://u:{secret}@127.0.0.1:1/optuna", f"tracking.uri={store}",
                    f"hydra.sweep.dir={tmp_path / 'sweep'}"])
     assert out.returncode == 0, out.stderr

@@ -180,7 +180,7 @@ def test_share_sampler_splits_the_even_global_batches(world, drop_last):
 
 # a rank 2x slower (SlowLinear sleeps 0.5 ms a sample, 1 ms on rank 1), global batch 24, one epoch
 SLOW_RANK = ["model._target_=tasks.faults.SlowLinear", "data.args.size=2880", "data.batch_size=12", "trainer.lr=0.1",
-             "trainer.momentum=0.9", "trainer.max_steps=60", "trainer.window_steps=3"]
+             "trainer.momentum=0.9", "trainer.max_steps=60", "measure.window_steps=3"]
 
 
 @pytest.mark.parametrize("backend, accum", [pytest.param("ddp", 2, marks=pytest.mark.slow), ("horovod", 1)])  # ddp: 17 s (a resume)
@@ -263,7 +263,7 @@ def test_dp_without_gpus_runs_on_one_device(make_cfg, tmp_path, capfd):
 def _cli(args, run_dir, mlflow_uri):
     return subprocess.Popen(
         [sys.executable, "-m", "orchestrator", *args, f"hydra.run.dir={run_dir}", f"tracking.uri={mlflow_uri}",
-         "trainer.warmup_steps=1", "trainer.window_steps=2"],
+         "measure.warmup_steps=1", "measure.window_steps=2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

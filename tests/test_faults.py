@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 from .conftest import ROOT, job_processes, run_cli
 
 # long enough never to end by itself while a test looks at it (each test stops it)
-ENDLESS = ["data.args.size=4096", "data.batch_size=8", "data.read_latency_ms=2", "trainer.max_steps=100000", "trainer.epochs=1000",
-           "trainer.warmup_steps=1", "trainer.window_steps=5", "trainer.log_every=1"]
+ENDLESS = ["data.args.size=4096", "data.batch_size=8", "sim.read_latency_ms=2", "trainer.max_steps=100000", "trainer.epochs=1000",
+           "measure.warmup_steps=1", "measure.window_steps=5", "trainer.log_every=1"]
 
 
 def cli(args, run_dir, mlflow_uri):
@@ -206,8 +206,8 @@ def test_a_killed_tuners_ranks_end_and_its_rerun_closes_what_it_left(tmp_path, m
 
     storage = f"sqlite:///{tmp_path}/optuna.db"
     args = ["mode=tune", "backend=ddp", "parallelism.nproc_per_node=2", "tune.n_trials=1", "tune.study_name=killed",
-            f"tune.storage={storage}", "tune.pruner=none", "tune.rel_precision=0", "tune.confirm_top=0",
-            "tune.measure_steps=100000", "tune.space.num_workers.high=0", *ENDLESS[:3]]
+            f"tune.storage={storage}", "tune.pruner=none", "measure.rel_precision=0", "tune.confirm_top=0",
+            "measure.trial_steps=100000", "tune.space.num_workers.high=0", *ENDLESS[:3]]
     first = cli(args, tmp_path / "first", mlflow_uri)
     try:
         wait_for(lambda: any(logged_steps(d) for d in (tmp_path / "first" / "trials").glob("*")), first, timeout=120,
@@ -223,7 +223,7 @@ def test_a_killed_tuners_ranks_end_and_its_rerun_closes_what_it_left(tmp_path, m
                                   "tags.study_name = 'killed' and attributes.status = 'RUNNING'")
         assert len(left) == 2  # the tuner's run and the trial's
 
-        second = run_cli([*[a for a in args if not a.startswith("tune.measure_steps")], "tune.measure_steps=4",
+        second = run_cli([*[a for a in args if not a.startswith("measure.trial_steps")], "measure.trial_steps=4",
                           "tune.n_trials=2", f"hydra.run.dir={tmp_path / 'second'}", f"tracking.uri={mlflow_uri}"],
                          timeout=300)
         assert second.returncode == 0, second.stdout + second.stderr

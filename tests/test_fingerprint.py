@@ -18,7 +18,7 @@ def test_the_tuners_knobs_the_rate_and_the_epochs_leave_it_alone(make_cfg):
     for knobs in (["data.batch_size=64", "data.num_workers=2", "trainer.accumulation_steps=4"],
                   ["trainer.lr=0.5", "trainer.epochs=9", "trainer.seed=3", "trainer.eval_every=7",
                    "data.val_fraction=0.1"],
-                  ["tune.n_trials=3", "tracking.enabled=false", "trainer.window_steps=9"]):
+                  ["tune.n_trials=3", "tracking.enabled=false", "measure.window_steps=9"]):
         assert fingerprint(make_cfg(*knobs)) == base, knobs
 
 

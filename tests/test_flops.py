@@ -60,7 +60,7 @@ def test_peak_table():
     assert table_peak("NVIDIA A100-SXM4-80GB", "tf32")["flops"] == 156e12
     assert table_peak("Tesla V100-SXM2-16GB", "bf16")["flops"] is None  # V100 has no bf16
     unknown = table_peak("Imaginary GPU 9000", "bf16")
-    assert unknown["flops"] is None and "trainer.peak_tflops" in unknown["source"]
+    assert unknown["flops"] is None and "measure.peak_tflops" in unknown["source"]
 
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["linear_classifier", "transformer_lm", "input_bound"])
 def test_mfu_on_shipped_workloads(make_cfg, preset):
-    cfg = make_cfg(f"experiment={preset}", "trainer.max_steps=8", "data.read_latency_ms=0")
+    cfg = make_cfg(f"experiment={preset}", "trainer.max_steps=8", "sim.read_latency_ms=0")
     adapter = Adapter(cfg)
     adapter.setup()
     res = train(cfg, adapter).meter
@@ -88,8 +88,8 @@ def test_mfu_on_shipped_workloads(make_cfg, preset):
 
 
 def test_no_warmup_step_no_count(make_cfg):
-    cfg = make_cfg("trainer.max_steps=4", "trainer.warmup_steps=0")
+    cfg = make_cfg("trainer.max_steps=4", "measure.warmup_steps=0")
     adapter = Adapter(cfg)
     adapter.setup()
     res = train(cfg, adapter).meter
-    assert res["mfu"] is None and "trainer.warmup_steps=0" in res["mfu_source"]
+    assert res["mfu"] is None and "measure.warmup_steps=0" in res["mfu_source"]

@@ -17,8 +17,8 @@ from orchestrator.tune.goodput import efficiency, guard, pooled_noise, scaled_lr
 from orchestrator.tune.space import ACCUM_KEY, BATCH_KEY, SearchSpace
 from orchestrator.tune.study import run_study, trial_config
 
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
-         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
+SHORT = ["mode=tune", "measure.warmup_steps=2", "measure.window_steps=4", "measure.window_s=0.05", "measure.rel_precision=0.1",
+         "measure.min_measure_s=0.1", "measure.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
          "tune.extend_edges=false"]
 
 
@@ -240,7 +240,7 @@ def test_lr_warmup_ramps_the_rate_in_the_ranks(make_cfg):
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.075)
 
     def hooks(*overrides):
-        cfg = make_cfg(*overrides, "trainer.noise_scale=false")
+        cfg = make_cfg(*overrides, "measure.noise_scale=false")
         run = SimpleNamespace(cfg=cfg, adapter=SimpleNamespace(rank=0, sharded_state=False, world_size=1), balancer=None,
                               step=0, dataset=None, loader_tuner=None, val_set=None, noise=None)
         return [type(h).__name__ for h in build_hooks(run, None, None, None)]

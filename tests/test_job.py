@@ -75,7 +75,7 @@ def test_no_run_left_running(make_cfg, tmp_path):
         run_job(make_cfg(*common, "model._target_=tasks.faults.FailingLinear", "+model.args.fail_at=2"),
                 tmp_path / "failed", echo=False)
     with pytest.raises(JobStopped):
-        run_job(make_cfg(*common, "trainer.max_steps=400", "data.read_latency_ms=1"), tmp_path / "stopped", echo=False,
+        run_job(make_cfg(*common, "trainer.max_steps=400", "sim.read_latency_ms=1"), tmp_path / "stopped", echo=False,
                 monitor=lambda window, job: True)
     client = MlflowClient(make_cfg().tracking.uri)
     runs = client.search_runs([client.get_experiment_by_name("left-running").experiment_id])

@@ -13,7 +13,7 @@ from orchestrator.diagnose import STRAGGLER_SPREAD, diagnose
 from orchestrator.load_report import SHARE_TOLERANCE
 from orchestrator.merge import load_rank_results
 
-MEASURE = ["trainer.warmup_steps=2", "trainer.window_steps=2"]  # many short windows over the measured time
+MEASURE = ["measure.warmup_steps=2", "measure.window_steps=2"]  # many short windows over the measured time
 
 
 def report_of(run_dir):
@@ -21,7 +21,7 @@ def report_of(run_dir):
 
 
 def test_read_latency_is_input_bound(make_cfg, tmp_path):
-    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1",
+    cfg = make_cfg("experiment=input_bound", "sim.read_latency_ms=3", "data.args.blur_passes=1",
                    "trainer.max_steps=14", *MEASURE)
     result = run_job(cfg, tmp_path, echo=False)
     rep = report_of(tmp_path)
@@ -58,7 +58,7 @@ def test_tiny_compute_many_parameters_on_two_ranks_is_communication_bound(make_c
 
 
 def test_transformer_is_compute_bound_and_profiled(make_cfg, tmp_path):
-    cfg = make_cfg("experiment=transformer_lm", "data.batch_size=8", "trainer.max_steps=20", "trainer.profile_steps=2",
+    cfg = make_cfg("experiment=transformer_lm", "data.batch_size=8", "trainer.max_steps=20", "measure.profile_steps=2",
                    *MEASURE)
     result = run_job(cfg, tmp_path, echo=False)
     rep = report_of(tmp_path)

@@ -32,11 +32,11 @@ def latency_runs():
         return to_config(compose_dict(TINY + ["tracking.enabled=false", *overrides]))
 
     common = ["experiment=transformer_lm", "data.args.size=256", f"data.batch_size={BATCH}", "trainer.max_steps=26",
-              "trainer.warmup_steps=2", "trainer.window_steps=8"]
+              "measure.warmup_steps=2", "measure.window_steps=8"]
     return {
-        "slow": run(make(*common, f"data.read_latency_ms={LAT_MS}")),
-        "fast": run(make(*common, "data.read_latency_ms=0")),
-        "workers": run(make(*common, f"data.read_latency_ms={LAT_MS}", "data.num_workers=2",
+        "slow": run(make(*common, f"sim.read_latency_ms={LAT_MS}")),
+        "fast": run(make(*common, "sim.read_latency_ms=0")),
+        "workers": run(make(*common, f"sim.read_latency_ms={LAT_MS}", "data.num_workers=2",
                             "data.persistent_workers=true")),
     }
 
@@ -232,7 +232,7 @@ def test_loop_warmup_is_steady_and_epoch_restarts_are_measured():
     # 2 workers x prefetch 4 = 8 queued micro-batches; accumulation 2: ceil(9 / 2) = 5 warmup steps
     cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "data.args.size=320", "data.batch_size=16",
                                          "data.num_workers=2", "data.prefetch_factor=4", "trainer.accumulation_steps=2",
-                                         "trainer.epochs=3", "trainer.window_steps=2"]))
+                                         "trainer.epochs=3", "measure.window_steps=2"]))
     from orchestrator.measure.plan import steady_warmup_steps
 
     assert steady_warmup_steps(cfg) == 5
@@ -253,7 +253,7 @@ def test_short_epochs_are_measured_in_windows_of_whole_epochs():
     # 160 / 16 = 10 steps an epoch, windows of 20 steps: 2 epochs a window, each with its restart;
     # after the warmup (3 steps: 1 worker x prefetch 2 + 1) the rest of its epoch is a partial window
     res = train_tiny("data.args.size=160", "data.batch_size=16", "data.num_workers=1", "data.prefetch_factor=2",
-                     "trainer.epochs=6", "trainer.window_steps=20")
+                     "trainer.epochs=6", "measure.window_steps=20")
     assert res.meter["warmup"]["epochs_per_window"] == 2 and res.meter["warmup"]["steps"] == 3
     assert [(x.first_step, x.steps) for x in full_windows(res)] == [(10, 20), (30, 20)]
     assert [(x.first_step, x.steps) for x in res.windows if x.partial] == [(3, 7), (50, 10)]
@@ -263,7 +263,7 @@ def test_short_epochs_are_measured_in_windows_of_whole_epochs():
 def test_a_run_shorter_than_an_epoch_is_still_measured():
     # 4 steps an epoch, 3 steps in all: the steps after the warmup are one partial window, and the
     # figures come from it (nothing else was measured)
-    res = train_tiny("data.args.size=64", "data.batch_size=16", "trainer.max_steps=3", "trainer.window_steps=20")
+    res = train_tiny("data.args.size=64", "data.batch_size=16", "trainer.max_steps=3", "measure.window_steps=20")
     assert res.meter["warmup"]["epochs_per_window"] == 5 and res.meter["measured_steps"] == 2
     assert res.meter["throughput"] > 0 and res.meter["estimate"]["windows"] == 1
 
@@ -371,7 +371,7 @@ def test_a_measurement_that_cannot_reach_whole_epochs_stops_within_twice_its_cap
 
     monkeypatch.setattr(StepMeter, "steps_to_whole_epochs", lambda self: 1)
     res = train_tiny("data.args.size=320", "data.batch_size=16", "data.num_workers=1", "trainer.epochs=200",
-                     "trainer.window_steps=2", "trainer.rel_precision=0.001", "trainer.max_measure_s=0.2")
+                     "measure.window_steps=2", "measure.rel_precision=0.001", "measure.max_measure_s=0.2")
     assert res.meter["stopped_by"] == "max_measure_s"
     longest = max(w.wall_s for w in full_windows(res))
     assert res.meter["estimate"]["measured_s"] <= (1 + SPAN_EPOCHS_OF_CAP) * 0.2 + 2 * longest
@@ -380,19 +380,19 @@ def test_a_measurement_that_cannot_reach_whole_epochs_stops_within_twice_its_cap
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_trial_with_loader_workers_measures_whole_epochs(workers):
-    """A measurement that stops on its own (trainer.rel_precision, loose here: met after the
+    """A measurement that stops on its own (measure.rel_precision, loose here: met after the
     fewest windows, 8 steps) goes on, with loader workers, to a whole epoch of 20 steps: the epoch's
     tail, made ahead by the workers and run with the cores free, is measured with the restart that
     pays for it. Without workers it stops as soon as the rule is met."""
     res = train_tiny("data.args.size=320", "data.batch_size=16", f"data.num_workers={workers}", "trainer.epochs=50",
-                     "trainer.window_steps=2", "trainer.rel_precision=0.5", "trainer.max_measure_s=30")
+                     "measure.window_steps=2", "measure.rel_precision=0.5", "measure.max_measure_s=30")
     assert res.meter["stopped_by"] == "precision" and res.steps_per_epoch == 20
     assert res.meter["measured_steps"] == 20 if workers else res.meter["measured_steps"] < 20
 
 
 def train_tiny(*overrides):
     """The tiny job with these overrides, trained in this process, no tracking: its result."""
-    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.warmup_steps=1", *overrides]))
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "measure.warmup_steps=1", *overrides]))
     a = Adapter(cfg)
     a.setup()
     return train(cfg, a)
@@ -406,7 +406,7 @@ def test_a_one_step_epoch_of_many_micro_batches_is_measured():
     # 64 samples, batch 8 x accumulation 8: one optimizer step an epoch, 8 micro-batches, a queue of
     # 2 (1 worker); re-warming at every epoch would never leave a step to measure
     res = train_tiny("data.args.size=64", "data.batch_size=8", "data.num_workers=1", "trainer.accumulation_steps=8",
-                     "trainer.epochs=12", "trainer.window_steps=2")
+                     "trainer.epochs=12", "measure.window_steps=2")
     assert res.steps == 12 and res.meter["warmup"]["epochs_per_window"] == 2  # windows of 2 steps: 2 epochs
     assert len(full_windows(res)) >= 4
 
@@ -415,7 +415,7 @@ def test_short_epochs_without_workers_are_measured_whole():
     # 64 samples / batch 16 = 4 steps an epoch, no workers, windows of 4: re-warming at every epoch
     # once left 3 steps, every 4-step window was cut short and none entered the estimate
     res = train_tiny("data.args.size=64", "data.batch_size=16", "data.num_workers=0", "trainer.epochs=10",
-                     "trainer.window_steps=4")
+                     "measure.window_steps=4")
     assert res.steps == 40 and res.meter["warmup"]["epochs_per_window"] == 1 and not res.meter["warmup"].get("rewarmed")
     assert len(full_windows(res)) == 9 and all(w.steps == 4 for w in full_windows(res))
 
@@ -433,8 +433,8 @@ def test_profiler_teardown_is_not_measured(monkeypatch, tmp_path):
         real_stop(self)
 
     monkeypatch.setattr(loop.Profiler, "stop", slow_stop)
-    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.max_steps=20", "trainer.warmup_steps=2",
-                                         "trainer.profile_steps=3", "trainer.window_steps=3"]))
+    cfg = to_config(compose_dict(TINY + ["tracking.enabled=false", "trainer.max_steps=20", "measure.warmup_steps=2",
+                                         "measure.profile_steps=3", "measure.window_steps=3"]))
     a = Adapter(cfg)
     a.setup()
     res = train(cfg, a, trace_path=tmp_path / "trace.json")
@@ -449,7 +449,7 @@ def test_summary_warns_when_nothing_was_measured(make_cfg, tmp_path):
     from orchestrator.merge import measurement_warning
 
     # the issue's command: one epoch of 4096 / 64 = 64 steps ends inside the 100-step warmup
-    result = run_job(make_cfg("data.batch_size=64", "trainer.max_steps=600", "trainer.warmup_steps=100",
+    result = run_job(make_cfg("data.batch_size=64", "trainer.max_steps=600", "measure.warmup_steps=100",
                               "tracking.enabled=false"), tmp_path, echo=False)
     assert result["status"] == "FINISHED" and not result.get("measured_steps")
     warning = measurement_warning(result)
@@ -559,7 +559,7 @@ def ended(self):
     at.setdefault("warm", set(sys.modules))
     return end(self)
 meter.StepMeter._end_warmup = ended
-res = train_tiny("trainer.window_steps=2", "trainer.rel_precision=0.5", "trainer.max_measure_s=30", "trainer.epochs=50")
+res = train_tiny("measure.window_steps=2", "measure.rel_precision=0.5", "measure.max_measure_s=30", "trainer.epochs=50")
 assert res.meter["stopped_by"] == "precision", res.meter["stopped_by"]
 print(sorted(m for m in set(sys.modules) - at["warm"] if not m.startswith("_")))
 """

@@ -133,8 +133,8 @@ def test_noise_scale_record_round_trips_in_the_job_result():
 def test_noise_every_rejects_a_bad_value():
     from orchestrator.schema import to_config
 
-    with pytest.raises(ConfigError, match=r"^trainer.noise_every: must be an integer >= 0"):
-        to_config(compose_dict(["trainer.noise_every=-1"]))
+    with pytest.raises(ConfigError, match=r"^measure.noise_every: must be an integer >= 0"):
+        to_config(compose_dict(["measure.noise_every=-1"]))
 
 
 # -- runs against an offline measurement -------------------------------------------------------
@@ -179,7 +179,7 @@ def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_pa
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "data.batch_size=16", *WORKLOAD)
     result = run_job(cfg, tmp_path, echo=False)
     got = result["noise_scale"]
-    estimated = [s for s in range(result["steps"]) if s < cfg.trainer.warmup_steps or s % EVERY == 0]
+    estimated = [s for s in range(result["steps"]) if s < cfg.measure.warmup_steps or s % EVERY == 0]
     assert (got["method"], got["batch_small"], got["batch_big"], got["n"]) == ("ranks", 16, 32, len(estimated))
     within_2x(got, offline_noise_scale(cfg))
     assert json.loads((tmp_path / "result.json").read_text())["noise_scale"] == got
@@ -192,8 +192,8 @@ def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_pa
 
 
 @pytest.mark.parametrize("extra, method, small, big", [
-    (["trainer.accumulation_steps=4", "data.batch_size=16", "trainer.noise_every=1"], "accumulation", 16, 64),
-    (["trainer.noise_every=2", "data.batch_size=64"], "halves", 32, 64),
+    (["trainer.accumulation_steps=4", "data.batch_size=16", "measure.noise_every=1"], "accumulation", 16, 64),
+    (["measure.noise_every=2", "data.batch_size=64"], "halves", 32, 64),
 ])
 def test_one_process_measures_the_noise_scale(make_cfg, extra, method, small, big):
     cfg = make_cfg(*WORKLOAD, *extra)
@@ -209,8 +209,8 @@ def test_halves_give_the_same_update_as_the_whole_batch(make_cfg):
     """A step of two halves is the whole batch's step (each half's loss weighs by its share)."""
     digests = []
     for on in ("true", "false"):
-        cfg = make_cfg(*WORKLOAD, "trainer.lr=0.1", "trainer.max_steps=6", "trainer.noise_every=1",
-                       "data.batch_size=33", f"trainer.noise_scale={on}")
+        cfg = make_cfg(*WORKLOAD, "trainer.lr=0.1", "trainer.max_steps=6", "measure.noise_every=1",
+                       "data.batch_size=33", f"measure.noise_scale={on}")
         adapter = Adapter(cfg)
         adapter.setup()
         res = train(cfg, adapter)
@@ -221,7 +221,7 @@ def test_halves_give_the_same_update_as_the_whole_batch(make_cfg):
 
 
 def test_off_is_off(make_cfg):
-    cfg = make_cfg(*WORKLOAD, "trainer.max_steps=4", "trainer.noise_scale=false")
+    cfg = make_cfg(*WORKLOAD, "trainer.max_steps=4", "measure.noise_scale=false")
     adapter = Adapter(cfg)
     adapter.setup()
     res = train(cfg, adapter)
@@ -232,8 +232,8 @@ def test_a_tuning_trial_estimates_halves_on_its_warmup_steps_only(make_cfg):
     """A trial's windows are short: a step of two halves would stand out in one."""
     counts = {}
     for mode in ("run", "tune"):
-        cfg = make_cfg(*WORKLOAD, f"mode={mode}", "trainer.warmup_steps=3", "trainer.max_steps=12",
-                       "trainer.noise_every=4")
+        cfg = make_cfg(*WORKLOAD, f"mode={mode}", "measure.warmup_steps=3", "trainer.max_steps=12",
+                       "measure.noise_every=4")
         adapter = Adapter(cfg)
         adapter.setup()
         counts[mode] = train(cfg, adapter).meter["noise_scale"]["n"]

@@ -46,7 +46,7 @@ def test_a_step_does_the_tensor_work_of_a_hand_written_step(monkeypatch):
     the operators of a hand-written step (batch, forward, loss, backward, SGD step, zero_grad) and no
     other; a logged one only adds the detach of the loss it hands to the log."""
     cfg = to_config(compose_dict(DEFAULT_JOB))
-    assert cfg.trainer.log_every == 10 and cfg.trainer.warmup_steps == 5 and cfg.trainer.noise_scale
+    assert cfg.trainer.log_every == 10 and cfg.measure.warmup_steps == 5 and cfg.measure.noise_scale
     by_step: Dict[int, Counter] = {}
     real = Stepper.__call__
 
@@ -87,7 +87,7 @@ def test_a_window_alone_is_the_jobs_window_without_aggregating_it(monkeypatch):
         raise AssertionError("job_window called for a window no other rank shares")
 
     monkeypatch.setattr(state_mod, "job_window", refuse)
-    cfg = to_config(compose_dict(DEFAULT_JOB + ["trainer.window_steps=2", "trainer.warmup_steps=1"]))
+    cfg = to_config(compose_dict(DEFAULT_JOB + ["measure.window_steps=2", "measure.warmup_steps=1"]))
     adapter = Adapter(cfg)
     adapter.setup()
     res = loop_mod.train(cfg, adapter)
@@ -234,7 +234,7 @@ def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(m
     and the step's end. Hooks that act every log_every steps (the noise scale's reads) are not
     called in between, and the optimizer steps without the adapter's pass-through."""
     cfg = to_config(compose_dict(DEFAULT_JOB))
-    assert cfg.trainer.log_every == 10 and cfg.trainer.window_steps == 20 and cfg.trainer.noise_scale
+    assert cfg.trainer.log_every == 10 and cfg.measure.window_steps == 20 and cfg.measure.noise_scale
     segments: List[Counter] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:

@@ -13,8 +13,8 @@ from orchestrator.tune.study import run_study
 from .conftest import job_processes
 
 # trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
-         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
+SHORT = ["mode=tune", "measure.warmup_steps=2", "measure.window_steps=4", "measure.window_s=0.05", "measure.rel_precision=0.1",
+         "measure.min_measure_s=0.1", "measure.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
          "tune.baseline=false", "tune.extend_edges=false", "tune.global_batch=free"]
 
 
@@ -26,7 +26,7 @@ def trials_of(summary):
 def test_pool_and_relaunch_find_the_same_best(make_cfg, tmp_path, backend):
     # 3 ms reads per sample: 4 DataLoader workers are clearly better than none
     common = [f"backend={backend}", "parallelism.nproc_per_node=2", "experiment=input_bound",
-              "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=2",
+              "sim.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=2",
               "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
               "tune.space.accumulation_steps.high=1", "tune.space.num_workers.type=categorical",
               "tune.space.num_workers.choices=[0,4]"]

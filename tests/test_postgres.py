@@ -20,8 +20,8 @@ from .pg import PASSWORD, PostgresServer, pg_bin
 
 pytestmark = pytest.mark.skipif(pg_bin() is None, reason="PostgreSQL is not installed (make setup installs it)")
 
-TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
-        "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0",
+TUNE = ["mode=tune", "measure.warmup_steps=2", "measure.trial_steps=8", "measure.window_steps=4", "tune.pruner=none",
+        "measure.rel_precision=0", "tune.confirm_top=0", "tune.patience=0",
         "tune.space.batch_size.high=32", "tune.space.num_workers.high=0"]
 
 
@@ -78,7 +78,7 @@ def test_bad_storage_is_one_line_before_any_trial(pg, make_cfg, tmp_path):
 def test_database_restart_mid_study_loses_nothing(pg, tmp_path, mlflow_uri):
     storage = pg.url("optuna")
     args = [*TUNE, "tune.n_trials=6", "tune.study_name=restart", f"tune.storage={storage}",
-            f"tracking.uri={mlflow_uri}", "data.read_latency_ms=0.3"]
+            f"tracking.uri={mlflow_uri}", "sim.read_latency_ms=0.3"]
     procs = tuners(2, args, tmp_path, "r")
     end = time.monotonic() + 180
     while time.monotonic() < end:

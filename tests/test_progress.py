@@ -15,9 +15,9 @@ from orchestrator.progress import JobProgress, StudyProgress, clock
 
 from .conftest import ROOT
 
-RUN = ["trainer.max_steps=60", "trainer.warmup_steps=1", "trainer.window_steps=10", "trainer.log_every=1"]
-STUDY = ["mode=tune", "tune.n_trials=2", "tune.warmup_steps=1", "tune.window_steps=2", "tune.rel_precision=0",
-         "tune.measure_steps=4", "tune.confirm_top=0", "tune.pruner=none", "tune.extend_edges=false",
+RUN = ["trainer.max_steps=60", "measure.warmup_steps=1", "measure.window_steps=10", "trainer.log_every=1"]
+STUDY = ["mode=tune", "tune.n_trials=2", "measure.warmup_steps=1", "measure.window_steps=2", "measure.rel_precision=0",
+         "measure.trial_steps=4", "tune.confirm_top=0", "tune.pruner=none", "tune.extend_edges=false",
          "tune.space.num_workers.high=0", "tune.global_batch=free"]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

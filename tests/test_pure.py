@@ -57,13 +57,13 @@ def test_pool_key_changes_only_with_what_needs_new_processes(make_cfg):
 def test_resume_rules(make_cfg):
     from orchestrator import resume
 
-    saved = make_cfg("trainer.max_steps=60", "data.read_latency_ms=0.5")
+    saved = make_cfg("trainer.max_steps=60", "sim.read_latency_ms=0.5")
     same = make_cfg("trainer.max_steps=100", "trainer.checkpoint_every=7", "data.num_workers=2",
-                    "data.read_latency_ms=0.5", "tracking.experiment=elsewhere")
+                    "sim.read_latency_ms=0.5", "tracking.experiment=elsewhere")
     assert resume.changed_keys(flatten(saved), flatten(same)) == []  # what may change did
     other = make_cfg("trainer.max_steps=60", "data.batch_size=64", "trainer.seed=3")
     assert resume.changed_keys(flatten(saved), flatten(other)) == [  # data.args.seed follows trainer.seed
-        ("data.args.seed", 0, 3), ("data.batch_size", 32, 64), ("data.read_latency_ms", 0.5, 0.0), ("trainer.seed", 0, 3)]
+        ("data.args.seed", 0, 3), ("data.batch_size", 32, 64), ("sim.read_latency_ms", 0.5, 0.0), ("trainer.seed", 0, 3)]
     # finished after 60 steps of a 128-step epoch: more steps continue, the same limits do not
     t = saved.trainer
     assert not resume.trains_further(t, t, 60, 128)

@@ -24,8 +24,8 @@ from orchestrator.tune.rules import counted
 from .conftest import ROOT, job_processes, run_cli
 
 # ~15 ms per step on 2 ranks: long enough to be interrupted mid-way
-SLOW = ["data.args.size=2048", "data.batch_size=8", "data.read_latency_ms=2", "trainer.lr=0.05",
-        "trainer.max_steps=60", "trainer.checkpoint_every=10", "trainer.warmup_steps=1", "trainer.window_steps=5"]
+SLOW = ["data.args.size=2048", "data.batch_size=8", "sim.read_latency_ms=2", "trainer.lr=0.05",
+        "trainer.max_steps=60", "trainer.checkpoint_every=10", "measure.warmup_steps=1", "measure.window_steps=5"]
 
 
 def cli(args, run_dir, mlflow_uri):
@@ -115,8 +115,8 @@ def test_interrupted_run_resumes_to_the_same_model(tmp_path, mlflow_uri, backend
         assert torch.allclose(got[k], want[k], atol=1e-5), k
 
 
-SHORT_RUN = ["trainer.max_steps=12", "trainer.checkpoint_every=5", "trainer.warmup_steps=1", "trainer.window_steps=2",
-             "data.read_latency_ms=0.2"]
+SHORT_RUN = ["trainer.max_steps=12", "trainer.checkpoint_every=5", "measure.warmup_steps=1", "measure.window_steps=2",
+             "sim.read_latency_ms=0.2"]
 
 
 @pytest.mark.slow  # kept out of the suite's 10 minutes (make test-slow)
@@ -142,7 +142,7 @@ def test_finished_run_is_never_rewritten_and_continues_only_when_raised(tmp_path
     changed = run_cli([*SHORT_RUN[:-1], f"tracking.uri={mlflow_uri}", f"trainer.resume={run_dir}"], cwd=tmp_path)
     assert changed.returncode == 2
     lines = [x for x in changed.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "data.read_latency_ms (0.2 -> 0.0)" in lines[0], changed.stderr
+    assert len(lines) == 1 and "sim.read_latency_ms (0.2 -> 0.0)" in lines[0], changed.stderr
     assert lines[0].startswith("error: trainer.resume: a resume continues the same run")
     assert (run_dir / "result.json").read_bytes() == recorded and not (tmp_path / "outputs").exists()
 
@@ -264,9 +264,9 @@ def test_a_checkpoint_without_its_json_sidecar_is_read_from_the_pt(make_cfg, tmp
 @pytest.mark.slow
 def test_interrupted_study_resumes_without_losing_trials(tmp_path, mlflow_uri):
     args = ["mode=tune", "tune.n_trials=4", "tune.study_name=interrupt-me", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
-            "tune.warmup_steps=1", "tune.measure_steps=20", "tune.window_steps=10", "tune.pruner=none",
-            "tune.rel_precision=0", "tune.confirm_top=0",
-            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "data.read_latency_ms=1",
+            "measure.warmup_steps=1", "measure.trial_steps=20", "measure.window_steps=10", "tune.pruner=none",
+            "measure.rel_precision=0", "tune.confirm_top=0",
+            "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "sim.read_latency_ms=1",
             "tune.global_batch=free"]
     first = cli(args, tmp_path / "first", mlflow_uri)
     storage = f"sqlite:///{tmp_path}/optuna.db"

@@ -81,7 +81,7 @@ def test_allocation_resolves_and_refuses_in_one_line(make_cfg, tmp_path):
 @needs_slurm
 def test_two_node_ddp_under_srun_equals_one_process(cluster, make_cfg, mlflow_uri, tmp_path):
     run_dir = tmp_path / "run"
-    code, out = sbatch(cluster, tmp_path, ["backend=ddp", *WORKLOAD, "trainer.warmup_steps=1", "trainer.window_steps=2",
+    code, out = sbatch(cluster, tmp_path, ["backend=ddp", *WORKLOAD, "measure.warmup_steps=1", "measure.window_steps=2",
                                            "trainer.log_every=1", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"])
     assert code == 0, out + cluster.logs()
     assert "spans 2 nodes: launching on them with srun" in out
@@ -107,7 +107,7 @@ def test_submitit_sweep_ddp_and_horovod_on_two_nodes(cluster, mlflow_uri, tmp_pa
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2", "hydra.launcher.cpus_per_task=2",
             "hydra.launcher.array_parallelism=1", "hydra.launcher.timeout_min=10", "backend=ddp,horovod",
-            "parallelism.nproc_per_node=1,3", *WORKLOAD, "trainer.warmup_steps=1", "trainer.window_steps=2",
+            "parallelism.nproc_per_node=1,3", *WORKLOAD, "measure.warmup_steps=1", "measure.window_steps=2",
             f"tracking.uri={mlflow_uri}", f"hydra.sweep.dir={sweep}"]
     done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, **cluster.env})
@@ -129,8 +129,8 @@ def test_submitit_sweep_ddp_and_horovod_on_two_nodes(cluster, mlflow_uri, tmp_pa
     assert invalid.startswith("parallelism.nproc_per_node: 3 ranks per node and SLURM job") and "\n" not in invalid
 
 
-TUNE = ["mode=tune", "tune.warmup_steps=2", "tune.measure_steps=8", "tune.window_steps=4", "tune.pruner=none",
-        "tune.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
+TUNE = ["mode=tune", "measure.warmup_steps=2", "measure.trial_steps=8", "measure.window_steps=4", "tune.pruner=none",
+        "measure.rel_precision=0", "tune.confirm_top=0", "tune.patience=0", "tune.space.batch_size.high=32",
         "tune.space.num_workers.high=0", "tune.global_batch=free"]
 
 
@@ -221,7 +221,7 @@ def cut_a_worker(cluster, mlflow_uri, tmp_path, *action: str) -> tuple:
     journal = f"journal:///{tmp_path}/study.log"
     args = [*TUNE, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", "tune.workers=2", "tune.n_trials=4",
             "tune.study_name=cut", f"tune.storage={journal}", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={tmp_path}/run",
-            "data.read_latency_ms=1"]
+            "sim.read_latency_ms=1"]
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **cluster.env})
     job, trial = None, None
@@ -370,8 +370,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, make_cfg, m
     resumes that run (same run dir, one MLflow run, resumed_from_step) to the full step count, with
     the parameters of an uninterrupted run."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    args = ["backend=ddp", *REQUEUE_WORKLOAD, "data.read_latency_ms=3", "trainer.warmup_steps=1",
-            "trainer.window_steps=5", "trainer.log_every=5", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"]
+    args = ["backend=ddp", *REQUEUE_WORKLOAD, "sim.read_latency_ms=3", "measure.warmup_steps=1",
+            "measure.window_steps=5", "trainer.log_every=5", f"tracking.uri={mlflow_uri}", f"hydra.run.dir={run_dir}"]
     cmd = " ".join(["exec", sys.executable, "-m", "orchestrator", *[f"'{a}'" for a in args]])
     warning = "--signal=B:USR1@60" if to == "batch" else "--signal=USR1@60"
     job = cluster.run("sbatch", "--parsable", "--nodes=2", "--exclusive", "--requeue", warning, "--time=10",

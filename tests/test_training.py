@@ -32,7 +32,7 @@ TASKS = [
     ("linear_classifier", ["trainer.lr=0.1"], 60, True),
     ("mlp_accumulation", [], 8, False),
     ("linear_regression", [], 60, True),
-    ("input_bound", ["data.read_latency_ms=0", "data.args.size=512", "data.batch_size=16", "trainer.lr=0.05",
+    ("input_bound", ["sim.read_latency_ms=0", "data.args.size=512", "data.batch_size=16", "trainer.lr=0.05",
                      "trainer.momentum=0.9"], 60, True),
     ("transformer_lm", ["data.args.size=512"], 40, True),
     ("comm_heavy", ["trainer.lr=0.05", "data.batch_size=32"], 60, True),
@@ -79,7 +79,7 @@ def _setup(cfg):
 
 @pytest.mark.parametrize("n, b", [(4, 8), (3, 5)])
 def test_accumulation_equals_one_large_batch(make_cfg, n, b):
-    common = ["data.shuffle=false", "trainer.lr=1.0", "trainer.max_steps=1", "trainer.warmup_steps=0"]
+    common = ["data.shuffle=false", "trainer.lr=1.0", "trainer.max_steps=1", "measure.warmup_steps=0"]
     small = _grads_after_one_step(make_cfg(*common, f"data.batch_size={b}", f"trainer.accumulation_steps={n}"))
     large = _grads_after_one_step(make_cfg(*common, f"data.batch_size={n * b}", "trainer.accumulation_steps=1"))
     for k in large:

@@ -23,8 +23,8 @@ from orchestrator.tune.study import run_study
 from .conftest import ROOT
 
 # trials measured to 10% in 0.1-0.6 s; no confirmation runs (the workers study below has them)
-SHORT = ["mode=tune", "tune.warmup_steps=2", "tune.window_steps=4", "tune.window_s=0.05", "tune.rel_precision=0.1",
-         "tune.min_measure_s=0.1", "tune.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
+SHORT = ["mode=tune", "measure.warmup_steps=2", "measure.window_steps=4", "measure.window_s=0.05", "measure.rel_precision=0.1",
+         "measure.min_measure_s=0.1", "measure.max_measure_s=0.6", "tune.confirm_top=0", "tune.pruner=none",
          "tune.extend_edges=false", "tune.global_batch=free"]
 
 
@@ -41,7 +41,7 @@ def workers_study(tmp_path_factory, mlflow_uri):
     run_dir = tmp_path_factory.mktemp("tune-workers")
     cfg = to_config(compose_dict(TINY + [
         f"tracking.uri={mlflow_uri}", "tracking.experiment=tune-tests", "experiment=input_bound",
-        "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5", "tune.confirm_top=2",
+        "sim.read_latency_ms=3", "data.args.blur_passes=1", *SHORT, "tune.n_trials=5", "tune.confirm_top=2",
         f"tune.storage=sqlite:///{run_dir}/optuna.db",
         "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
         "tune.space.accumulation_steps.high=1", "tune.max_workers=4",
@@ -133,7 +133,7 @@ def test_every_trial_is_a_nested_mlflow_run(workers_study):
 def test_smaller_batch_that_wastes_work_does_not_win(make_cfg, tmp_path):
     # transformer with 1 ms reads: batch 1 keeps the step busier by wall time (less efficient
     # kernels: more CPU per sample too) but moves fewer samples per second than batch 64
-    cfg = make_cfg("experiment=transformer_lm", "data.read_latency_ms=1", *SHORT, "tune.n_trials=4",
+    cfg = make_cfg("experiment=transformer_lm", "sim.read_latency_ms=1", *SHORT, "tune.n_trials=4",
                    "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
                    "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[1,64]",
                    "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1")
@@ -270,8 +270,8 @@ def test_tuners_started_together_on_fresh_stores_share_one_study(tmp_path):
 @pytest.mark.slow  # 19 s of four processes
 def test_runs_started_together_on_a_fresh_tracking_db(tmp_path):
     mlflow_url = f"sqlite:///{tmp_path}/mlflow.db"
-    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "trainer.max_steps=6", "trainer.warmup_steps=1",
-                               "trainer.window_steps=2", f"tracking.uri={mlflow_url}", f"hydra.run.dir={tmp_path}/r{i}"],
+    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", "trainer.max_steps=6", "measure.warmup_steps=1",
+                               "measure.window_steps=2", f"tracking.uri={mlflow_url}", f"hydra.run.dir={tmp_path}/r{i}"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
@@ -324,7 +324,7 @@ def test_backend_name_is_a_categorical_of_one_world_size(make_cfg):
 @pytest.mark.slow  # a study of its own, 9-21 s
 def test_sweep_runs_every_job_and_summarizes(tmp_path, mlflow_uri):
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "trainer.warmup_steps=1",
+        [sys.executable, "-m", "orchestrator", "-m", "trainer.max_steps=4", "measure.warmup_steps=1",
          "model._target_=tasks.models.Linear,tasks.faults.FailingLinear", f"tracking.uri={mlflow_uri}",
          "tracking.experiment=sweep-test", f"hydra.sweep.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -517,7 +517,7 @@ def test_guided_search_follows_the_job_model(make_cfg, tmp_path):
     """The baseline (no workers, 3 ms reads per sample) waits on its reads: the job model fitted to
     it predicts that sleeping workers pay beyond the 2 cores, and its proposal runs next, with the
     prediction and what it rests on as the reason."""
-    common = ["experiment=input_bound", "data.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
+    common = ["experiment=input_bound", "sim.read_latency_ms=3", "data.args.blur_passes=1", *SHORT,
               "tune.n_trials=2", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[16]",
               "tune.space.accumulation_steps.high=1", "tune.max_workers=8"]
     cfg = make_cfg(*common, f"tune.storage=sqlite:///{tmp_path}/optuna.db")
@@ -681,14 +681,17 @@ def test_grid_runs_every_point_once_and_patience_ends_a_flat_study(make_cfg, tmp
 
 
 @pytest.mark.slow  # a study of its own, 9-21 s
-def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys):
+def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, capsys, monkeypatch):
     """40 ms sleeping reads per sample (320 ms per batch of 8 per worker, no transform): the best
     is input-bound at the most workers the space allows (a read sleeps 320 ms a batch: no load on the
-    machine makes that compute-bound); the study widens num_workers (up to tune.max_workers_cap) and
+    machine makes that compute-bound); the study widens num_workers (up to its cap, 3 here) and
     tries the step."""
-    cfg = make_cfg("experiment=input_bound", "data.read_latency_ms=40", "data.args.blur_passes=0", *SHORT,
+    from orchestrator.tune import proposals
+
+    monkeypatch.setattr(proposals, "workers_cap", lambda space: 3)  # 4 x the cores of a rank elsewhere
+    cfg = make_cfg("experiment=input_bound", "sim.read_latency_ms=40", "data.args.blur_passes=0", *SHORT,
                    "tune.extend_edges=true", "tune.n_trials=4", "tune.sampler=grid", "tune.max_workers=2",
-                   "tune.max_workers_cap=3", "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
+                   "tune.baseline=false", f"tune.storage=sqlite:///{tmp_path}/optuna.db",
                    "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[8]",
                    "tune.space.accumulation_steps.high=1", "~tune.space.prefetch_factor")
     summary = run_study(cfg, tmp_path)
@@ -703,7 +706,7 @@ def test_a_best_on_the_edge_widens_the_space_and_says_so(make_cfg, tmp_path, cap
     assert study_of(summary).user_attrs["extended"] == {"num_workers": 3}
     assert "widened num_workers to [0, 3], trying num_workers=3" in out
     if summary["edges"]:  # the best on the new edge, still input-bound: the cap is said
-        assert summary["edges"][0]["capped"] == "tune.max_workers_cap=3" and "[tune] edge: " in out
+        assert summary["edges"][0]["capped"].startswith("data.num_workers=3 is the most") and "[tune] edge: " in out
     rows = (tmp_path / "trials.csv").read_text().splitlines()
     assert "global_batch" in rows[0] and "prune_reason" in rows[0] and ",edge," in "\n".join(rows)
 
@@ -728,7 +731,7 @@ def test_the_edge_rules(make_cfg):
     assert edges_of(trial(0, "input-bound", **{"data.num_workers": 1}), space) == []  # not on the top
     assert next_step(dims["data.num_workers"], trial(0, "input-bound"), [], workers_cap=8) == {"value": 3}
     assert next_step(dims["data.num_workers"], trial(0, "input-bound"), [], workers_cap=2) == {
-        "capped": "tune.max_workers_cap=2"}
+        "capped": "data.num_workers=2 is the most a study tries (4 x the CPU cores of a rank)"}
     assert next_step(dims["data.batch_size"], trial(0, "compute-bound"), [], 8) == {"value": 128}
     assert "trains 2 steps per epoch" in next_step(dims["data.batch_size"], trial(0, "compute-bound", per_epoch=2),
                                                     [], 8)["capped"]
@@ -767,7 +770,7 @@ def test_global_batch_is_said_and_a_one_step_epoch_is_not_picked(make_cfg, tmp_p
 def test_the_rerun_line_trains_and_measures(tmp_path):
     """The study's printed rerun line, run as printed: the rerun's result has figures."""
     study_dir, rerun_dir = tmp_path / "study", tmp_path / "rerun"
-    args = [sys.executable, "-m", "orchestrator", *SHORT, "trainer.warmup_steps=1", "tune.n_trials=2",
+    args = [sys.executable, "-m", "orchestrator", *SHORT, "measure.warmup_steps=1", "tune.n_trials=2",
             "tune.space.num_workers.high=0", "tune.space.batch_size.high=16", "tune.space.accumulation_steps.high=1",
             f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tracking.enabled=false", f"hydra.run.dir={study_dir}"]
     subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
@@ -776,7 +779,8 @@ def test_the_rerun_line_trains_and_measures(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads((rerun_dir / "result.json").read_text())
     assert result["status"] == "FINISHED" and result["throughput"] > 0 and result["utilization"] is not None
-    assert "trainer.warmup_steps=1" in rerun and not any(a.startswith(("mode=", "tune.")) for a in rerun)
+    assert "measure.warmup_steps=1" in rerun and not any(a.startswith(("mode=", "tune.")) for a in rerun)
+    assert not any(a.startswith(("measure.rel_precision=", "measure.max_measure_s=")) for a in rerun)  # the trials' stop rule
 
 
 @pytest.mark.slow  # a study of its own, 9-21 s
@@ -787,7 +791,7 @@ def test_a_pruned_trial_shows_its_last_window_and_the_pruners_reason(make_cfg, t
                    f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.batch_size.type=categorical",
                    "tune.space.batch_size.choices=[32]", "tune.space.num_workers.high=0",
                    "tune.space.accumulation_steps.high=4",
-                   "+tune.space.read={key: data.read_latency_ms, type: categorical, choices: [0.0, 2.0]}")
+                   "+tune.space.read={key: sim.read_latency_ms, type: categorical, choices: [0.0, 2.0]}")
     summary = run_study(cfg, tmp_path)
     out = capsys.readouterr().out
     pruned = [t for t in study_of(summary).trials if t.state == optuna.trial.TrialState.PRUNED]

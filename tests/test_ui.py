@@ -67,8 +67,8 @@ def test_mlflow_ui_shows_runs_trials_and_images(make_cfg, tmp_path, ui_server, b
     job = run_job(make_cfg(f"tracking.uri={url}", "tracking.experiment=ui-check", "trainer.max_steps=8"),
                   tmp_path / "job", echo=False)
     summary = run_study(make_cfg(f"tracking.uri={url}", "tracking.experiment=ui-check", "mode=tune",
-                                 "tune.n_trials=2", "tune.measure_steps=4", "tune.window_steps=2", "tune.warmup_steps=1",
-                                 "tune.rel_precision=0", "tune.confirm_top=0",
+                                 "tune.n_trials=2", "measure.trial_steps=4", "measure.window_steps=2", "measure.warmup_steps=1",
+                                 "measure.rel_precision=0", "tune.confirm_top=0",
                                  f"tune.storage=sqlite:///{tmp_path}/optuna.db", "tune.space.num_workers.high=0"),
                         tmp_path / "study", echo=False)
 

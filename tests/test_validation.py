@@ -148,7 +148,7 @@ def test_evaluation_time_is_out_of_the_windows(make_cfg, tmp_path):
     between measured steps: the windows' time and the evaluations' add up to no more than the
     loop's wall time (counted in the windows too, it would be counted twice)."""
     result = run_job(make_cfg("data.args.size=2000", "data.val_fraction=0.2", "trainer.eval_every=5",
-                              "trainer.max_steps=20", "trainer.window_steps=4",
+                              "trainer.max_steps=20", "measure.window_steps=4",
                               "trainer.val_metric={_target_:tests.custom_task.slow_accuracy}"), tmp_path, echo=False)
     assert [e["step"] for e in result["evals"]] == [5, 10, 15, 20]
     assert result["eval_s"] >= 4 * 13 * 0.02

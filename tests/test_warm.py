@@ -325,7 +325,7 @@ def test_a_warm_start_with_the_global_batch_free_runs_the_picks_at_the_new_study
 
 
 # the simulated storage latency per item (the field that slows a run of the same job)
-LATENCY = "data.read_latency_ms"
+LATENCY = "sim.read_latency_ms"
 
 
 @pytest.mark.slow  # a study, a plain run and the start of the re-tune, two through the CLI
@@ -352,7 +352,7 @@ def test_a_tuned_run_that_drifts_says_so_and_its_retune_command_starts_warm(make
     # one config, measured long enough for an interval well above 0 on a busy host
     study = [*SHORT, f"tune.storage={db}", "tune.space.batch_size.type=categorical", "tune.space.batch_size.choices=[8]",
              "tune.space.num_workers.high=0", "tune.space.accumulation_steps.high=1", "tune.n_trials=1",
-             "tune.window_steps=2", "tune.min_measure_s=1.5", "tune.max_measure_s=3"]
+             "measure.window_steps=2", "measure.min_measure_s=1.5", "measure.max_measure_s=3"]
     first = run_study(make_cfg(*study), tmp_path / "study", echo=False)
     name = first["study_name"]
     out = run_cli([*TINY, f"tracking.uri={mlflow_uri}", f"tune.storage={db}", "trainer.tuned=auto",

@@ -1,7 +1,7 @@
 """The arithmetic of a measurement's warmup, from the config alone: the loader's pre-filled queue,
 a round of its workers, and the steps a warmup takes to read that queue before anything is
 measured. The loop (runtime/loop.py) warms up by it, the tuner sizes fixed-length trials by it
-(tune.rel_precision=0) and the benchmarks size their steady-state references by it."""
+(measure.rel_precision=0) and the benchmarks size their steady-state references by it."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def rewarm_steps(cfg: Config) -> int:
 
 
 def steady_warmup_steps(cfg: Config) -> int:
-    """Optimizer steps the first warmup takes: trainer.warmup_steps (+ profile_steps), and at least
+    """Optimizer steps the first warmup takes: measure.warmup_steps (+ profile_steps), and at least
     the loader's pre-filled queue + 1 micro-batches."""
-    t, drain = cfg.trainer, rewarm_steps(cfg)
+    t, drain = cfg.measure, rewarm_steps(cfg)
     if t.profile_steps:  # the queue is read again after the profiled steps (see train())
         return t.warmup_steps + t.profile_steps + drain
     return max(t.warmup_steps, drain)

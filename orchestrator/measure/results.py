@@ -239,7 +239,7 @@ class NoiseScale:
     interval (None: not measurable yet, or unbounded), the means of the unbiased |G|^2 and
     tr(Sigma), the steps estimated, how (`ranks`: each rank's gradient before the all-reduce and
     the averaged one after; `accumulation`: the first micro-batch's and the accumulated;
-    `halves`: two halves of a batch every trainer.noise_every steps) and the two batch sizes;
+    `halves`: two halves of a batch every measure.noise_every steps) and the two batch sizes;
     `b_late`: B_simple over the run's second half from step `late_from` (None: too few steps there)."""
 
     b_simple: Optional[float] = None
@@ -369,7 +369,7 @@ class JobResult(_Record):
     target_reached: Optional[bool] = None
     time_to_target_s: Optional[float] = None
     samples_to_target: Optional[float] = None
-    noise_scale: Optional[NoiseScale] = None  # the gradient noise scale (trainer.noise_scale)
+    noise_scale: Optional[NoiseScale] = None  # the gradient noise scale (measure.noise_scale)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     # the keys every rank reports alike (all-reduced figures; rank 0's timing) that merge copies

@@ -27,7 +27,7 @@ def t95(dof: int) -> float:
 
 def estimate(values: List[float], measured_s: float = 0.0, weights: Optional[List[float]] = None) -> Estimate:
     """A figure (throughput, utilization) estimated from its value per window (measure.results.Estimate):
-    their `mean`, its relative standard error (`rel_se`, what `StopRule` holds to trainer.rel_precision),
+    their `mean`, its relative standard error (`rel_se`, what `StopRule` holds to measure.rel_precision),
     a 95% `interval`, the `windows` used and their `measured_s`.
 
     With `weights` (the windows' wall times) the mean is weighted by them: for throughput that is
@@ -167,7 +167,7 @@ Z95 = 1.96  # the normal 95% quantile: a relative standard error of p has a half
 
 @dataclass
 class StopRule:
-    """When a measurement may end (trainer.rel_precision > 0, tuning trials): at least
+    """When a measurement may end (measure.rel_precision > 0, tuning trials): at least
     MIN_WINDOWS windows and `min_s` measured seconds, and the throughput's relative standard
     error over windows within `rel_precision`, judged on the 95% interval (Student t): its half
     width within 1.96 x rel_precision of the mean; or `max_s` measured seconds (0: no cap), once

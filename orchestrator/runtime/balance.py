@@ -17,7 +17,7 @@ stays that of the even split:
   every MIN_WINDOWS windows (once the shares settled, every so many as keep it under EXCHANGE_BUDGET
   of the time) carries them, so every rank decides the same. When the 95% interval of some rank's
   called-for / current share over the last windows lies wholly outside 1 +-
-  `parallelism.balance_tolerance` (a drift beyond the tolerance *and* the window-to-window noise,
+  `TOLERANCE` (a drift beyond the tolerance *and* the window-to-window noise,
   +-15-30% on a busy CPU), the shares are set from the pooled speeds, from the next global
   micro-batch no rank has drawn yet (workers draw ahead): each is split one way on every rank.
 
@@ -41,6 +41,7 @@ POOL_WINDOWS = 30  # the windows at the current shares a decision rests on (the 
 MIN_WINDOWS = 3  # ... at least: one window says nothing about its noise
 EXCHANGE_BUDGET = 0.005  # the ranks exchange their figures every few windows, so that this costs <= 0.5% of the time
 MAX_EVERY = 50  # ... but at least every this many windows
+TOLERANCE = 0.1  # re-balance when the shares the speeds call for differ from the current ones by more (relative)
 
 
 def split(total: int, weights: Sequence[float]) -> List[int]:

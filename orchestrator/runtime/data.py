@@ -25,8 +25,8 @@ from .dist import Adapter
 
 
 class LatencyDataset(Dataset):
-    """Adds a per-item read latency, as remote storage would (`data.read_latency_ms`). `set_latency`
-    changes it in the loader's workers too (shared memory they inherit): `data.latency_jump_at`."""
+    """Adds a per-item read latency, as remote storage would (`sim.read_latency_ms`). `set_latency`
+    changes it in the loader's workers too (shared memory they inherit): `sim.latency_jump_at`."""
 
     def __init__(self, inner: Dataset, latency_ms: float) -> None:
         self.inner = inner
@@ -57,8 +57,8 @@ def build_dataset(cfg: Config) -> Dataset:
     if size == 0:  # else torch's "num_samples should be a positive integer"
         raise ConfigError(f"data._target_: {cfg.data._target_} returned a dataset of 0 items (data.args: "
                           f"{dict(cfg.data.args)}); it needs at least data.batch_size={cfg.data.batch_size} per rank")
-    if cfg.data.read_latency_ms > 0 or cfg.data.latency_jump_at > 0:
-        ds = LatencyDataset(ds, cfg.data.read_latency_ms)
+    if cfg.sim.read_latency_ms > 0 or cfg.sim.latency_jump_at > 0:
+        ds = LatencyDataset(ds, cfg.sim.read_latency_ms)
     return ds
 
 
@@ -155,11 +155,11 @@ def epoch_iterator(loader: DataLoader, batches_done: int) -> Any:
 
 
 def reset_latency(cfg: Config, dataset: Dataset, step: int) -> None:
-    """The per-item latency a run starting at `step` reads with (data.latency_jump_at passed or
+    """The per-item latency a run starting at `step` reads with (sim.latency_jump_at passed or
     not); a kept-alive rank's dataset may carry an earlier job's jump."""
     if isinstance(dataset, LatencyDataset):
-        jumped = 0 < cfg.data.latency_jump_at <= step
-        dataset.set_latency(cfg.data.latency_after_ms if jumped else cfg.data.read_latency_ms)
+        jumped = 0 < cfg.sim.latency_jump_at <= step
+        dataset.set_latency(cfg.sim.latency_after_ms if jumped else cfg.sim.read_latency_ms)
 
 
 def item_bytes(dataset: Dataset) -> int:

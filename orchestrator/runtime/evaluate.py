@@ -69,14 +69,15 @@ def validation_sets(cfg: Config, dataset: Dataset) -> Tuple[Dataset, Optional[Da
     `dataset` (in a study's trials too); data.val is built where it is evaluated (mode=run)."""
     d = cfg.data
     if d.val_fraction > 0:
-        return held_out(dataset, d.val_fraction, d.read_latency_ms)
+        return held_out(dataset, d.val_fraction, cfg.sim.read_latency_ms)
     if d.val is None or cfg.mode is not Mode.run:
         return dataset, None
     val = import_target(d.val["_target_"])(**(d.val.get("args") or {}))
     if hasattr(val, "__len__") and len(val) == 0:
         raise ConfigError(f"data.val._target_: {d.val['_target_']} returned a dataset of 0 items "
                           f"(data.val.args: {dict(d.val.get('args') or {})})")
-    return dataset, (LatencyDataset(val, d.read_latency_ms) if d.read_latency_ms > 0 else val)
+    latency = cfg.sim.read_latency_ms
+    return dataset, (LatencyDataset(val, latency) if latency > 0 else val)
 
 
 class Evaluator:

@@ -11,7 +11,7 @@ process.) The first layer computes no input gradient, so a Linear(in, out) costs
 per sample, not the 6N of the rule of thumb.
 
 Peak FLOP/s: a table of dense tensor-core/SIMT peaks by GPU name and dtype (NVIDIA datasheets,
-dense, i.e. without 2:4 sparsity), `trainer.peak_tflops` to override, and on CPU a short matmul
+dense, i.e. without 2:4 sparsity), `measure.peak_tflops` to override, and on CPU a short matmul
 measurement at the rank's thread count (orchestrator/costs.py, cached per host). An unknown
 device reports no MFU rather than a guess.
 """
@@ -55,13 +55,13 @@ def table_peak(device_name: str, dtype: str) -> Dict[str, Any]:
             if dtype in peaks:
                 return {"flops": peaks[dtype] * 1e12, "source": f"table: {key} {dtype} dense"}
             return {"flops": None, "source": f"unknown peak: {key} has no {dtype} figure"}
-    return {"flops": None, "source": f"unknown peak for '{device_name}' (set trainer.peak_tflops)"}
+    return {"flops": None, "source": f"unknown peak for '{device_name}' (set measure.peak_tflops)"}
 
 
 def peak_flops(device: torch.device, dtype: str, override_tflops: float = 0.0) -> Dict[str, Any]:
     """{"flops": peak FLOP/s or None, "source": where it came from} for one rank's device."""
     if override_tflops:
-        return {"flops": override_tflops * 1e12, "source": f"trainer.peak_tflops={override_tflops:g}"}
+        return {"flops": override_tflops * 1e12, "source": f"measure.peak_tflops={override_tflops:g}"}
     if device.type == "cuda":
         return table_peak(torch.cuda.get_device_name(device), dtype)
     if device.type == "cpu":
@@ -69,7 +69,7 @@ def peak_flops(device: torch.device, dtype: str, override_tflops: float = 0.0) -
 
         measured = cpu_peak_flops(dtype, torch.get_num_threads())
         return {"flops": measured["flops"], "source": measured["source"]}
-    return {"flops": None, "source": f"unknown peak for device type {device.type} (set trainer.peak_tflops)"}
+    return {"flops": None, "source": f"unknown peak for device type {device.type} (set measure.peak_tflops)"}
 
 
 _REGISTERED = False

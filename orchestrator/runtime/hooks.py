@@ -39,7 +39,7 @@ from .step import Diverged
 
 
 class ProfilerHook(Hook):
-    """trainer.profile_steps: the `n` steps from `start` (the end of the warmup) are profiled; they
+    """measure.profile_steps: the `n` steps from `start` (the end of the warmup) are profiled; they
     are kept out of the measured windows, and so is their teardown (trace export) and the loader
     queue that filled up meanwhile: the meter warms up again."""
 
@@ -166,7 +166,7 @@ class SignalCheckpointHook(Hook):
 
 
 class LatencyJumpHook(Hook):
-    """data.latency_jump_at: from that step on the dataset reads with data.latency_after_ms."""
+    """sim.latency_jump_at: from that step on the dataset reads with sim.latency_after_ms."""
 
     def __init__(self, at: int, after_ms: float) -> None:
         self.at, self.after_ms = at, after_ms

@@ -28,7 +28,7 @@ from ..measure.results import Window
 from ..measure.stats import StopRule
 from ..rundir import LogEvent, ResumeEvent, StartEvent, checkpoint_request_path
 from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
-from .balance import Balancer, ShareSampler
+from .balance import TOLERANCE as BALANCE_TOLERANCE, Balancer, ShareSampler
 from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, end_workers, item_bytes, loader_config,
                    reset_latency, steps_per_epoch)
 from .dist import Adapter, amp_dtype, unwrap
@@ -184,20 +184,21 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     # the DataLoader's (workers' base seeds; ShareSampler's order is that of seed + epoch)
     generator = loader.sampler.generator if isinstance(loader.sampler, EpochSampler) else loader.generator
     # profiled steps follow the warmup and are kept out of the measured windows (hooks.ProfilerHook)
-    meter = StepMeter(device, window_steps=t.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
+    m = cfg.measure
+    meter = StepMeter(device, window_steps=m.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
                       memory_cap_mb=t.memory_cap_mb, one_process=adapter.world_size == 1,
-                      warmup_steps=t.warmup_steps + (t.profile_steps + 1 if profiling else 0),
+                      warmup_steps=m.warmup_steps + (m.profile_steps + 1 if profiling else 0),
                       optimizer_follows_compute=(t.accumulation_steps == 1 and adapter.world_size == 1
                                                  and not adapter.exposed_comm))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,
               generator, step=ck["meta"]["step"] if ck is not None else 0, val_set=val_set)
     if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
         saved = (ck["meta"].get("balance") or {}).get("sizes") if ck is not None else None
-        run.balancer = Balancer(loader.batch_sampler, adapter, cfg.parallelism.balance_tolerance, step=run.step,
+        run.balancer = Balancer(loader.batch_sampler, adapter, BALANCE_TOLERANCE, step=run.step,
                                 resumed=saved)
     meter.fit_epoch(steps_per_epoch(loader, t.accumulation_steps))
-    run.rule = StopRule(t.rel_precision, t.min_measure_s, t.max_measure_s) if t.rel_precision > 0 else None
-    run.collective = adapter.world_size > 1 and (run.rule is not None or t.window_s > 0 or t.loader_autotune)
+    run.rule = StopRule(m.rel_precision, m.min_measure_s, m.max_measure_s) if m.rel_precision > 0 else None
+    run.collective = adapter.world_size > 1 and (run.rule is not None or m.window_s > 0 or t.loader_autotune)
     run.loader_tuner = loader_tuner(cfg, adapter, dataset, events, ck)
     reset_latency(cfg, dataset, run.step)
     run.per_epoch = steps_per_epoch(loader, t.accumulation_steps)
@@ -217,8 +218,9 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
     hooks: List[Hook] = []
     if t.warmup_lr_steps:
         hooks.append(LrWarmupHook(t.lr, t.warmup_lr_steps))
-    if t.profile_steps and trace_path is not None:
-        hooks.append(ProfilerHook(Profiler(run.device, trace_path), t.warmup_steps, t.profile_steps))
+    m = cfg.measure
+    if m.profile_steps and trace_path is not None:
+        hooks.append(ProfilerHook(Profiler(run.device, trace_path), m.warmup_steps, m.profile_steps))
     if run.balancer is not None:
         hooks.append(BalanceHook(run.balancer))
     saves = ckpt_dir is not None and (adapter.rank == 0 or adapter.sharded_state)
@@ -229,8 +231,8 @@ def build_hooks(run: Run, trace_path: Optional[Path], ckpt_dir: Optional[Path],
         # after the periodic checkpoint (a step both ask for is saved once), before the loader autotune
         request = checkpoint_request_path(ckpt_dir) if adapter.rank == 0 else None
         hooks.append(SignalCheckpointHook(saver, request, SIGNAL_CHECK_EVERY))
-    if isinstance(run.dataset, LatencyDataset) and cfg.data.latency_jump_at > 0:
-        hooks.append(LatencyJumpHook(cfg.data.latency_jump_at, cfg.data.latency_after_ms))
+    if isinstance(run.dataset, LatencyDataset) and cfg.sim.latency_jump_at > 0:
+        hooks.append(LatencyJumpHook(cfg.sim.latency_jump_at, cfg.sim.latency_after_ms))
     if run.loader_tuner is not None:
         hooks.append(LoaderAutotuneHook(run.loader_tuner, t.loader_autotune_every))
     noise = noise_hook(run)  # sets run.noise
@@ -265,7 +267,7 @@ def train(cfg: Config, adapter: Adapter, events: Optional[EventLog] = None,
     """Train per `cfg` on an adapter that is already set up; returns loss and measured load."""
     t_setup = time.perf_counter()
     run = setup(cfg, adapter, events or EventLog(None), model, dataset, resume,
-                profiling=bool(cfg.trainer.profile_steps and trace_path is not None))
+                profiling=bool(cfg.measure.profile_steps and trace_path is not None))
     run.hooks = build_hooks(run, trace_path, ckpt_dir, mlflow_run_id)
     before, after = overriding(run.hooks, "before_step"), overriding(run.hooks, "after_step")
     after_every = after_period(after)  # the steps the `after` hooks may act on (state.Hook.after_every)
@@ -324,10 +326,10 @@ def log_loss(run: Run, loss: Any) -> None:
 
 def result(run: Run, train_step: Stepper, wall: float) -> TrainResult:
     """The rank's result: the meter's summary with MFU, the stop reason and each hook's part."""
-    t, meter = run.cfg.trainer, run.meter
+    meter = run.meter
     summary = meter.summary()
     summary.update(mfu_figures(train_step.flops, summary.get("throughput"), run.device, run.amp, run.amp_dtype,
-                               t.peak_tflops))
+                               run.cfg.measure.peak_tflops))
     summary["stopped_by"] = run.stopped_by or (run.rule.reason if run.rule is not None and run.rule.reason else "steps")
     summary["model_state_mb"] = model_state_mb(run.model, run.optimizer)
     for hook in run.hooks:

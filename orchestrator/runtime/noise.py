@@ -1,4 +1,4 @@
-"""Measuring the gradient noise scale while the job trains (trainer.noise_scale; the estimator is
+"""Measuring the gradient noise scale while the job trains (measure.noise_scale; the estimator is
 measure/noise.py, the method is docs/measurement.md's "Gradient noise scale").
 
 Each estimated step gives a pair of squared gradient norms at two batch sizes:
@@ -12,7 +12,7 @@ Each estimated step gives a pair of squared gradient norms at two batch sizes:
 - `halves` (one rank, single or dp, no accumulation): the step runs its batch as two halves (the
   same gradient: each half's loss weighs by its share); the first half's gradient and the whole's.
 
-The steps estimated are the warmup's (never measured) and every trainer.noise_every-th; a tuning
+The steps estimated are the warmup's (never measured) and every measure.noise_every-th; a tuning
 trial with `halves` estimates its warmup's steps only (its windows are short: a step that costs
 half as much again would stand out in one and widen the trial's interval).
 
@@ -34,22 +34,22 @@ from .dist import norms
 from .state import Hook, Run
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
-EVERY = 8  # trainer.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
+EVERY = 8  # measure.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
 HALVES_EVERY = 50  # ... and every 50th with `halves` (a second forward and backward: ~+60% of a step)
 
 
 def method_for(cfg: Config, world_size: int) -> Tuple[Optional[str], str]:
     """(method, '') for this run, or (None, why it is not measured)."""
-    t, name = cfg.trainer, cfg.backend.name
-    if not t.noise_scale:
-        return None, "trainer.noise_scale=false"
+    name = cfg.backend.name
+    if not cfg.measure.noise_scale:
+        return None, "measure.noise_scale=false"
     if world_size > 1:
         if cfg.parallelism.balance is Balance.speed:
             return None, "not measured with parallelism.balance=speed (the ranks' batches differ)"
         return "ranks", ""
     if name is BackendName.fsdp:
         return None, "not measured with backend=fsdp on one rank"
-    if t.accumulation_steps > 1:
+    if cfg.trainer.accumulation_steps > 1:
         return "accumulation", ""
     if name in (BackendName.single, BackendName.dp):
         return "halves", ""
@@ -183,10 +183,10 @@ def check_fed(run: Run, hook: Optional[NoiseHook]) -> None:
 
 
 def noise_hook(run: Run) -> Optional[NoiseHook]:
-    """The run's noise-scale hook (its probe on run.noise), or None when trainer.noise_scale is off.
+    """The run's noise-scale hook (its probe on run.noise), or None when measure.noise_scale is off.
     A method the run cannot use says why once, and the result carries an empty estimate."""
     cfg, adapter = run.cfg, run.adapter
-    if not cfg.trainer.noise_scale:
+    if not cfg.measure.noise_scale:
         return None
     method, why = method_for(cfg, adapter.world_size)
     if method is None:
@@ -195,7 +195,7 @@ def noise_hook(run: Run) -> Optional[NoiseHook]:
         return NoiseHook(None, cfg.trainer.log_every, "ranks" if adapter.world_size > 1 else "halves")
     shard = cfg.parallelism.shard_size or adapter.world_size
     big_div = adapter.world_size // shard if cfg.backend.name is BackendName.fsdp else adapter.world_size
-    every = cfg.trainer.noise_every or (HALVES_EVERY if method == "halves" else EVERY)
+    every = cfg.measure.noise_every or (HALVES_EVERY if method == "halves" else EVERY)
     if method == "halves" and cfg.mode is Mode.tune:  # a trial's short windows: a slower step is an outlier
         every = 0  # its warmup's steps only
     run.noise = NoiseProbe(method, adapter.world_size, big_div, every, run.scaler)

@@ -194,12 +194,12 @@ class Run(LoopState, RunParts):
 
     def on_window(self, win: Window) -> bool:
         """A window closed: report it, size the next ones, feed the stop rule; True: stop now."""
-        t, meter = self.cfg.trainer, self.meter
+        m, meter = self.cfg.measure, self.meter
         meter.check_memory()
         own = win.figures()
         if win.warmup:  # its step time includes the start-up: it may only shorten the first window
-            if t.window_s > 0:
-                meter.resize(self.job_figures(win, own).step_time_s, t.window_s, at_most=t.window_steps)
+            if m.window_s > 0:
+                meter.resize(self.job_figures(win, own).step_time_s, m.window_s, at_most=m.window_steps)
             return False
         self.events.write(WindowEvent(type="window", step=own.step, throughput=own.throughput,
                                       utilization=own.utilization, data_wait_frac=own.data_wait_frac,
@@ -213,7 +213,7 @@ class Run(LoopState, RunParts):
         job = self.job_figures(win, own)
         for hook in overriding(self.hooks, "on_figures"):
             hook.on_figures(self, win, job)
-        meter.resize(job.step_time_s, t.window_s)
+        meter.resize(job.step_time_s, m.window_s)
         if self.rule is None or self.rule.add(job.throughput, job.wall_s) is None:
             return False
         return self.span_done(job.step_time_s)
@@ -225,7 +225,7 @@ class Run(LoopState, RunParts):
         began (StepMeter.steps_to_whole_epochs: an epoch's pre-made tail is paid for by its restart),
         for at most that long again in all, whatever the windows do meanwhile."""
         assert self.rule is not None
-        meter, cap = self.meter, self.cfg.trainer.max_measure_s or self.rule.measured_s
+        meter, cap = self.meter, self.cfg.measure.max_measure_s or self.rule.measured_s
         if self.rule_met_s is None:
             self.rule_met_s = self.rule.measured_s
         left = meter.steps_to_whole_epochs()

@@ -47,14 +47,14 @@ class Stepper:
         self.plain = not run.amp and self.accum == 1  # no context to enter: the micro-step is a hand-written loop's
         self.fast = self.plain and run.balancer is None  # ... and its loss is the batch's own
         # FLOPs are counted over the first step, a warmup step (never measured); see runtime/flops.py
-        self.counter: Optional[StepCounter] = StepCounter() if t.warmup_steps > 0 else None
+        self.counter: Optional[StepCounter] = StepCounter() if run.cfg.measure.warmup_steps > 0 else None
         self.counted_step = run.step
         self.flops: Dict[str, Any] = {"flops": None,
-                                      "reason": "not counted: trainer.warmup_steps=0 leaves no unmeasured step"}
+                                      "reason": "not counted: measure.warmup_steps=0 leaves no unmeasured step"}
         # the gradient noise scale (runtime/noise.py): estimated on the warmup's steps (never
         # measured) and every noise.every-th step
         self.noise = run.noise
-        self.noise_until = run.step + t.warmup_steps
+        self.noise_until = run.step + run.cfg.measure.warmup_steps
         self.noise_halves = self.noise is not None and self.noise.method == "halves"
         self.first_micro = self.noise is not None and self.noise.method == "accumulation"
 

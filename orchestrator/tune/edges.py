@@ -49,7 +49,7 @@ def next_step(dim: Dimension, trial: Any, study_trials: List[Any], workers_cap: 
     if dim.key == WORKERS_KEY:
         value = top + max(1, top // 2)
         if top >= workers_cap:
-            return {"capped": f"tune.max_workers_cap={workers_cap}"}
+            return {"capped": f"data.num_workers={workers_cap} is the most a study tries (4 x the CPU cores of a rank)"}
         return {"value": min(value, workers_cap)}
     if dim.key == BATCH_KEY:
         per_epoch = trial.user_attrs.get("steps_per_epoch")
@@ -104,8 +104,9 @@ def advice(edge: Dict[str, Any], extend: bool) -> str:
     return f"{edge['note']}; tune.n_trials ran out before a wider step was tried: raise it to search past it"
 
 
-def workers_cap(space: SearchSpace, cap: Optional[int], cpu_count: Optional[int] = None) -> int:
-    """tune.max_workers_cap, default 4 x CPU cores per local rank."""
+def workers_cap(space: SearchSpace, cpu_count: Optional[int] = None) -> int:
+    """How far extend_edges may take data.num_workers: 4 x CPU cores per local rank (workers that
+    wait on storage pay beyond the cores; twice tune.max_workers' default)."""
     from .space import default_max_workers
 
-    return cap if cap is not None else 2 * default_max_workers(space.base, cpu_count)
+    return 2 * default_max_workers(space.base, cpu_count)

@@ -295,25 +295,25 @@ class TrialLaunching:
 
 
 def trial_config(cfg: Config, values: Dict[str, Any], longer: float = 1.0, b_noise: Optional[float] = None) -> Config:
-    """The job a trial launches: `cfg` with the sampled `values`, measured after a steady-state
-    warmup until tune.rel_precision (or for tune.measure_steps steps when that is 0), at the
+    """The job a trial launches: `cfg` with the sampled `values`, measured as `cfg.measure` says
+    (a study's nulls took the trials' defaults, schema.TRIAL_MEASURE): after a steady-state warmup
+    until measure.rel_precision (or for measure.trial_steps steps when that is 0), at the
     learning rate tune.lr_scaling gives its global batch (goodput.lr_for; `b_noise`: the study's
     noise scale, for adascale). `longer` stretches the windows and the minimum measured time, not
     the cap (the confirmation runs)."""
-    t = cfg.tune
+    m = cfg.measure
     fixed = {
-        "trainer.warmup_steps": t.warmup_steps, "trainer.window_steps": t.window_steps, "trainer.epochs": 10_000,
-        "trainer.timeout_s": t.trial_timeout_s, "trainer.save_model": False,
-        "trainer.log_every": max(1, t.window_steps), "trainer.window_s": t.window_s * longer,
-        "trainer.rel_precision": t.rel_precision, "trainer.min_measure_s": t.min_measure_s * longer,
-        "trainer.max_measure_s": max(t.max_measure_s, t.min_measure_s * longer), "trainer.max_steps": 0,
+        "trainer.epochs": 10_000, "trainer.timeout_s": cfg.tune.trial_timeout_s, "trainer.save_model": False,
+        "trainer.log_every": max(1, m.window_steps), "measure.window_s": m.window_s * longer,
+        "measure.min_measure_s": m.min_measure_s * longer,
+        "measure.max_measure_s": max(m.max_measure_s, m.min_measure_s * longer), "trainer.max_steps": 0,
     }
     job = apply(cfg, {**fixed, **values})
     scaled = lr_for(cfg, job, values, b_noise)
     if scaled:
         job = apply(job, scaled)
-    if t.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
-        job = apply(job, {"trainer.max_steps": steady_warmup_steps(job) + t.measure_steps})
+    if m.rel_precision == 0:  # a fixed count of measured steps after the steady-state warmup
+        job = apply(job, {"trainer.max_steps": steady_warmup_steps(job) + m.trial_steps})
     return job
 
 

@@ -249,7 +249,7 @@ class Proposals(ModelScreen):
 
     def edges(self, study: Any, last: Any) -> None:
         """tune.extend_edges: the best so far sits on the top of a dimension its verdict points
-        past: widen the dimension one step (edges.next_step: up to tune.max_workers_cap, memory,
+        past: widen the dimension one step (edges.next_step: up to edges.workers_cap, memory,
         the dataset) for every tuner process of the study, and try the best there next (a trial
         proposed by `edge`). Once per step: a dimension already widened past the best is left alone."""
         best = best_trials(study, self.t)
@@ -257,7 +257,7 @@ class Proposals(ModelScreen):
             return
         for edge in edges_of(best[0], self.space):
             dim = next(d for d in self.space.dims if d.name == edge.name)
-            step = next_step(dim, best[0], study.get_trials(deepcopy=False), workers_cap(self.space, self.t.max_workers_cap))
+            step = next_step(dim, best[0], study.get_trials(deepcopy=False), workers_cap(self.space))
             if "capped" not in step and edge.key == WORKERS_KEY:
                 step = self._more_workers(study, best[0], step)
             if "capped" in step:

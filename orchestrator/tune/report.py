@@ -140,6 +140,15 @@ def _summary(study: Any, trials: List[Any], best: List[Any], t: TuneConfig, name
     return summary
 
 
+# measure.* keys that set a trial's stop rule: a study's own, left out of its rerun, which trains the whole run
+TRIAL_STOP_KEYS = ("measure.rel_precision", "measure.min_measure_s", "measure.max_measure_s", "measure.trial_steps")
+
+
+def rerun_overrides(overrides: List[str]) -> List[str]:
+    """The study's CLI overrides a rerun of its pick keeps: all but its trials' stop rule."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in TRIAL_STOP_KEYS]
+
+
 def _write_best(summary: Dict[str, Any], b: Any, t: TuneConfig, out_dir: Path, name: str, storage: str,
                 overrides: List[str], notes: Dict[str, Any]) -> str:
     """tuned/best.yaml: the pick `b` as a Hydra override file, with the learning rate (and its
@@ -149,7 +158,7 @@ def _write_best(summary: Dict[str, Any], b: Any, t: TuneConfig, out_dir: Path, n
     tuned.mkdir(exist_ok=True)
     best_yaml = tuned / "best.yaml"
     values = {**b.user_attrs["values"], **((notes.get("time_to_target") or {}).get("set") or {})}
-    rerun = orchestrator_command(["--config-dir", str(tuned.parent), *overrides, "+tuned=best"])
+    rerun = orchestrator_command(["--config-dir", str(tuned.parent), *rerun_overrides(overrides), "+tuned=best"])
     write_atomic(
         best_yaml,
         "# @package _global_\n"
