@@ -13,7 +13,7 @@ Each estimated step gives a pair of squared gradient norms at two batch sizes:
   same gradient: each half's loss weighs by its share); each half's gradient and the whole's. The
   first half's is kept (a copy of the gradients, on these steps only) so that the second half's
   is the accumulated one less it: with both halves' norms, their own noise cancels in |G|^2's
-  estimate (measure.noise.both_parts), which a few pairs of one half only read ~2x low.
+  estimate (measure.noise.both_parts); over a few pairs, one half's alone reads low.
 
 The steps estimated are the warmup's (never measured) and every trainer.noise_every-th; a tuning
 trial with `halves` estimates its warmup's steps only (its windows are short: a step that costs
