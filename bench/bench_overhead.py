@@ -11,7 +11,12 @@ Measures, side by side and interleaved (same seeds, fixed torch threads):
   * noop:   the same `train()` with `StepMeter.mark/end_step/comm_hook_fired`
             replaced by no-ops in this process only (the loop without its instrumentation);
   * quiet:  the same `train()` with measure.noise_scale=false (the gradient noise scale's cost is
-            orch over quiet).
+            orch over quiet);
+  * eval:   the same `train()` holding out --val-fraction of the items and evaluating every
+            --eval-every steps (trainer.eval_every) and at the end: the evaluation's share of the
+            training time is the run's own `eval_s` over its wall time less `eval_s` (evaluation is
+            kept out of the step's figures; the issue's target: evaluation plus the noise scale's
+            cost <= 2% of step time).
 
 Per-step wall time is measured by the benchmark, never read from the meter:
 
@@ -26,6 +31,7 @@ The figure per variant is the median over rounds. Targets: orch / plain step-tim
 instrumentation overhead (orch - noop) / noop <= 1 %.
 
     .venv/bin/python -m bench.bench_overhead [--rounds 9] [--steps 2560] [--threads 1] [--noise-every N]
+        [--eval-every 128] [--val-fraction 0.1]
 """
 
 from __future__ import annotations
@@ -159,6 +165,15 @@ def run_orch(cfg: Config, skip: int) -> Dict[str, float]:
             "first_loss": res.first_loss, "loss": res.final_loss}
 
 
+def run_eval(cfg: Config) -> Dict[str, float]:
+    """The evaluation's share of the training time: eval_s over (wall_s - eval_s), the run's own figures."""
+    adapter = Adapter(cfg)
+    adapter.setup()
+    res = loop_mod.train(cfg, adapter)
+    eval_s = res.meter["eval_s"]
+    return {"eval_frac": eval_s / (res.wall_s - eval_s), "evals": len(res.meter["evals"])}
+
+
 # train() computes wall_s just after its loop; record the matching perf_counter from the outside by
 # wrapping StepMeter.close (called in train()'s `finally`, right after the loop and meter.flush()).
 _train_end = [0.0, 0.0]
@@ -204,6 +219,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--noise-every", type=int, default=0,
                     help="measure.noise_every of orch and noop (0: the default); 1 prices a step of two halves")
+    ap.add_argument("--eval-every", type=int, default=128,
+                    help="trainer.eval_every of the eval variant (steps; 128: an epoch of the full dataset)")
+    ap.add_argument("--val-fraction", type=float, default=0.1, help="data.val_fraction of the eval variant")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -227,11 +245,20 @@ def main() -> None:
     def quiet() -> Dict[str, float]:
         return run_orch(quiet_cfg, args.skip)
 
-    variants: Dict[str, Callable[[], Dict[str, float]]] = {"plain": plain, "orch": orch, "noop": noop, "quiet": quiet}
-    names = list(variants)
-    for name in names:  # one warm-up run each, discarded (lazy init, allocator, caches)
+    eval_cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, val_fraction=args.val_fraction),
+        trainer=dataclasses.replace(cfg.trainer, eval_every=args.eval_every))
+
+    def evaluating() -> Dict[str, float]:
+        return run_eval(eval_cfg)
+
+    variants: Dict[str, Callable[[], Dict[str, float]]] = {"plain": plain, "orch": orch, "noop": noop, "quiet": quiet,
+                                                           "eval": evaluating}
+    names = [n for n in variants if n != "eval"]  # the timed variants
+    for name in variants:  # one warm-up run each, discarded (lazy init, allocator, caches)
         variants[name]()
     got: Dict[str, List[Dict[str, float]]] = {n: [] for n in names}
+    evals: List[Dict[str, float]] = []
     t_bench = time.perf_counter()
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
@@ -239,6 +266,8 @@ def main() -> None:
         for name in order:
             gc.collect()
             got[name].append(variants[name]())
+        gc.collect()
+        evals.append(evaluating())
         print(f"round {r + 1}/{args.rounds}: " + "  ".join(
             f"{n} {got[n][-1]['steady'] * 1e6:7.1f} us" for n in names), flush=True)
 
@@ -283,6 +312,11 @@ def main() -> None:
     print(f"  in CPU time per step         : {statistics.median(noise_cpu):+.2f}% steady paired "
           f"(rounds {min(noise_cpu):+.2f}..{max(noise_cpu):+.2f}%; orch {statistics.median(g['cpu'] for g in got['orch']) * 1e6:.1f} "
           f"us, quiet {statistics.median(g['cpu'] for g in got['quiet']) * 1e6:.1f} us)")
+    share = [e["eval_frac"] * 100 for e in evals]
+    eval_share = statistics.median(share)
+    print(f"evaluation's share             : {eval_share:.2f}% of the training time (rounds {min(share):.2f}..{max(share):.2f}%; "
+          f"{evals[-1]['evals']} evaluations of {args.val_fraction:g} of the items, every {args.eval_every} steps and at the end)")
+    print(f"evaluation + noise scale       : {eval_share + cost:+.2f}% of step time   target <= 2%: {ok(eval_share + cost <= 2.0)}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -58,6 +59,48 @@ def test_unbiased_estimators_converge_to_the_regressions_true_noise():
     assert got.b_simple == pytest.approx(truth, rel=0.12)
     assert got.lo < truth < got.hi and got.hi / got.lo < 1.6  # the interval covers it, and is informative
     assert len(est.blocks) <= 2 * MAX_BLOCKS  # memory bounded: blocks merged
+
+
+def short_runs_median(both: bool, runs: int = 300, pairs: int = 8) -> float:
+    """The median B_simple of `runs` short runs of `pairs` halves steps each (those measurable), on a
+    regression whose noise scale is far above the batch (late in training: |G|^2 lost in the noise
+    of one batch), from the first half's norm only or from both halves'."""
+    gen = torch.Generator().manual_seed(2)
+    got = []
+    for _ in range(runs):
+        est = NoiseEstimator("halves")
+        for step in range(pairs):
+            first, second = (regression_grad(TINY_DELTA, 1.0, 16, gen) for _ in range(2))
+            big = (first + second) / 2
+            rest = float(second @ second) if both else None
+            est.add(float(first @ first), float(big @ big), 16, 32, step, rest_sq=rest)
+        if est.result().b_simple is not None:
+            got.append(est.result().b_simple)
+    return statistics.median(got)
+
+
+TINY_DELTA = torch.full((64,), 0.06, dtype=torch.float64)  # |G|^2 0.23, tr(Sigma) 79: B 344 at a batch of 32
+
+
+def test_a_short_run_of_halves_reads_the_noise_scale_from_both_halves():
+    """A few pairs whose |G|^2 is small against one batch's noise: the ratio of means, taken where
+    |G|^2's mean came out above 0, reads low (a noisy denominator that is kept only when positive
+    is kept mostly when it is too large). Both halves' norms (|G|^2 = G_1.G_2) halve its noise."""
+    g2, trace = regression_truth(TINY_DELTA, 1.0)
+    truth = trace / g2
+    assert short_runs_median(both=False) < 0.55 * truth  # the first half's norm alone: ~2x low
+    assert truth / 1.5 < short_runs_median(both=True) < 1.5 * truth
+
+
+def test_both_halves_by_hand():
+    """|G|^2 = G_1.G_2 and tr(Sigma) = k/2 |G_1 - G_2|^2 from two halves of k samples, given the
+    squared norms of the first half, of the second and of the whole."""
+    g1, g2_ = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 4.0])
+    big = (g1 + g2_) / 2
+    est = NoiseEstimator("halves")
+    assert est.add(float(g1 @ g1), float(big @ big), 8, 16, rest_sq=float(g2_ @ g2_))
+    assert est.blocks[0][:2] == pytest.approx([float(g1 @ g2_), 4 * float((g1 - g2_) @ (g1 - g2_))])
+    assert not est.add(1.0, 1.0, 8, 16, rest_sq=float("nan"))  # an AMP overflow in the second half
 
 
 def test_the_late_estimate_follows_a_noise_scale_that_grows_as_the_model_trains():
@@ -261,3 +304,26 @@ def test_the_probe_divides_out_weights_and_the_loss_scale():
     small, big = 16.0 / 0.25 / 16.0, 144.0 / 16.0  # |G_small|^2 = 4, |G_big|^2 = 9
     g2, trace = unbiased(small, big, 8, 16)
     assert probe.estimator.blocks[0][:2] == pytest.approx([g2, trace])
+
+
+def test_the_probe_reads_both_halves_of_a_halves_step():
+    """`halves`: the second half's gradient is the accumulated one less the first half's (kept when
+    the first half closes), each over its weight and the loss scale; the pair gets both halves."""
+    from types import SimpleNamespace
+
+    from orchestrator.runtime.noise import NoiseProbe
+
+    scaler = SimpleNamespace(_scale=torch.tensor(4.0))
+    probe = NoiseProbe("halves", 1, 1, 1, scaler)
+    model = torch.nn.Linear(2, 1, bias=False)
+    g1, g2_ = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 4.0])  # the halves' own gradients, 8 samples each
+    probe.active = True
+    model.weight.grad = (4.0 * 0.5 * g1)[None]  # after the first half's backward: weight 1/2, scale 4
+    probe.first_part(model, 8, 0.5)
+    model.weight.grad += (4.0 * 0.5 * g2_)[None]  # the second half's backward accumulates
+    probe.second_part(model, 0.5)
+    probe.end_step(model, 16)
+    probe.flush(Adapter.__new__(Adapter))
+    assert probe.estimator.n == 1
+    assert probe.estimator.blocks[0][:2] == pytest.approx([float(g1 @ g2_), 4 * float((g1 - g2_) @ (g1 - g2_))])
+    assert probe.estimator.batch_small == 8 and probe.estimator.batch_big == 16

@@ -40,6 +40,17 @@ def unbiased(small_sq: float, big_sq: float, b_small: float, b_big: float) -> Tu
     return g2, trace
 
 
+def both_parts(first_sq: float, rest_sq: float, big_sq: float, b_first: float, b_big: float) -> Tuple[float, float]:
+    """(|G|^2, tr(Sigma)) of a big batch split in two disjoint parts (b_first and b_big - b_first
+    samples) whose squared norms are both known: the mean of the two parts' `unbiased` estimates.
+    With equal parts |G|^2 = G_1.G_2 and tr(Sigma) = b/2 |G_1 - G_2|^2: the parts' own norms,
+    which carry one batch's noise, cancel (one part's alone leaves (|G_2|^2 - |G_1|^2) / 2 in
+    |G|^2's estimate: zero mean, but several times |G|^2 where the noise scale is far above the batch)."""
+    g2_a, trace_a = unbiased(first_sq, big_sq, b_first, b_big)
+    g2_b, trace_b = unbiased(rest_sq, big_sq, b_big - b_first, b_big)
+    return (g2_a + g2_b) / 2, (trace_a + trace_b) / 2
+
+
 def fieller(num: List[float], den: List[float]) -> Tuple[Optional[float], Optional[float]]:
     """95% interval of mean(num) / mean(den) from paired samples (Fieller's theorem); (None, None)
     with fewer than 2 pairs or where the denominator's mean is not clearly above 0 (unbounded)."""
@@ -72,12 +83,17 @@ class NoiseEstimator:
         self.n = 0
         self.last_step = 0
 
-    def add(self, small_sq: float, big_sq: float, b_small: float, b_big: float, step: int = 0) -> bool:
+    def add(self, small_sq: float, big_sq: float, b_small: float, b_big: float, step: int = 0,
+            rest_sq: Optional[float] = None) -> bool:
         """One step's pair (`step`: its number in the run); False (left out) when a norm is not finite (an AMP step that overflowed)
-        or the two batch sizes are equal (the epoch's last step of one micro-batch)."""
-        if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or not 0 < b_small < b_big:
+        or the two batch sizes are equal (the epoch's last step of one micro-batch). `rest_sq`: where
+        known, the squared norm of the gradient over the big batch's other b_big - b_small samples
+        (`halves`' second half): both parts' estimates are averaged (see `both_parts`)."""
+        norms = (small_sq, big_sq) if rest_sq is None else (small_sq, big_sq, rest_sq)
+        if not all(math.isfinite(v) for v in norms) or not 0 < b_small < b_big:
             return False
-        g2, trace = unbiased(small_sq, big_sq, b_small, b_big)
+        g2, trace = (unbiased(small_sq, big_sq, b_small, b_big) if rest_sq is None
+                     else both_parts(small_sq, rest_sq, big_sq, b_small, b_big))
         if not self.blocks or self.blocks[-1][2] >= self.block_steps:
             self.blocks.append([0.0, 0.0, 0, step])
         last = self.blocks[-1]

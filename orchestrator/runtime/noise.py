@@ -10,7 +10,10 @@ Each estimated step gives a pair of squared gradient norms at two batch sizes:
 - `accumulation` (one rank, trainer.accumulation_steps > 1): the first micro-batch's gradient and
   the accumulated one.
 - `halves` (one rank, single or dp, no accumulation): the step runs its batch as two halves (the
-  same gradient: each half's loss weighs by its share); the first half's gradient and the whole's.
+  same gradient: each half's loss weighs by its share); each half's gradient and the whole's. The
+  first half's is kept (a copy of the gradients, on these steps only) so that the second half's
+  is the accumulated one less it: with both halves' norms, their own noise cancels in |G|^2's
+  estimate (measure.noise.both_parts); over a few pairs, one half's alone reads low.
 
 The steps estimated are the warmup's (never measured) and every measure.noise_every-th; a tuning
 trial with `halves` estimates its warmup's steps only (its windows are short: a step that costs
@@ -68,9 +71,11 @@ class NoiseProbe:
         self.active = False  # this step is estimated (the step sets it; the adapter's hooks read it)
         self.small: List[torch.Tensor] = []  # this step's: the parts' norms of the small-batch gradient
         self.big: List[torch.Tensor] = []
-        self.weight, self.b_small = 1.0, 0
+        self.rest: List[torch.Tensor] = []  # `halves`: the parts' norms of the second half's gradient
+        self.kept: List[torch.Tensor] = []  # `halves`: the first half's gradients (weighted), until the second's
+        self.weight, self.b_small, self.weight_rest = 1.0, 0, 1.0
         self.norms: List[torch.Tensor] = []  # the waiting pairs' norms, in order
-        self.pending: List[Tuple[int, int, float, Optional[torch.Tensor], int, int, int]] = []
+        self.pending: List[Tuple[int, int, int, float, float, Optional[torch.Tensor], int, int, int]] = []
         self.estimator = NoiseEstimator(method)
         self._params: Optional[List[nn.Parameter]] = None
 
@@ -81,21 +86,37 @@ class NoiseProbe:
     def add_big(self, norms: List[torch.Tensor]) -> None:
         self.big.extend(norms)
 
-    def grad_norms(self, model: nn.Module) -> List[torch.Tensor]:
+    def grads(self, model: nn.Module) -> List[torch.Tensor]:
         if self._params is None:
             self._params = list(model.parameters())
-        return norms([p.grad for p in self._params if p.grad is not None])
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def grad_norms(self, model: nn.Module) -> List[torch.Tensor]:
+        return norms(self.grads(model))
 
     def first_part(self, model: nn.Module, n_part: int, weight: float) -> None:
         """After the first micro-batch's (or half's) backward, whose loss weighed `weight`: its own
-        gradient is the accumulated one over `weight`."""
-        self.small.extend(self.grad_norms(model))
+        gradient is the accumulated one over `weight`. `halves` keeps a copy for `second_part`."""
+        grads = self.grads(model)
+        self.small.extend(norms(grads))
         self.weight, self.b_small = weight, n_part
+        if self.method == "halves":
+            self.kept = [g.detach().clone() for g in grads]
+
+    def second_part(self, model: nn.Module, weight: float) -> None:
+        """`halves`, after the second half's backward, whose loss weighed `weight`: its own gradient
+        is the accumulated one less the first half's (kept), over `weight`."""
+        grads, kept, self.kept = self.grads(model), self.kept, []
+        if len(grads) != len(kept):  # a parameter only the second half reached: its sizes differ
+            return
+        self.rest.extend(norms(torch._foreach_sub(grads, kept)))
+        self.weight_rest = weight  # its size is the big batch less the first half
 
     def end_step(self, model: nn.Module, samples: int, step: int = 0) -> None:
         """After the gradients are synchronized, before clipping: close step `step`'s pair."""
         if not self.small:
             self.big.clear()
+            self.rest.clear()
             return
         if self.method == "ranks":
             b_small, b_big = samples, samples * self.world
@@ -103,28 +124,31 @@ class NoiseProbe:
             b_small, b_big = self.b_small, samples
         if not self.big:  # the averaged gradient's norm, where no hook saw it (not DDP)
             self.big.extend(self.grad_norms(model))
-        small, big, self.small, self.big = self.small, self.big, [], []
+        small, big, rest, self.small, self.big, self.rest = self.small, self.big, self.rest, [], [], []
         if big:
             scale = getattr(self.scaler, "_scale", None)  # AMP fp16: the gradients are scaled by it
             scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else None  # updated in place later
-            self.pending.append((len(small), len(big), self.weight, scale, b_small, b_big, step))
-            self.norms += small + big
+            self.pending.append((len(small), len(big), len(rest), self.weight, self.weight_rest, scale,
+                                 b_small, b_big, step))
+            self.norms += small + big + rest
 
     # -- reading them ---------------------------------------------------------------------------
     def squared(self) -> List[float]:
-        """The waiting pairs' squared norms, |G_small|^2 then |G_big|^2 for each, this rank's."""
+        """The waiting pairs' squared norms, |G_small|^2, |G_big|^2 and the second half's |G_rest|^2
+        (0 where not measured) for each, this rank's."""
         flat = torch.stack(self.norms).square()
         slots: List[int] = []
-        for i, (n_small, n_big, *_) in enumerate(self.pending):
-            slots += [2 * i] * n_small + [2 * i + 1] * n_big
-        sums = torch.zeros(2 * len(self.pending), dtype=flat.dtype, device=flat.device)
+        for i, (n_small, n_big, n_rest, *_) in enumerate(self.pending):
+            slots += [3 * i] * n_small + [3 * i + 1] * n_big + [3 * i + 2] * n_rest
+        sums = torch.zeros(3 * len(self.pending), dtype=flat.dtype, device=flat.device)
         values = sums.index_add_(0, torch.tensor(slots, device=flat.device), flat).tolist()
-        scales = [p[3] for p in self.pending if p[3] is not None]
+        scales = [p[5] for p in self.pending if p[5] is not None]
         scale_sq = iter(torch.stack(scales).double().square().tolist()) if scales else None
-        for i, (_, _, weight, scale, *_) in enumerate(self.pending):
+        for i, (_, _, _, weight, weight_rest, scale, *_) in enumerate(self.pending):
             div = next(scale_sq) if scale is not None and scale_sq is not None else 1.0
-            values[2 * i] /= weight * weight * div
-            values[2 * i + 1] /= div
+            values[3 * i] /= weight * weight * div
+            values[3 * i + 1] /= div
+            values[3 * i + 2] /= weight_rest * weight_rest * div
         return values
 
     def flush(self, adapter: Any) -> None:
@@ -135,11 +159,11 @@ class NoiseProbe:
         values = self.squared()
         if self.world > 1:
             values = adapter.all_reduce_sum(values)
-        for i, (*_, b_small, b_big, step) in enumerate(self.pending):
-            small, big = values[2 * i], values[2 * i + 1]
+        for i, (_, _, n_rest, *_, b_small, b_big, step) in enumerate(self.pending):
+            small, big, rest = values[3 * i], values[3 * i + 1], values[3 * i + 2]
             if self.world > 1:
                 small, big = small / self.world, big / self.big_div
-            self.estimator.add(small, big, b_small, b_big, step)
+            self.estimator.add(small, big, b_small, b_big, step, rest_sq=rest if n_rest else None)
         self.pending.clear()
         self.norms.clear()
 

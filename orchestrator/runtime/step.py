@@ -147,7 +147,7 @@ class Stepper:
 
     def halves(self, run: Run, batch: Any, n: int) -> torch.Tensor:
         """The batch's forward and backward as two halves, each loss weighed by its share (the
-        same gradient as the whole batch's); the first half's gradient goes to the noise probe.
+        same gradient as the whole batch's); each half's gradient goes to the noise probe.
         Returns the batch's loss."""
         model, scaler, feed = run.model, run.scaler, self.feed
         k = n // 2
@@ -160,6 +160,8 @@ class Stepper:
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
             if i == 0:
                 self.noise.first_part(model, size, size / n)  # type: ignore[union-attr]
+            else:
+                self.noise.second_part(model, size / n)  # type: ignore[union-attr]
             total = weighted.detach() if total is None else total + weighted.detach()
         return total  # type: ignore[return-value]
 
