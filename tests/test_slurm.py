@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -293,6 +294,7 @@ def test_checkpoint_signal_tasks_and_the_requeued_run_dir(make_cfg, tmp_path, mo
     from orchestrator.__main__ import resume_requeued
     from orchestrator.attempts import clear_stale_request
     from orchestrator.finish import mlflow_status
+    from orchestrator.measure.results import JobResult
     from orchestrator.rundir import checkpoint_request_path, write_json
 
     cfg = slurm.resolve(make_cfg("backend=ddp"), ALLOC, say=lambda _: None)
@@ -334,8 +336,13 @@ def test_checkpoint_signal_tasks_and_the_requeued_run_dir(make_cfg, tmp_path, mo
     request.write_text("SIGUSR1\n")
     clear_stale_request(run_dir)
     assert request.exists()
-    assert [mlflow_status({"status": s, "requeue": q}) for s, q in (("CHECKPOINTED", "42"), ("CHECKPOINTED", None),
-                                                                      ("FINISHED", None))] == ["SCHEDULED", "KILLED", "FINISHED"]
+    def job(status: str, requeue: Optional[str]) -> JobResult:
+        out = JobResult(status=status)
+        out.requeue = requeue
+        return out
+
+    assert [mlflow_status(job(s, q)) for s, q in (("CHECKPOINTED", "42"), ("CHECKPOINTED", None),
+                                                  ("FINISHED", None))] == ["SCHEDULED", "KILLED", "FINISHED"]
 
 
 # ~25 ms a step on 2 ranks (the data's read latency), 200 steps in one epoch of each rank's 256
