@@ -197,6 +197,25 @@ def test_a_config_moved_to_more_ranks_shares_the_cores_between_their_workers():
     assert at_world(pick, 2, 2) is pick
 
 
+def test_a_carried_config_past_this_studys_space_widens_it(make_cfg):
+    """An earlier study widened its workers past the space's top (edges.py) and picked 3; a warm
+    study whose space stops at 2 widens it to hold 3, recorded as its `extended`, so that the
+    enqueued config is the pick and not one whose workers the sampler chose."""
+    from orchestrator.tune.space import SearchSpace
+    from orchestrator.tune.warm import hold
+
+    space = SearchSpace(make_cfg("tune.space.num_workers.high=2"))
+    study = optuna.create_study(direction="maximize")
+    pick = {"data.batch_size": 32, "data.num_workers": 3, "trainer.accumulation_steps": 1}
+    param = {d.key: d.param for d in space.dims}
+    workers, batch = param["data.num_workers"], param["data.batch_size"]
+    assert workers not in space.params_of(pick) and batch in space.params_of(pick)
+    hold(study, space, pick)
+    assert study.user_attrs["extended"] == {"num_workers": 3} and workers in space.params_of(pick)
+    hold(study, space, {**pick, "data.num_workers": 1})  # inside: nothing changes
+    assert study.user_attrs["extended"] == {"num_workers": 3}
+
+
 def test_a_config_moved_to_more_ranks_keeps_the_workers_that_wait_on_storage():
     """The job model's loader costs weigh the scaling: workers that mostly wait (storage latency)
     are as many a rank at any world size; those that mostly compute share the cores."""

@@ -197,7 +197,9 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
     queued = []
     old_world = int(earlier.attrs.get("world_size") or cfg.world_size)
     for values in seeds(storage, earlier):
-        params = space.params_of(at_world(values, old_world, cfg.world_size, carried.loader))
+        moved = at_world(values, old_world, cfg.world_size, carried.loader)
+        hold(study, space, moved)
+        params = space.params_of(moved)
         if params and params not in queued:
             study.enqueue_trial(params, user_attrs={"warm_from": earlier.name})
             queued.append(params)
@@ -206,6 +208,24 @@ def start(study: Any, cfg: Any, storage: Any, name: str, space: Any, proposals: 
     say(f"[tune] warm start from {earlier.describe()}: its {len(queued)} best config(s) first; {carried.kept} "
         f"(tune.warm_start=off starts cold)")
     return record
+
+
+def hold(study: Any, space: Any, values: Dict[str, Any]) -> None:
+    """Widen this study's space so that it holds a carried config: an earlier study may have widened
+    its own past the space's top (edges.py), and a config its space holds no value of would be
+    enqueued with that dimension left to the sampler, i.e. as another config. Recorded as the
+    study's `extended` widenings, which every tuner process of the study applies."""
+    from .edges import apply_extensions
+
+    before = dict(study.user_attrs.get("extended") or {})
+    extended = dict(before)
+    for dim in space.dims:
+        value, tops = values.get(dim.key), [v for v in dim.extremes() if isinstance(v, (int, float))]
+        if isinstance(value, (int, float)) and tops and not dim.contains(value) and value > max(tops):
+            extended[dim.name] = max(value, extended.get(dim.name, value))
+    if extended != before:
+        study.set_user_attr("extended", extended)
+        apply_extensions(space, extended)
 
 
 def at_world(values: Dict[str, Any], old: int, new: int, loader: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
