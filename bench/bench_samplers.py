@@ -115,7 +115,8 @@ def grid_part(name: str, spec: Dict[str, Any], seeds: int, factor: float, tmp: P
 
 
 def default_part(name: str, spec: Dict[str, Any], seeds: int, tmp: Path) -> Dict[str, Any]:
-    common = [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off"]
+    common = [*spec["overrides"], "mode=tune", "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
+              "tune.warm_start=off"]
     cfg = compose_config(common)
     space = SearchSpace(cfg)
     print(f"\n== {name}: default space, {space.grid_size()} configs (global batch {space.global_batch or 'free'}), "

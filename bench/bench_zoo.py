@@ -157,7 +157,8 @@ def grid_of(space: Dict[str, List[int]]) -> List[Point]:
 
 
 def base(spec: Dict[str, Any], tmp: Path) -> List[str]:
-    return [*spec["overrides"], "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db", "tune.warm_start=off"]
+    return [*spec["overrides"], "mode=tune", "tracking.enabled=false", f"tune.storage=sqlite:///{tmp}/optuna.db",
+            "tune.warm_start=off"]
 
 
 def steady_of(data: Dict[str, Any], name: str, factor: float, grid: List[Point]) -> Dict[Point, Figures]:

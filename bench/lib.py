@@ -62,11 +62,12 @@ Figures = Dict[str, float]
 
 # -- grid points as trials --------------------------------------------------------------------
 def space_overrides(space: Dict[str, List[int]]) -> List[str]:
-    """The three knobs with these choices, the global batch free, the utilization objective; the
-    default space's other knobs removed."""
+    """A study's config (mode=tune) searching the three knobs with these choices, the global batch
+    free, by the utilization objective; the default space's other knobs removed."""
     out = ["~tune.space.prefetch_factor", "~tune.space.pin_memory", "tune.extend_edges=false"]  # the grid is all
     out.append("tune.global_batch=free")  # the search is judged over the whole grid; the held default by bench_target
     out.append("tune.objective=utilization")  # the rule these benches score a pick by (goodput's: bench_target)
+    out.append("mode=tune")  # the jobs are a study's trials: measured by its trials' defaults (schema.TRIAL_MEASURE)
     for name, choices in space.items():
         out += [f"tune.space.{name}.type=categorical", f"tune.space.{name}.choices=[{','.join(map(str, choices))}]"]
     return out

@@ -67,15 +67,21 @@ def _grids():
 
 def test_every_grid_point_is_a_point_of_the_space_the_benchmarks_search():
     """The benchmarks' studies search their whole grid (the global batch free, whatever the
-    product's default): each grid point becomes a trial's values, and those values are that point."""
+    product's default) by the rule they score a pick by, and their jobs are measured as a study's
+    trials are: each grid point becomes a trial's values, and those values are that point."""
     import itertools
 
     from bench.lib import KNOBS, point_of, space_overrides, values_of
+    from orchestrator.schema import TRIAL_MEASURE, Objective
+    from orchestrator.tune.launch import trial_config
     from orchestrator.tune.space import SearchSpace
 
     for name, overrides, space in _grids():
-        space_ = SearchSpace(compose_config([*overrides, "tracking.enabled=false", *space_overrides(space)]))
-        assert space_.global_batch is None, name
+        cfg = compose_config([*overrides, "tracking.enabled=false", *space_overrides(space)])
+        space_ = SearchSpace(cfg)
+        assert space_.global_batch is None and cfg.tune.objective is Objective.utilization, name
+        trial = trial_config(cfg, values_of(space_, next(itertools.product(*(space[k] for k in KNOBS)))))
+        assert trial.measure.rel_precision == TRIAL_MEASURE["rel_precision"] > 0 and trial.trainer.max_steps == 0, name
         for p in itertools.product(*(space[k] for k in KNOBS)):
             assert point_of(values_of(space_, p)) == p, (name, p)
 

@@ -194,6 +194,14 @@ def test_crashing_and_oom_trials_fail_and_the_study_goes_on(make_cfg, tmp_path):
             assert "rank 0 failed" in t.user_attrs["error"]
 
 
+def test_a_study_of_a_plain_runs_config_is_refused_before_any_trial(make_cfg, tmp_path):
+    """Composed without mode=tune, measure.*'s nulls took a plain run's defaults: its trials would
+    measure a fixed 20 steps in one window, not to the trials' precision."""
+    with pytest.raises(ValueError, match=r"^a study's config is composed with mode=tune .* got mode=run$"):
+        run_study(make_cfg("tune.n_trials=1", f"tune.storage=sqlite:///{tmp_path}/optuna.db"), tmp_path, echo=False)
+    assert not (tmp_path / "optuna.db").exists() and not (tmp_path / "trials.csv").exists()
+
+
 @pytest.mark.slow  # a study of its own, 9-21 s
 def test_failure_rate_stops_the_study(make_cfg, tmp_path):
     from orchestrator.tune.study import StudyFailed

@@ -21,7 +21,7 @@ from ..app import check_launch
 from ..fingerprint import describe, fingerprint
 from ..progress import StudyProgress
 from ..rundir import RecordError, Status, own_run_dir, owner_tag
-from ..schema import Config, ConfigError, Objective, SamplerName
+from ..schema import Config, ConfigError, Mode, Objective, SamplerName
 from ..slurm import resolve as resolve_allocation
 from ..stores import PROJECT, redact, resolve_uri, store_error
 from ..tracking import Tracker
@@ -57,6 +57,9 @@ class Tuner(StudyOwnership, TrialLaunching, Confirmation, StudyOutcome):
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
         self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0, "setup": 0.0}  # seconds, over this process's launches
+        if cfg.mode is not Mode.tune:  # its measure.* nulls took a plain run's defaults: trials would run as plain runs
+            raise ValueError(f"a study's config is composed with mode=tune (its trials measure by schema.TRIAL_MEASURE), "
+                             f"got mode={cfg.mode.value}")
         cfg = resolve_allocation(cfg)  # inside a SLURM allocation: its nodes (orchestrator/slurm.py)
         self.cfg, self.t, self.echo = cfg, cfg.tune, echo
         self.run_dir = Path(run_dir).resolve()
