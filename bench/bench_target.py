@@ -94,8 +94,10 @@ def budget_epochs(name: str, args: argparse.Namespace) -> int:
 
 def cached(entry: Optional[Dict[str, Any]], name: str, args: argparse.Namespace) -> bool:
     """A cached result of this task and seed run with today's budget (an entry of another budget
-    is run again: its target is another loss)."""
+    is run again: its target is another loss), by epochs where the task's config caps its steps."""
     if not entry:
+        return False
+    if not entry.get("uncapped") and compose_cfg([*TASKS[name], "tracking.enabled=false"]).trainer.max_steps:
         return False
     return entry.get("budget_epochs", args.budget * OLD_BUDGET.get(name, 1)) == budget_epochs(name, args)
 
@@ -158,7 +160,9 @@ def offline_noise(overrides: List[str], weights: Path, small: int, big: int, dra
 
 
 def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
-    base = [*overrides, f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
+    # epochs decide every run's length (the shipped sequence example caps its steps at 60: its budget
+    # run, its target run and every pick's would stop there)
+    base = [*overrides, "trainer.max_steps=0", f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
     here = tmp / f"{name}-{seed}"
     epochs = budget_epochs(name, args)
     budget = job([*base, f"trainer.epochs={epochs}"], here / "budget")
@@ -169,7 +173,7 @@ def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tm
     cap = [f"trainer.epochs={epochs * args.cap}", f"trainer.target_loss={target}"]
     noise = budget.get("noise_scale") or {}
     # the offline figure is taken on the final weights: the run's second half's estimate where it has one
-    out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "noise_run": noise.get("b_late") or noise.get("b_simple"),
+    out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True, "noise_run": noise.get("b_late") or noise.get("b_simple"),
                            "noise_run_whole": noise.get("b_simple"), "noise_late": noise.get("b_late") is not None}
     every = evals_every(budget, args.evals_per_epoch, user_gb, user_gb)
     user = job([*base, *cap, f"trainer.eval_every={every}"], here / "user")
