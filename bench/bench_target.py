@@ -4,8 +4,9 @@ Per task and seed, on CPU, every run a real run of the orchestrator:
   1. the target: the user's config trains for --budget epochs (x BUDGET's factor on tasks whose
      epochs are short: the user's config trains to the target for ten seconds or more) with a held-out validation split
      (data.val_fraction); its final validation loss is the target;
-  2. the user's config trains again to that target (trainer.target_loss), evaluating every
-     --evals-per-epoch of an epoch, the same cadence in samples for every config below;
+  2. the user's config trains again to that target (trainer.target_loss), evaluating
+     --evals-per-epoch times an epoch but at most every MIN_EVAL_STEPS steps, the same cadence
+     in samples for every config below;
   3. one study per policy (--trials trials, tune.seed = the seed), and its pick (best.yaml's
      overrides: the batch, workers, accumulation and the learning rate it wrote) trains to the
      same target, right after the user's config trains to it once more beside it (the pick's
@@ -86,6 +87,11 @@ BOUND = {"storage_1", "cpu_transform", "comm_ddp", "ddp_storage"}  # input- or c
 # a second measures the run's start and its noise, not the config (short_epochs: 240 items an epoch)
 BUDGET = {"short_epochs": 15, "already_best": 10, "variable_length_lm": 10}
 OLD_BUDGET = {"short_epochs": 5}  # what a cached entry without `budget_epochs` was run with
+# evaluations at least this many of the user's steps apart: closer, the evaluations' pauses hide the
+# loading that a config with more loader workers was picked to overlap (short_epochs, 7 steps an
+# epoch: one evaluation after every step cost 6x the training time, and its pick trained 0.84-0.88x
+# as fast as the user's config there, 1.07-1.12x with one evaluation an epoch)
+MIN_EVAL_STEPS = 8
 
 
 def budget_epochs(name: str, args: argparse.Namespace) -> int:
@@ -98,6 +104,8 @@ def cached(entry: Optional[Dict[str, Any]], name: str, args: argparse.Namespace)
     if not entry:
         return False
     if not entry.get("uncapped") and compose_cfg([*TASKS[name], "tracking.enabled=false"]).trainer.max_steps:
+        return False
+    if eval_steps(entry, name) < MIN_EVAL_STEPS:  # evaluated between (nearly) every step
         return False
     return entry.get("budget_epochs", args.budget * OLD_BUDGET.get(name, 1)) == budget_epochs(name, args)
 
@@ -124,9 +132,21 @@ def job(overrides: List[str], run_dir: Path) -> Dict[str, Any]:
 
 def evals_every(result: Dict[str, Any], per_epoch_evals: int, batch_now: int, batch_user: int) -> int:
     """trainer.eval_every (steps) giving `per_epoch_evals` evaluations an epoch of the user's
-    config, in samples: the same cadence for every global batch."""
+    config, but none closer than MIN_EVAL_STEPS of its steps, in samples: the same cadence for
+    every global batch."""
     steps = int(result.get("steps_per_epoch") or 1) * batch_user // max(1, batch_now)
-    return max(1, steps // per_epoch_evals)
+    return max(1, steps // per_epoch_evals, MIN_EVAL_STEPS * batch_user // max(1, batch_now))
+
+
+def eval_steps(entry: Dict[str, Any], name: str) -> int:
+    """The user's steps between evaluations of a cached entry (from its target run's samples and
+    evaluations where it did not record them)."""
+    if entry.get("eval_every"):
+        return int(entry["eval_every"])
+    user = entry.get("user") or {}
+    if not user.get("evals") or not user.get("samples"):
+        return MIN_EVAL_STEPS
+    return round(user["samples"] / user["evals"] / global_batch(compose_cfg([*TASKS[name], "tracking.enabled=false"])))
 
 
 def global_batch(cfg: Any) -> int:
@@ -176,6 +196,7 @@ def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tm
     out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True, "noise_run": noise.get("b_late") or noise.get("b_simple"),
                            "noise_run_whole": noise.get("b_simple"), "noise_late": noise.get("b_late") is not None}
     every = evals_every(budget, args.evals_per_epoch, user_gb, user_gb)
+    out["eval_every"] = every
     user = job([*base, *cap, f"trainer.eval_every={every}"], here / "user")
     out["user"] = figures_of(user)
     weights = here / "budget" / "model.pt"
