@@ -128,3 +128,40 @@ def test_bench_warm_keeps_each_seed_and_reads_an_older_entry_as_seed_0(tmp_path,
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("short_epochs"))
     assert row.split()[1:] == ["0,1", "50", "/", "50", "2", "/", "never", "10%", "/", "never", "full", "1", "/", "1",
                                "job", "1", "of", "2"]
+
+
+def test_bench_target_evaluates_at_most_every_8_user_steps_and_counts_a_pick_of_your_config_as_yours(capsys):
+    """bench_target's cadence: --evals-per-epoch an epoch but no closer than MIN_EVAL_STEPS of the
+    user's steps, the same in samples at another global batch; a cached entry that evaluated closer
+    is run again; a pick that is the user's own config counts 1.00 in the cells and checks (the user
+    changes nothing), its measured rerun shown under "yours again"."""
+    import argparse
+
+    from bench import bench_target as bt
+
+    assert bt.MIN_EVAL_STEPS == 8
+    assert bt.evals_every({"steps_per_epoch": 100}, 4, 32, 32) == 25
+    assert bt.evals_every({"steps_per_epoch": 7}, 4, 32, 32) == 8  # 7 // 4 = 1: an evaluation after every step
+    assert bt.evals_every({"steps_per_epoch": 7}, 4, 64, 32) == 4  # twice the batch: the same samples apart
+    args = argparse.Namespace(budget=4)
+    user = {"reached": True, "time_s": 2.0, "evals": 160, "samples": 5120}  # every step of batch 32
+    assert not bt.cached({"budget_epochs": 60, "user": user}, "short_epochs", args)
+    assert bt.cached({"budget_epochs": 60, "user": {**user, "evals": 20}}, "short_epochs", args)
+    yours = ["data.batch_size=32", "data.num_workers=2", "trainer.accumulation_steps=1"]  # short_epochs' own
+    other = ["data.batch_size=16", "data.num_workers=3", "trainer.accumulation_steps=2"]
+    seeds = {s: {"user": user, "noise_run": None,
+                 "held": {"reached": True, "time_s": 2.0 / r, "pick": pick, "user_again": user},
+                 "goodput": {"reached": True, "time_s": 2.0 / 1.1, "pick": other, "user_again": user}}
+             for s, (r, pick) in enumerate([(0.7, yours), (1.2, other)])}
+    assert bt.report({"short_epochs": seeds}, ["held", "goodput"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("short_epochs"))
+    assert "1.10 / 1.00 (1 yours)" in row and "1.10 / 1.10" in row and " 0.70 " in row  # 0.70: the rerun, as measured
+    assert "default (goodput)>=0.95:ok" in row and "goodput>=held:ok" in row
+    seeds[1]["held"] = {**seeds[1]["goodput"], "time_s": 2.0 / 1.3}  # the same pick: one config, two reruns
+    assert bt.report({"short_epochs": seeds}, ["held", "goodput"]) == 0  # goodput 1.10 < held 1.30 at seed 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("short_epochs"))
+    assert "goodput>=held:ok" in row
+    seeds[0]["held"] = {**seeds[0]["goodput"], "time_s": 2.0 / 1.2}  # held's pick at seed 0: other, 1.20
+    seeds[0]["goodput"]["pick"] = ["data.batch_size=64"]  # another config than held's: its own 1.10 counts
+    assert bt.report({"short_epochs": seeds}, ["held", "goodput"]) == 1
+    assert "goodput>=held:NO" in capsys.readouterr().out
