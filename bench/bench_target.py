@@ -88,7 +88,7 @@ TASKS = {name: TASKS[name] for name in ORDER}
 BOUND = {"storage_1", "cpu_transform", "comm_ddp", "ddp_storage"}  # input- or communication-bound
 # x --budget epochs, so that the user's config trains for about ten seconds or more: a target met in
 # a second measures the run's start and its noise, not the config (short_epochs: 240 items an epoch)
-BUDGET = {"short_epochs": 15, "already_best": 10, "variable_length_lm": 10, "compute": 10}
+BUDGET = {"short_epochs": 15, "already_best": 10, "variable_length_lm": 10}
 OLD_BUDGET = {"short_epochs": 5}  # what a cached entry without `budget_epochs` was run with
 # evaluations at least this many of the user's steps apart: closer, the evaluations' pauses hide the
 # loading that a config with more loader workers was picked to overlap (short_epochs, 7 steps an
