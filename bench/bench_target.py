@@ -27,11 +27,11 @@ and not judged against the final weights').
 
 Targets (issue: time to a trained model): the default pick >= 2x on every input- or
 communication-bound task and >= 0.95x on every task; goodput >= held on every task; the noise
-scale within 2x of the offline one (where goodput and held picked one config at a seed, that seed
-counts held's figure for both: the difference is a rerun's). Where a policy picked the user's own config, the user changes
-nothing and trains as before: the cell and the checks count it 1.00 ("(k yours)"), and its
-measured ratio, a rerun of the user's config beside another, is under "yours again": the
-run-to-run noise of that task on this host (1.0 on a quiet one).
+scale within 2x of the offline one (where goodput and held picked one config at a seed, that
+seed counts held's figure for both: the difference is a rerun's). Where a policy picked the
+user's own config, the user changes nothing and trains as before: the cell and the checks count
+it 1.00 ("(k yours)"), and its measured ratio, a rerun of the user's config beside another, is
+under "yours again": the run-to-run noise of that task on this host (1.0 on a quiet one).
 
 Tasks: six of the zoo (bench/zoo) plus a DDP task whose loader waits on storage, and the shipped
 sequence example (experiment=variable_length_lm). Time on 2 cores: 5-15 minutes a task and seed.
@@ -90,10 +90,9 @@ BOUND = {"storage_1", "cpu_transform", "comm_ddp", "ddp_storage"}  # input- or c
 # a second measures the run's start and its noise, not the config (short_epochs: 240 items an epoch)
 BUDGET = {"short_epochs": 15, "already_best": 10, "variable_length_lm": 10}
 OLD_BUDGET = {"short_epochs": 5}  # what a cached entry without `budget_epochs` was run with
-# evaluations at least this many of the user's steps apart: closer, the evaluations' pauses hide the
-# loading that a config with more loader workers was picked to overlap (short_epochs, 7 steps an
-# epoch: one evaluation after every step cost 6x the training time, and its pick trained 0.84-0.88x
-# as fast as the user's config there, 1.07-1.12x with one evaluation an epoch)
+# evaluations at least this many of the user's steps apart: closer, they cost more than the training
+# and their pauses hide the loading that a config with more loader workers was picked to overlap
+# (docs/benchmarks.md, "Time to a target loss")
 MIN_EVAL_STEPS = 8
 
 
@@ -196,7 +195,8 @@ def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tm
     cap = [f"trainer.epochs={epochs * args.cap}", f"trainer.target_loss={target}"]
     noise = budget.get("noise_scale") or {}
     # the offline figure is taken on the final weights: the run's second half's estimate where it has one
-    out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True, "noise_run": noise.get("b_late") or noise.get("b_simple"),
+    out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True,
+                           "noise_run": noise.get("b_late") or noise.get("b_simple"),
                            "noise_run_whole": noise.get("b_simple"), "noise_late": noise.get("b_late") is not None}
     every = evals_every(budget, args.evals_per_epoch, user_gb, user_gb)
     out["eval_every"] = every

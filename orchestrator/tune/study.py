@@ -57,7 +57,7 @@ class Tuner(StudyOwnership, TrialLaunching, Confirmation, StudyOutcome):
         self.overrides = list(overrides or [])  # the study's own CLI overrides, for the rerun line
         self.optuna = optuna
         self.spent = {"launch": 0.0, "train": 0.0, "warmup": 0.0, "setup": 0.0}  # seconds, over this process's launches
-        if cfg.mode is not Mode.tune:  # its measure.* nulls took a plain run's defaults: trials would run as plain runs
+        if cfg.mode is not Mode.tune:  # its measure.* nulls took a plain run's defaults: its trials would too
             raise ValueError(f"a study's config is composed with mode=tune (its trials measure by schema.TRIAL_MEASURE), "
                              f"got mode={cfg.mode.value}")
         cfg = resolve_allocation(cfg)  # inside a SLURM allocation: its nodes (orchestrator/slurm.py)
