@@ -94,7 +94,9 @@ class Window:
     t_start: float  # perf_counter, for timelines
     t_end: float
     sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
-    phases_cpu_s: Optional[Dict[str, float]] = None  # CPU only: the process's CPU time in each phase
+    # CPU only: the process's CPU time in each phase; one rank on one thread whose optimizer step follows
+    # its compute (StepMeter.optimizer_follows_compute) reads no clock between them: optimizer's holds both
+    phases_cpu_s: Optional[Dict[str, float]] = None
     busy_cpu_s: Optional[float] = None  # CPU only: the loop thread's CPU time in compute + optimizer
     warmup: bool = False
     partial: bool = False  # cut short (the run's end, a new epoch): left out of the estimate

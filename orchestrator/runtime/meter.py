@@ -53,7 +53,8 @@ def cpu_clocks(cuda: bool, inproc: bool, threads: int, one_process: bool) -> Tup
     time; the loop thread's gives utilization (its busy phases' share) and, with no loader workers
     (`inproc`), the data phase's CPU, the loader's own (the process's would add the intra-op threads'
     spin-waits meanwhile). One rank (`one_process`) on one torch thread without loader workers: the
-    process's CPU in a phase is its loop thread's, whose clock alone is read."""
+    process's CPU in a phase is its loop thread's, whose clock alone is read (and, where the optimizer's
+    mark follows compute's, not at compute's: `StepMeter.optimizer_follows_compute`)."""
     thread_is_process = not cuda and inproc and threads == 1 and one_process
     return not cuda and not thread_is_process, not cuda or inproc, thread_is_process
 
@@ -71,7 +72,8 @@ class StepMeter:
     one_process: bool = False  # the job's only rank: no communication thread spends the process's CPU
     # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch
     # a step, no exposed communication: runtime/step.py): the loop thread's CPU time is not read at the
-    # COMPUTE mark, as only its sum over the two busy phases is a figure
+    # COMPUTE mark, as only its sum over the two busy phases is a figure (utilization, the input cost);
+    # where it is the process's CPU too, the window's optimizer CPU holds both and compute's is 0
     optimizer_follows_compute: bool = False
     windows: List[Window] = field(default_factory=list)
     warmup_windows: List[Window] = field(default_factory=list)
@@ -89,9 +91,9 @@ class StepMeter:
         self.threads = max(1, torch.get_num_threads())
         self._cpu_on, self._thread_on, self._cpu_is_thread = cpu_clocks(self.cuda, self._inproc, self.threads,
                                                                         self.one_process)
-        # the thread's clock at the compute mark only splits the busy phases: skipped where only their sum is
-        # read (the optimizer's mark always follows; where the process's CPU is the thread's it splits them)
-        self._copy_compute = self.optimizer_follows_compute and not self._cpu_is_thread
+        # the thread's clock at the compute mark only splits the busy phases: skipped where the optimizer's
+        # mark always follows (only their sum is read), the process's clock too where it is the thread's
+        self._copy_compute = self.optimizer_follows_compute
         self._hook_cpu = self._hook_thread = 0.0
         self._span = CpuSpan()  # the process's and the loader's CPU over the steady span
         self._span_samples = 0  # samples in it (measured, re-warm and partial windows alike)
