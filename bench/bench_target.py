@@ -20,10 +20,11 @@ Per task and seed, on CPU, every run a real run of the orchestrator:
 The "default" column is the policy tune.global_batch=auto takes for the task's optimizer.
 Printed: per task, the wall time to the target of each pick as a ratio to the user's config
 (> 1: sooner; median and worst over seeds; "miss" when a run never reached the target within
---cap x the budget), and the gradient noise scale the user's run measured beside one measured
-offline by the large/small-batch method on the user's final weights over the training split (the
-run's figure: its second half's, `b_late`, where it has one; a whole-run figure is printed as such
-and not judged against the final weights').
+--cap x the budget), and the gradient noise scale the user's budget run measured in its second
+half (`b_late`; a whole-run figure is printed as such and not judged) beside one measured offline by
+the large/small-batch method over the training split at the weights of the same steps: at 1/2, 3/4
+and all of its epochs (runs of the same config and seed stopped there), pooled as the run pools its
+pairs (LATE_POINTS). `--noise` refreshes only these columns of cached entries.
 
 Targets (issue: time to a trained model): the default pick >= 2x on every input- or
 communication-bound task and >= 0.95x on every task; goodput >= held on every task; the noise
@@ -155,12 +156,17 @@ def global_batch(cfg: Any) -> int:
     return cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size
 
 
-def offline_noise(overrides: List[str], weights: Path, small: int, big: int, draws: int = 96) -> Optional[float]:
-    """B_simple by the large/small-batch method (McCandlish et al. 2018, appendix A) on the user's
-    final weights: |G_B|^2 averaged over `draws` batches of each size drawn from the run's training
-    set (data.val_fraction's held-out items left out, as the run left them out), then the unbiased
-    estimators of |G|^2 and tr(Sigma). Late in training |G|^2 is small against one batch's noise,
-    so it takes many draws: with a few dozen the figure scatters 2x either way, or is not measurable."""
+# the points of the budget run where the offline figure is measured, as fractions of its epochs, and
+# their weights: the trapezoid rule over its second half, the steps the run's late figure (b_late) pools
+LATE_POINTS = ((0.5, 0.25), (0.75, 0.5), (1.0, 0.25))
+
+
+def offline_sums(overrides: List[str], weights: Path, small: int, big: int, draws: int = 96) -> Tuple[float, float]:
+    """Unbiased |G|^2 and tr(Sigma) by the large/small-batch method (McCandlish et al. 2018,
+    appendix A) at the `weights`: |G_B|^2 averaged over `draws` batches of each size drawn from the
+    run's training set (data.val_fraction's held-out items left out, as the run left them out). Late
+    in training |G|^2 is small against one batch's noise, so it takes many draws: with a few dozen
+    the figure scatters 2x either way, or is not measurable."""
     cfg = compose_cfg([*overrides, "tracking.enabled=false"])
     model = build_model(cfg)
     model.load_state_dict(torch.load(weights, map_location="cpu"))
@@ -176,9 +182,70 @@ def offline_noise(overrides: List[str], weights: Path, small: int, big: int, dra
 
     gs = statistics.fmean(sq_norm(small) for _ in range(draws))
     gb = statistics.fmean(sq_norm(big) for _ in range(draws))
-    g2 = (big * gb - small * gs) / (big - small)
-    trace = (gs - gb) / (1 / small - 1 / big)
-    return trace / g2 if g2 > 0 else None
+    return (big * gb - small * gs) / (big - small), (gs - gb) / (1 / small - 1 / big)
+
+
+def offline_noise(base: List[str], epochs: int, budget: Dict[str, Any], here: Path) -> Dict[str, Any]:
+    """The offline B_simple over the steps the budget run's late figure covers: |G|^2 and tr(Sigma)
+    at the weights of LATE_POINTS of its epochs (the budget run's own, and runs of the same config
+    and seed stopped at the earlier points: the same steps up to there), pooled as b_late pools its
+    pairs (the ratio of the weighted sums); `b_final`: at the final weights alone."""
+    ns = budget.get("noise_scale") or {}
+    small = int(ns.get("batch_small") or 16)
+    big = max(int(ns.get("batch_big") or 0) or 256, 4 * small)
+    points = []
+    for frac, weight in LATE_POINTS:
+        at = epochs * frac
+        if at != int(at):
+            raise ValueError(f"--budget: {epochs} epochs have no whole epoch at {frac:g} of them")
+        run_dir = here / "budget" if frac == 1.0 else here / f"budget_{frac:g}"
+        if frac != 1.0:
+            job([*base, f"trainer.epochs={int(at)}"], run_dir)
+        g2, tr = offline_sums(base, run_dir / "model.pt", small, big)
+        points.append({"epochs": int(at), "weight": weight, "g2": g2, "trace": tr})
+    g2 = sum(p["weight"] * p["g2"] for p in points)
+    tr = sum(p["weight"] * p["trace"] for p in points)
+    last = points[-1]
+    return {"b_late": tr / g2 if g2 > 0 else None, "b_final": last["trace"] / last["g2"] if last["g2"] > 0 else None,
+            "points": points}
+
+
+def noise_reference(name: str, base: List[str], epochs: int, budget: Dict[str, Any], here: Path) -> Dict[str, Any]:
+    """The offline figures beside the budget run's own (the shipped sequence example's batches are
+    dicts: the offline method's (input, target) pairs do not fit it)."""
+    if not (here / "budget" / "model.pt").exists() or name == "variable_length_lm":
+        return {}
+    off = offline_noise(base, epochs, budget, here)
+    return {"noise_offline": off["b_late"], "noise_offline_final": off["b_final"], "noise_points": off["points"]}
+
+
+def budget_run(name: str, base: List[str], epochs: int, here: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The user's config for the budget's epochs: (its result, the entry's figures): the target (its
+    final validation loss), the noise scale it measured (its second half's, `b_late`, where it has
+    one: what the offline figure over the same steps is judged against) and the offline figures."""
+    budget = job([*base, f"trainer.epochs={epochs}"], here / "budget")
+    target = budget.get("val_loss")
+    if target is None:
+        return budget, {"error": f"the budget run gave no validation loss: {budget.get('error', budget.get('status'))}"}
+    noise = budget.get("noise_scale") or {}
+    out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True,
+                           "noise_run": noise.get("b_late") or noise.get("b_simple"),
+                           "noise_run_whole": noise.get("b_simple"), "noise_late": noise.get("b_late") is not None,
+                           "noise_pairs": noise.get("n")}
+    out.update(noise_reference(name, base, epochs, budget, here))
+    return budget, out
+
+
+def refresh_noise(name: str, seed: int, entry: Dict[str, Any], args: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
+    """--noise: the budget run of a cached entry once more, its noise figures and the offline ones
+    replacing the entry's (its picks' runs kept); the target it reaches again is recorded beside the
+    cached one (`target_again`: the same run, on another day)."""
+    base = [*TASKS[name], "trainer.max_steps=0", f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
+    _, fresh = budget_run(name, base, budget_epochs(name, args), tmp / f"{name}-{seed}")
+    if "error" in fresh:
+        return {**entry, "noise_error": fresh["error"]}
+    keep = {k: v for k, v in entry.items() if not k.startswith("noise")}
+    return {**keep, **{k: v for k, v in fresh.items() if k.startswith("noise")}, "target_again": fresh["target"]}
 
 
 def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
@@ -187,26 +254,15 @@ def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tm
     base = [*overrides, "trainer.max_steps=0", f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
     here = tmp / f"{name}-{seed}"
     epochs = budget_epochs(name, args)
-    budget = job([*base, f"trainer.epochs={epochs}"], here / "budget")
-    target = budget.get("val_loss")
-    if target is None:
-        return {"error": f"the budget run gave no validation loss: {budget.get('error', budget.get('status'))}"}
+    budget, out = budget_run(name, base, epochs, here)
+    if "error" in out:
+        return out
     user_gb = global_batch(compose_cfg(base))
-    cap = [f"trainer.epochs={epochs * args.cap}", f"trainer.target_loss={target}"]
-    noise = budget.get("noise_scale") or {}
-    # the offline figure is taken on the final weights: the run's second half's estimate where it has one
-    out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True,
-                           "noise_run": noise.get("b_late") or noise.get("b_simple"),
-                           "noise_run_whole": noise.get("b_simple"), "noise_late": noise.get("b_late") is not None}
+    cap = [f"trainer.epochs={epochs * args.cap}", f"trainer.target_loss={out['target']}"]
     every = evals_every(budget, args.evals_per_epoch, user_gb, user_gb)
     out["eval_every"] = every
     user = job([*base, *cap, f"trainer.eval_every={every}"], here / "user")
     out["user"] = figures_of(user)
-    weights = here / "budget" / "model.pt"
-    if weights.exists() and name != "variable_length_lm":
-        ns = budget.get("noise_scale") or {}
-        small, big = int(ns.get("batch_small") or 16), int(ns.get("batch_big") or 0) or 256
-        out["noise_offline"] = offline_noise(base, weights, small, max(big, 4 * small))
     for policy in args.policies:
         try:
             out[policy] = pick_to_target(name, policy, base, cap, budget, user_gb, seed, args, here, every)
@@ -282,7 +338,8 @@ def knobs_of(name: str, overrides: Tuple[str, ...]) -> Tuple[Any, ...]:
 
 
 def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -> int:
-    rows = [["task", "user s", *(f"{p} x" for p in policies), "yours again", "B run", "B offline", "checks"]]
+    rows = [["task", "user s", *(f"{p} x" for p in policies), "yours again", "B run", "B offline", "run/offline",
+             "checks"]]
     failed = 0
     for name, seeds in results.items():
         # a pick that is the user's own config trains as the user's does: 1.00 (its measured rerun,
@@ -315,14 +372,15 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
             low = min(goodput) if goodput and None not in goodput else 0.0
             checks.append(f"goodput>=held:{'ok' if low >= worst['held'] else 'NO'}")
         runs = [r for r in seeds.values() if "user" in r]
-        # the offline figure is the final weights': judged against the runs' second halves only (a
-        # whole-run figure leans on the first steps, where the noise scale may be several times lower)
-        late = [r["noise_run"] for r in runs if r.get("noise_run") and r.get("noise_late")]
-        b_run = late or [r["noise_run"] for r in runs if r.get("noise_run")]
-        b_off = [r["noise_offline"] for r in runs if r.get("noise_offline")]
-        if late and b_off:
-            q = statistics.median(late) / statistics.median(b_off)
-            checks.append(f"noise within 2x:{'ok' if 0.5 <= q <= 2 else 'NO'}")
+        # each run's second half against the offline figure over the same steps (LATE_POINTS); a
+        # whole-run figure leans on the first steps, where the noise scale may be several times lower
+        late = [r for r in runs if r.get("noise_run") and r.get("noise_late")]
+        b_run = [r["noise_run"] for r in late] or [r["noise_run"] for r in runs if r.get("noise_run")]
+        b_off = [r["noise_offline"] for r in runs if r.get("noise_offline") and r.get("noise_points")]
+        q = [r["noise_run"] / r["noise_offline"] for r in late if r.get("noise_offline") and r.get("noise_points")]
+        if q:
+            mid = statistics.median(q)
+            checks.append(f"noise within 2x:{'ok' if 0.5 <= mid <= 2 else 'NO'}")
         elif b_off:
             checks.append("noise: no late estimate (under 4 pairs in the runs' second halves: raise --budget)")
         if any(r["user"].get("evals") == 1 for r in runs):  # the target says little about training
@@ -331,10 +389,12 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
         user_s = [r["user"]["time_s"] for r in runs if r["user"].get("time_s")]
         rows.append([name, f"{statistics.median(user_s):.1f}" if user_s else "-", *cells,
                      (f"{statistics.median(b_run):.0f}" + ("" if late else " (whole run)")) if b_run else "-",
-                     f"{statistics.median(b_off):.0f}" if b_off else "-", " ".join(checks)])
+                     f"{statistics.median(b_off):.0f}" if b_off else "-",
+                     f"{statistics.median(q):.2f} ({min(q):.2f}-{max(q):.2f})" if q else "-", " ".join(checks)])
     print(table(rows))
     print("cells: the pick's wall time to the target as a ratio to the user's (> 1: sooner), median / worst seed; "
-          "a pick that is the user's own config counts 1.00 (its measured reruns: yours again)")
+          "a pick that is the user's own config counts 1.00 (its measured reruns: yours again); B: the noise scale, "
+          "medians over seeds, run/offline: each seed's run against the offline figure at its own weights (median, range)")
     return 1 if failed else 0
 
 
@@ -348,12 +408,20 @@ def main() -> int:
     ap.add_argument("--evals-per-epoch", type=int, default=4)
     ap.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--cache", type=Path, default=Path("outputs/bench_target.json"))
+    ap.add_argument("--noise", action="store_true",
+                    help="only the noise-scale columns: run the cached entries' budget runs again with today's "
+                         "code, and the offline figures over their second halves (the picks' cells are kept)")
     args = ap.parse_args()
     tmp = prepare("bench_target_")
     cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
     for seed in range(args.seeds):  # every task's seed 0 first: a partial run covers every task
         for name, overrides in TASKS.items():
-            if args.only and name not in args.only or cached(cache.get(name, {}).get(str(seed)), name, args):
+            entry = cache.get(name, {}).get(str(seed))
+            if args.noise and (not args.only or name in args.only) and cached(entry, name, args):
+                print(f"== {name} seed {seed}: noise (load {os.getloadavg()[0]:.1f})", flush=True)
+                cache[name][str(seed)] = refresh_noise(name, seed, entry, args, tmp)  # type: ignore[arg-type]
+                args.cache.write_text(json.dumps(cache, indent=1, default=str))
+            if args.noise or args.only and name not in args.only or cached(entry, name, args):
                 continue
             print(f"== {name} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
             cache.setdefault(name, {})[str(seed)] = one(name, overrides, seed, args, tmp)
