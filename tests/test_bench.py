@@ -165,3 +165,28 @@ def test_bench_target_evaluates_at_most_every_8_user_steps_and_counts_a_pick_of_
     seeds[0]["goodput"]["pick"] = ["data.batch_size=64"]  # another config than held's: its own 1.10 counts
     assert bt.report({"short_epochs": seeds}, ["held", "goodput"]) == 1
     assert "goodput>=held:NO" in capsys.readouterr().out
+
+
+def test_bench_target_runs_a_changed_task_again_and_judges_each_seeds_noise_scale_at_its_own_weights(capsys):
+    """A cached entry of an earlier version of its task (compute's items changed) is run again; the
+    noise check compares each seed's late figure with the offline figure over its own steps (an
+    entry whose offline figure was taken at the final weights only is not judged)."""
+    import argparse
+
+    from bench import bench_target as bt
+
+    args = argparse.Namespace(budget=4)
+    user = {"reached": True, "time_s": 2.0, "evals": 20, "samples": 5120}
+    assert not bt.cached({"budget_epochs": 4, "uncapped": True, "user": user}, "compute", args)
+    assert bt.cached({"budget_epochs": 4, "uncapped": True, "user": user, "task_version": 2}, "compute", args)
+    assert [f for f, _ in bt.LATE_POINTS] == [0.5, 0.75, 1.0] and sum(w for _, w in bt.LATE_POINTS) == 1.0
+    points = [{"epochs": 2}]
+    seeds = {0: {"user": user, "noise_run": 300.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points},
+             1: {"user": user, "noise_run": 120.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points},
+             2: {"user": user, "noise_run": 50.0, "noise_late": True, "noise_offline": 1000.0}}  # final weights only
+    assert bt.report({"storage_1": seeds}, []) == 1  # per seed 3.0 and 1.2: median 2.1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("storage_1"))
+    assert "2.10 (1.20-3.00)" in row and "noise within 2x:NO" in row
+    seeds[0]["noise_run"] = 150.0
+    assert bt.report({"storage_1": seeds}, []) == 0
+    assert "noise within 2x:ok" in capsys.readouterr().out
