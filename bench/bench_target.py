@@ -248,6 +248,12 @@ def refresh_noise(name: str, seed: int, entry: Dict[str, Any], args: argparse.Na
     replacing the entry's (its picks' runs kept); the target it reaches again is recorded beside the
     cached one (`target_again`: the same run, on another day)."""
     base = [*TASKS[name], "trainer.max_steps=0", f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
+    if args.noise_every:  # the same run estimating more steps: the estimator's accuracy, less its cadence's
+        budget = job([*base, f"trainer.epochs={budget_epochs(name, args)}", f"measure.noise_every={args.noise_every}"],
+                     tmp / f"{name}-{seed}" / "dense")
+        ns = budget.get("noise_scale") or {}
+        return {**entry, "noise_dense": {"every": args.noise_every, "run": ns.get("b_late") or ns.get("b_simple"),
+                                         "late": ns.get("b_late") is not None, "pairs": ns.get("n")}}
     _, fresh = budget_run(name, base, budget_epochs(name, args), tmp / f"{name}-{seed}")
     if "error" in fresh:
         return {**entry, "noise_error": fresh["error"]}
@@ -388,6 +394,13 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
         if q:
             mid = statistics.median(q)
             checks.append(f"noise within 2x:{'ok' if 0.5 <= mid <= 2 else 'NO'}")
+        dense = [(r["noise_dense"], r["noise_offline"]) for r in runs
+                 if (r.get("noise_dense") or {}).get("run") and (r.get("noise_dense") or {}).get("late")
+                 and r.get("noise_offline") and r.get("noise_points")]
+        if dense:  # not judged: the same runs estimating more steps than the product's cadence does
+            qd = [d["run"] / off for d, off in dense]
+            checks.append(f"every {dense[0][0]['every']}: run/offline {statistics.median(qd):.2f} "
+                          f"({min(qd):.2f}-{max(qd):.2f}, {min(d['pairs'] for d, _ in dense)}+ pairs)")
         elif b_off:
             checks.append("noise: no late estimate (under 4 pairs in the runs' second halves: raise --budget)")
         if any(r["user"].get("evals") == 1 for r in runs):  # the target says little about training
@@ -418,6 +431,9 @@ def main() -> int:
     ap.add_argument("--noise", action="store_true",
                     help="only the noise-scale columns: run the cached entries' budget runs again with today's "
                          "code, and the offline figures over their second halves (the picks' cells are kept)")
+    ap.add_argument("--noise-every", type=int, default=0,
+                    help="with --noise: the budget runs estimate every N-th step (measure.noise_every), recorded "
+                         "beside the default cadence's figures (the offline ones kept)")
     args = ap.parse_args()
     tmp = prepare("bench_target_")
     cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
