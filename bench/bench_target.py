@@ -226,10 +226,12 @@ def noise_reference(name: str, base: List[str], epochs: int, budget: Dict[str, A
     return {"noise_offline": off["b_late"], "noise_offline_final": off["b_final"], "noise_points": off["points"]}
 
 
-def budget_run(name: str, base: List[str], epochs: int, here: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def budget_run(name: str, base: List[str], epochs: int, here: Path,
+               offline: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """The user's config for the budget's epochs: (its result, the entry's figures): the target (its
     final validation loss), the noise scale it measured (its second half's, `b_late`, where it has
-    one: what the offline figure over the same steps is judged against) and the offline figures."""
+    one: what the offline figure over the same steps is judged against) and the offline figures
+    (`offline`: measured before, at the same weights: the same config and seed train alike)."""
     budget = job([*base, f"trainer.epochs={epochs}"], here / "budget")
     target = budget.get("val_loss")
     if target is None:
@@ -238,8 +240,9 @@ def budget_run(name: str, base: List[str], epochs: int, here: Path) -> Tuple[Dic
     out: Dict[str, Any] = {"target": target, "budget_epochs": epochs, "uncapped": True,
                            "noise_run": noise.get("b_late") or noise.get("b_simple"),
                            "noise_run_whole": noise.get("b_simple"), "noise_late": noise.get("b_late") is not None,
-                           "noise_pairs": noise.get("n")}
-    out.update(noise_reference(name, base, epochs, budget, here))
+                           "noise_pairs": noise.get("n"), "noise_late_lo": noise.get("late_lo"),
+                           "noise_late_hi": noise.get("late_hi")}
+    out.update(offline if offline is not None else noise_reference(name, base, epochs, budget, here))
     return budget, out
 
 
@@ -253,8 +256,11 @@ def refresh_noise(name: str, seed: int, entry: Dict[str, Any], args: argparse.Na
                      tmp / f"{name}-{seed}" / "dense")
         ns = budget.get("noise_scale") or {}
         return {**entry, "noise_dense": {"every": args.noise_every, "run": ns.get("b_late") or ns.get("b_simple"),
-                                         "late": ns.get("b_late") is not None, "pairs": ns.get("n")}}
-    _, fresh = budget_run(name, base, budget_epochs(name, args), tmp / f"{name}-{seed}")
+                                         "late": ns.get("b_late") is not None, "pairs": ns.get("n"),
+                                         "lo": ns.get("late_lo"), "hi": ns.get("late_hi")}}
+    offline = {k: v for k, v in entry.items() if k in ("noise_offline", "noise_offline_final", "noise_points")}
+    _, fresh = budget_run(name, base, budget_epochs(name, args), tmp / f"{name}-{seed}",
+                          offline=offline if entry.get("noise_points") else None)
     if "error" in fresh:
         return {**entry, "noise_error": fresh["error"]}
     keep = {k: v for k, v in entry.items() if not k.startswith("noise")}
@@ -394,6 +400,11 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
         if q:
             mid = statistics.median(q)
             checks.append(f"noise within 2x:{'ok' if 0.5 <= mid <= 2 else 'NO'}")
+            judged = [r for r in late if r.get("noise_offline") and r.get("noise_points")]
+            bounded = [r for r in judged if r.get("noise_late_lo") is not None and r.get("noise_late_hi") is not None]
+            inside = sum(r["noise_late_lo"] <= r["noise_offline"] <= r["noise_late_hi"] for r in bounded)
+            checks.append(f"offline in the run's 95% interval: {inside} of {len(bounded)}"
+                          + (f" ({len(judged) - len(bounded)} unbounded)" if len(judged) > len(bounded) else ""))
         dense = [(r["noise_dense"], r["noise_offline"]) for r in runs
                  if (r.get("noise_dense") or {}).get("run") and (r.get("noise_dense") or {}).get("late")
                  and r.get("noise_offline") and r.get("noise_points")]

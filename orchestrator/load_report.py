@@ -219,9 +219,11 @@ def noise_line(noise: Dict[str, Any]) -> str:
         return f"not measurable yet (the mean gradient's squared norm is not above its noise); {sizes}"
     lo, hi = noise.get("lo"), noise.get("hi")
     interval = f"95% interval {lo:.0f} to {hi:.0f}" if lo is not None and hi is not None else "no bounded interval yet"
-    late = noise.get("b_late")
-    late = (f"; {late:.0f} over the run's second half (from step {noise.get('late_from')}): the noise scale "
-            "grows as the loss falls" if late is not None else "")
+    late, late_lo, late_hi = noise.get("b_late"), noise.get("late_lo"), noise.get("late_hi")
+    late_interval = (f"95% interval {late_lo:.0f} to {late_hi:.0f}" if late_lo is not None and late_hi is not None
+                     else "no bounded interval yet")
+    late = (f"; {late:.0f} ({late_interval}) over the run's second half (from step {noise.get('late_from')}): "
+            "the noise scale grows as the loss falls" if late is not None else "")
     return (f"B_simple = {b:.0f} samples ({interval}): batches much smaller than this gain almost linearly "
             f"from a larger batch, much larger ones little; from {sizes}{late}")
 

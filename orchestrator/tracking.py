@@ -89,12 +89,15 @@ def runs_url(base: str, experiment_id: str) -> str:
 
 def noise_metrics(result: JobResult) -> List[tuple]:
     """The gradient noise scale's MLflow metrics: `noise_scale` (B_simple), its interval's ends
-    (`noise_scale_lo`, `noise_scale_hi`) and the run's second half's (`noise_scale_late`), where measured."""
+    (`noise_scale_lo`, `noise_scale_hi`) and the run's second half's (`noise_scale_late`, its interval's
+    `noise_scale_late_lo`, `noise_scale_late_hi`), where measured."""
     noise, step = result.noise_scale, result.steps or 0
     if noise is None:
         return []
     return [(name, getattr(noise, key), step) for name, key in (("noise_scale", "b_simple"), ("noise_scale_lo", "lo"),
-                                                                ("noise_scale_hi", "hi"), ("noise_scale_late", "b_late"))
+                                                                ("noise_scale_hi", "hi"), ("noise_scale_late", "b_late"),
+                                                                ("noise_scale_late_lo", "late_lo"),
+                                                                ("noise_scale_late_hi", "late_hi"))
             if getattr(noise, key) is not None]
 
 

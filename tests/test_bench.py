@@ -181,12 +181,15 @@ def test_bench_target_runs_a_changed_task_again_and_judges_each_seeds_noise_scal
     assert bt.cached({"budget_epochs": 4, "uncapped": True, "user": user, "task_version": 2}, "compute", args)
     assert [f for f, _ in bt.LATE_POINTS] == [0.5, 0.75, 1.0] and sum(w for _, w in bt.LATE_POINTS) == 1.0
     points = [{"epochs": 2}]
-    seeds = {0: {"user": user, "noise_run": 300.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points},
-             1: {"user": user, "noise_run": 120.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points},
+    seeds = {0: {"user": user, "noise_run": 300.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points,
+                 "noise_late_lo": 150.0, "noise_late_hi": 900.0},
+             1: {"user": user, "noise_run": 120.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points,
+                 "noise_late_lo": 60.0, "noise_late_hi": 300.0},
              2: {"user": user, "noise_run": 50.0, "noise_late": True, "noise_offline": 1000.0}}  # final weights only
     assert bt.report({"storage_1": seeds}, []) == 1  # per seed 3.0 and 1.2: median 2.1
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("storage_1"))
     assert "2.10 (1.20-3.00)" in row and "noise within 2x:NO" in row
+    assert "offline in the run's 95% interval: 1 of 2" in row
     seeds[0]["noise_run"] = 150.0
     assert bt.report({"storage_1": seeds}, []) == 0
     assert "noise within 2x:ok" in capsys.readouterr().out

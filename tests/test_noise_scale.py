@@ -122,12 +122,13 @@ def test_the_late_estimate_follows_a_noise_scale_that_grows_as_the_model_trains(
     early, late = truths
     assert late > 2 * early
     assert got.b_late == pytest.approx(late, rel=0.2) and got.late_from >= 1999
+    assert got.late_lo < late < got.late_hi and got.late_lo > got.hi  # its interval covers it, above the whole run's
     assert got.b_simple < 0.6 * late  # the whole run's: between the two, nearer the first half's
     assert "over the run's second half" in noise_line(got.as_dict())
     few = NoiseEstimator("halves")
     for step in (0, 1, 2, 3, 100):  # the warmup's steps and one more: one pair in the second half
         few.add(5.0, 2.0, 2, 8, step)
-    assert few.result().b_simple is not None and few.result().b_late is None
+    assert few.result().b_simple is not None and few.result().b_late is None and few.result().late_lo is None
 
 
 def test_one_pair_by_hand_and_what_is_left_out():
@@ -162,15 +163,16 @@ def test_fieller_interval_of_a_ratio():
 
 def test_noise_scale_record_round_trips_in_the_job_result():
     ns = NoiseScale(b_simple=100.0, lo=50.0, hi=200.0, g2=1.0, trace_sigma=100.0, n=7, method="ranks",
-                    batch_small=8, batch_big=16, b_late=150.0, late_from=40)
+                    batch_small=8, batch_big=16, b_late=150.0, late_from=40, late_lo=90.0, late_hi=None)
     d = ns.as_dict()
     assert list(d) == ["b_simple", "lo", "hi", "g2", "trace_sigma", "n", "method", "batch_small", "batch_big",
-                       "b_late", "late_from"]
+                       "b_late", "late_from", "late_lo", "late_hi"]
     job = JobResult.from_dict({"status": "FINISHED", "noise_scale": d})
     assert job.noise_scale == ns and job.to_dict()["noise_scale"] == d
     assert noise_metrics(JobResult(noise_scale=ns, steps=3)) == [("noise_scale", 100.0, 3), ("noise_scale_lo", 50.0, 3),
                                                              ("noise_scale_hi", 200.0, 3),
-                                                             ("noise_scale_late", 150.0, 3)]
+                                                             ("noise_scale_late", 150.0, 3),
+                                                             ("noise_scale_late_lo", 90.0, 3)]
 
 
 def test_noise_every_rejects_a_bad_value():

@@ -123,19 +123,21 @@ class NoiseEstimator:
         full = [b for b in self.blocks if b[2] == self.block_steps] or self.blocks
         lo, hi = fieller([b[1] / b[2] for b in full], [b[0] / b[2] for b in full])
         out.lo, out.hi = (None if lo is None else max(lo, 0.0)), hi
-        out.b_late, out.late_from = self.late()
+        out.b_late, out.late_from, out.late_lo, out.late_hi = self.late()
         return out
 
-    def late(self) -> Tuple[Optional[float], int]:
+    def late(self) -> Tuple[Optional[float], int, Optional[float], Optional[float]]:
         """(B_simple over the blocks that start in the second half of the run's steps, the first step
-        they cover); (None, 0) with fewer than MIN_LATE pairs there or |G|^2's mean not above 0."""
+        they cover, its 95% interval's ends as the whole run's, None where unbounded); (None, 0,
+        None, None) with fewer than MIN_LATE pairs there or |G|^2's mean not above 0."""
         half = self.last_step / 2
         late = [b for b in self.blocks if b[3] >= half and b[3] > 0]
         n = sum(b[2] for b in late)
         g2 = sum(b[0] for b in late)
         if n < MIN_LATE or g2 <= 0:
-            return None, 0
-        return sum(b[1] for b in late) / g2, int(late[0][3])
+            return None, 0, None, None
+        lo, hi = fieller([b[1] / b[2] for b in late], [b[0] / b[2] for b in late])
+        return sum(b[1] for b in late) / g2, int(late[0][3]), (None if lo is None else max(lo, 0.0)), hi
 
 
 def efficiency(m: float, m0: float, b_noise: Optional[float]) -> float:

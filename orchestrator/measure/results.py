@@ -242,7 +242,8 @@ class NoiseScale:
     tr(Sigma), the steps estimated, how (`ranks`: each rank's gradient before the all-reduce and
     the averaged one after; `accumulation`: the first micro-batch's and the accumulated;
     `halves`: two halves of a batch every measure.noise_every steps) and the two batch sizes;
-    `b_late`: B_simple over the run's second half from step `late_from` (None: too few steps there)."""
+    `b_late`: B_simple over the run's second half from step `late_from` (None: too few steps there),
+    its 95% interval `late_lo` to `late_hi` (None where unbounded)."""
 
     b_simple: Optional[float] = None
     lo: Optional[float] = None
@@ -255,6 +256,8 @@ class NoiseScale:
     batch_big: int = 0
     b_late: Optional[float] = None
     late_from: int = 0
+    late_lo: Optional[float] = None
+    late_hi: Optional[float] = None
 
     METHODS: ClassVar[Tuple[str, ...]] = ("ranks", "accumulation", "halves")
 
@@ -264,13 +267,14 @@ class NoiseScale:
         return cls(b_simple=num("b_simple"), lo=num("lo"), hi=num("hi"), g2=num("g2"),
                    trace_sigma=num("trace_sigma"), n=int(d.get("n") or 0), method=str(d.get("method") or "halves"),
                    batch_small=int(d.get("batch_small") or 0), batch_big=int(d.get("batch_big") or 0),
-                   b_late=num("b_late"), late_from=int(d.get("late_from") or 0))
+                   b_late=num("b_late"), late_from=int(d.get("late_from") or 0), late_lo=num("late_lo"),
+                   late_hi=num("late_hi"))
 
     def as_dict(self) -> Dict[str, Any]:
         return {"b_simple": self.b_simple, "lo": self.lo, "hi": self.hi, "g2": self.g2,
                 "trace_sigma": self.trace_sigma, "n": self.n, "method": self.method,
                 "batch_small": self.batch_small, "batch_big": self.batch_big, "b_late": self.b_late,
-                "late_from": self.late_from}
+                "late_from": self.late_from, "late_lo": self.late_lo, "late_hi": self.late_hi}
 
 
 _ESTIMATE = (Estimate.from_dict, Estimate.as_dict)
