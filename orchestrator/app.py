@@ -164,7 +164,7 @@ def _watch(checked: Checked, launch: Launch, echo: bool, monitor: Optional[Monit
             cfg, checked.run_dir, timeout_s=cfg.trainer.timeout_s, on_events=live, should_stop=lambda: live.stop,
             memory_cap_mb=cfg.trainer.memory_cap_mb)
     finally:
-        live.flush()
+        live.close()
         if progress is not None:
             progress.stop()
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional
 
-from .measure.results import WindowFigures, job_window
+from .measure.results import WindowFigures, job_window, pooled_in_time
 from .progress import JobProgress
-from .rundir import WINDOW_KEYS, Event
+from .rundir import Event
 from .stores import store_error
 from .tracking import Tracker, eval_points
 
@@ -26,6 +26,10 @@ class LiveLog:
     about a quarter of a study's wall time from the ranks it measures."""
 
     FLUSH_S = 5.0
+    # a point of the window metrics (the job's, each rank's) pools its windows' figures until they
+    # span this many measured seconds: windows of 20 steps of a sub-millisecond step would write
+    # hundreds of points a second (pooled_in_time; the pruner and the progress line see every window)
+    POINT_S = 1.0
 
     def __init__(self, tracker: Tracker, world_size: int, progress: Optional[JobProgress] = None,
                  monitor: Optional[Monitor] = None) -> None:
@@ -37,6 +41,7 @@ class LiveLog:
         self.seen: Dict[int, int] = {}  # rank -> windows seen
         self.loader: Dict[str, float] = {}  # the loader autotune's current settings, logged with each window
         self.measured = [0.0, 0.0]  # samples and seconds of the job's measured windows so far
+        self.pools: Dict[int, List[WindowFigures]] = {}  # rank (-1: the job) -> its windows not logged yet
         # a resume redoes the steps after its checkpoint, to the same losses (the same RNG and data
         # order): the earlier attempt's points there stand, none is logged twice
         self.logged_until = -1
@@ -66,8 +71,7 @@ class LiveLog:
                 points += [(f"rank{r}/share", share, step) for r, share in enumerate(ev["shares"])]  # type: ignore[typeddict-item]
             elif kind == "window":
                 if self.world > 1:
-                    points += [(f"rank{rank}/{k}", ev[k], step) for k in WINDOW_KEYS  # type: ignore[misc]
-                               if ev.get(k) is not None]
+                    points += self._pooled(rank, WindowFigures.from_event(ev), f"rank{rank}/")
                 n = self.seen.get(rank, 0)
                 self.seen[rank] = n + 1
                 group = self.windows.setdefault(n, {})
@@ -76,7 +80,7 @@ class LiveLog:
                     del self.windows[n]
                     fig = job_window([WindowFigures.from_event(e) for e in group.values()])
                     job = fig.metrics()
-                    points += [(k, v, fig.step) for k, v in {**job, **self.loader}.items()]
+                    points += self._pooled(-1, fig, "")
                     if self.progress is not None:
                         self.progress.update(throughput=self._measured_rate(fig))
                     if self.monitor is not None and self.monitor(n, job):
@@ -84,6 +88,25 @@ class LiveLog:
         self.pending += points
         if self.pending and time.monotonic() - self.flushed >= self.FLUSH_S:
             self.flush()
+
+    def _pooled(self, key: int, fig: WindowFigures, prefix: str, drain: bool = False) -> List[tuple[str, float, int]]:
+        """`fig`'s points once its pool spans POINT_S seconds (or its seconds are not known, or
+        `drain`: the job's end), as one pooled point (the job's carries the loader's settings); else none."""
+        pool = self.pools.setdefault(key, [])
+        pool.append(fig)
+        if not drain and fig.wall_s > 0 and sum(w.wall_s for w in pool) < self.POINT_S:
+            return []
+        del self.pools[key]
+        got = pooled_in_time(pool)
+        metrics = got.metrics() if prefix else {**got.metrics(), **self.loader}
+        return [(f"{prefix}{k}", v, got.step) for k, v in metrics.items()]
+
+    def close(self) -> None:
+        """The job ended: the windows not logged yet as their pooled points, then everything to MLflow."""
+        for key, pool in list(self.pools.items()):
+            last = pool.pop()
+            self.pending += self._pooled(key, last, "" if key < 0 else f"rank{key}/", drain=True)
+        self.flush()
 
     def _measured_rate(self, fig: WindowFigures) -> float:
         """The job's samples/s over its measured windows so far (each window's samples over their

@@ -132,8 +132,6 @@ class EvalEvent(TypedDict):
 
 
 Event = Union[StartEvent, ResumeEvent, LogEvent, WindowEvent, CheckpointEvent, LoaderEvent, BalanceEvent, EvalEvent]
-# the per-window figures the parent turns into MLflow metrics
-WINDOW_KEYS = tuple(k for k in WindowEvent.__annotations__ if k not in ("type", "step"))
 
 
 _RANK_FILE = re.compile(r"^rank(\d+)$")

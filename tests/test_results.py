@@ -52,6 +52,36 @@ def test_job_window_sums_throughput_takes_the_slowest_step_and_averages_shares()
     assert WindowFigures.unpacked(b.packed()) == WindowFigures(**{**b.__dict__, "step": 0})  # what the loop exchanges
 
 
+def test_the_live_log_writes_one_point_a_second_of_short_windows():
+    """Windows of a few milliseconds (20 steps of a sub-millisecond step) reach MLflow as one point
+    per LiveLog.POINT_S of measured time, each pooling its windows' figures by their seconds (each
+    rank's too); the pruner and the progress see every window; the job's end logs what is left."""
+    from orchestrator.livelog import LiveLog
+
+    logged, judged = [], []
+    live = LiveLog(types.SimpleNamespace(log_metrics=logged.extend, uri="-"), 2,
+                   monitor=lambda n, job: judged.append(job) and False)
+    assert live.POINT_S == 1.0
+
+    def fig(i: int, rank: int) -> WindowFigures:  # 250 windows of 10 ms: 2.5 s measured
+        fast = i % 2 == 0  # alternate 100 and 300 samples/s (the job: 200 and 600)
+        return WindowFigures(throughput=100.0 if fast else 300.0, step_time_s=0.001 if fast else 0.002,
+                             utilization=0.5, data_wait_frac=0.1 + 0.1 * fast, comm_frac=0.0, wall_s=0.01,
+                             step=20 * (i + 1))
+
+    for i in range(250):
+        live([(r, {"type": "window", **fig(i, r).__dict__}) for r in (0, 1)])
+    live.close()
+    assert len(judged) == 250
+    job = [(v, step) for k, v, step in logged if k == "throughput"]
+    rank1 = [(v, step) for k, v, step in logged if k == "rank1/throughput"]
+    assert [step for _, step in job] == [2000, 4000, 5000] and [step for _, step in rank1] == [2000, 4000, 5000]
+    assert all(v == pytest.approx(400.0) for v, _ in job) and all(v == pytest.approx(200.0) for v, _ in rank1)
+    steps = dict((step, v) for k, v, step in logged if k == "step_time_s")
+    assert steps[2000] == pytest.approx(1.0 / (50 / 0.001 * 0.01 + 50 / 0.002 * 0.01))  # seconds over steps
+    assert dict((step, v) for k, v, step in logged if k == "data_wait_frac")[5000] == pytest.approx(0.15)
+
+
 def test_the_stop_rule_the_live_log_and_the_merge_read_the_same_job_window():
     """Two ranks with different step times: the loop's all-reduced figures (what the stop rule,
     the window sizing and the loader autotune get), the live log's job points (MLflow and the

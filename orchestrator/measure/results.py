@@ -161,7 +161,7 @@ class WindowFigures:
     # what the ranks exchange (runtime/loop.Run.job_figures): one all-reduce of these per window
     PACKED: ClassVar[Tuple[str, ...]] = ("throughput", "step_time_s", "utilization", "data_wait_frac", "comm_frac",
                                          "wall_s", "tokens_per_s")
-    # the job's per-window MLflow metrics (rundir.WINDOW_KEYS: the same names, in this order)
+    # the window metrics the live log writes to MLflow (the job's; each rank's as rank<R>/<name>)
     METRICS: ClassVar[Tuple[str, ...]] = ("throughput", "utilization", "data_wait_frac", "comm_frac", "step_time_s",
                                           "tokens_per_s")
 
@@ -210,6 +210,28 @@ def job_window(ranks: Sequence[WindowFigures]) -> WindowFigures:
         wall_s=max(r.wall_s for r in ranks),
         tokens_per_s=sum(tokens) if all(t is not None for t in tokens) else None,  # type: ignore[misc]
         step=max(r.step for r in ranks), warmup=ranks[0].warmup, partial=any(r.partial for r in ranks))
+
+
+def pooled_in_time(windows: Sequence[WindowFigures]) -> WindowFigures:
+    """Consecutive windows of one job (or one rank) as one: throughput, real tokens/s and the shares
+    weighted by each window's seconds, the step time their seconds over their steps, the last
+    window's step. What the live log writes to MLflow where windows are shorter than its points."""
+    if not windows:
+        raise ValueError("pooled_in_time: no window")
+    wall = sum(w.wall_s for w in windows)
+    if wall <= 0:  # seconds not known: the last window stands for them
+        return windows[-1]
+
+    def mean(k: str) -> float:
+        return sum(getattr(w, k) * w.wall_s for w in windows) / wall
+
+    steps = sum(w.wall_s / w.step_time_s for w in windows if w.step_time_s > 0)
+    tokens = [w.tokens_per_s for w in windows]
+    return WindowFigures(
+        throughput=mean("throughput"), step_time_s=wall / steps if steps else windows[-1].step_time_s,
+        utilization=mean("utilization"), data_wait_frac=mean("data_wait_frac"), comm_frac=mean("comm_frac"),
+        wall_s=wall, tokens_per_s=sum(t * w.wall_s for t, w in zip(tokens, windows)) / wall  # type: ignore[operator]
+        if all(t is not None for t in tokens) else None, step=windows[-1].step)
 
 
 # -- estimates ------------------------------------------------------------------------------------
