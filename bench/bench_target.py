@@ -143,9 +143,13 @@ def job(overrides: List[str], run_dir: Path) -> Dict[str, Any]:
 def evals_every(result: Dict[str, Any], per_epoch_evals: int, batch_now: int, batch_user: int) -> int:
     """trainer.eval_every (steps) giving `per_epoch_evals` evaluations an epoch of the user's
     config, but none closer than MIN_EVAL_STEPS of its steps, in samples: the same cadence for
-    every global batch."""
+    every global batch. The user's config's divides its epoch where one does (its validation loss
+    at the budget's last step is the target: on a noisy curve the steps beside it may never reach it)."""
     steps = int(result.get("steps_per_epoch") or 1) * batch_user // max(1, batch_now)
-    return max(1, steps // per_epoch_evals, MIN_EVAL_STEPS * batch_user // max(1, batch_now))
+    want = max(1, steps // per_epoch_evals, MIN_EVAL_STEPS * batch_user // max(1, batch_now))
+    if batch_now == batch_user:  # the user's config evaluates at its epochs' ends: the budget's last step, the target's own
+        return min((d for d in range(want, steps + 1) if steps % d == 0), default=want)
+    return want
 
 
 def eval_steps(entry: Dict[str, Any], name: str) -> int:

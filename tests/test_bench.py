@@ -143,6 +143,8 @@ def test_bench_target_evaluates_at_most_every_8_user_steps_and_counts_a_pick_of_
     assert bt.evals_every({"steps_per_epoch": 100}, 4, 32, 32) == 25
     assert bt.evals_every({"steps_per_epoch": 7}, 4, 32, 32) == 8  # 7 // 4 = 1: an evaluation after every step
     assert bt.evals_every({"steps_per_epoch": 7}, 4, 64, 32) == 4  # twice the batch: the same samples apart
+    assert bt.evals_every({"steps_per_epoch": 819}, 4, 8, 8) == 273  # 204 would miss the epochs' ends: 273 divides 819
+    assert bt.evals_every({"steps_per_epoch": 819}, 4, 16, 8) == 102  # another batch: the samples apart
     args = argparse.Namespace(budget=4)
     user = {"reached": True, "time_s": 2.0, "evals": 160, "samples": 5120}  # every step of batch 32
     assert not bt.cached({"budget_epochs": 60, "user": user}, "short_epochs", args)
