@@ -403,12 +403,15 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
         q = [r["noise_run"] / r["noise_offline"] for r in late if r.get("noise_offline") and r.get("noise_points")]
         if q:
             mid = statistics.median(q)
-            checks.append(f"noise within 2x:{'ok' if 0.5 <= mid <= 2 else 'NO'}")
+            checks.append(f"noise within 2x ({len(q)} of {len(runs)} seeds with a late figure):"
+                          f"{'ok' if 0.5 <= mid <= 2 else 'NO'}")
             judged = [r for r in late if r.get("noise_offline") and r.get("noise_points")]
             bounded = [r for r in judged if r.get("noise_late_lo") is not None and r.get("noise_late_hi") is not None]
             inside = sum(r["noise_late_lo"] <= r["noise_offline"] <= r["noise_late_hi"] for r in bounded)
             checks.append(f"offline in the run's 95% interval: {inside} of {len(bounded)}"
                           + (f" ({len(judged) - len(bounded)} unbounded)" if len(judged) > len(bounded) else ""))
+        elif b_off:
+            checks.append("noise: no late estimate (under 4 pairs in the runs' second halves: raise --budget)")
         dense = [(r["noise_dense"], r["noise_offline"]) for r in runs
                  if (r.get("noise_dense") or {}).get("run") and (r.get("noise_dense") or {}).get("late")
                  and r.get("noise_offline") and r.get("noise_points")]
@@ -416,8 +419,6 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
             qd = [d["run"] / off for d, off in dense]
             checks.append(f"every {dense[0][0]['every']}: run/offline {statistics.median(qd):.2f} "
                           f"({min(qd):.2f}-{max(qd):.2f}, {min(d['pairs'] for d, _ in dense)}+ pairs)")
-        elif b_off:
-            checks.append("noise: no late estimate (under 4 pairs in the runs' second halves: raise --budget)")
         if any(r["user"].get("evals") == 1 for r in runs):  # the target says little about training
             checks.append("trivial target (the user's config met it at its first evaluation: raise --budget)")
         failed += sum("NO" in c for c in checks)

@@ -71,7 +71,7 @@ class LiveLog:
                 points += [(f"rank{r}/share", share, step) for r, share in enumerate(ev["shares"])]  # type: ignore[typeddict-item]
             elif kind == "window":
                 if self.world > 1:
-                    points += self._pooled(rank, WindowFigures.from_event(ev), f"rank{rank}/")
+                    points += self._pooled(rank, WindowFigures.from_event(ev))
                 n = self.seen.get(rank, 0)
                 self.seen[rank] = n + 1
                 group = self.windows.setdefault(n, {})
@@ -80,7 +80,7 @@ class LiveLog:
                     del self.windows[n]
                     fig = job_window([WindowFigures.from_event(e) for e in group.values()])
                     job = fig.metrics()
-                    points += self._pooled(-1, fig, "")
+                    points += self._pooled(-1, fig)
                     if self.progress is not None:
                         self.progress.update(throughput=self._measured_rate(fig))
                     if self.monitor is not None and self.monitor(n, job):
@@ -89,23 +89,26 @@ class LiveLog:
         if self.pending and time.monotonic() - self.flushed >= self.FLUSH_S:
             self.flush()
 
-    def _pooled(self, key: int, fig: WindowFigures, prefix: str, drain: bool = False) -> List[tuple[str, float, int]]:
-        """`fig`'s points once its pool spans POINT_S seconds (or its seconds are not known, or
-        `drain`: the job's end), as one pooled point (the job's carries the loader's settings); else none."""
+    def _pooled(self, key: int, fig: WindowFigures) -> List[tuple[str, float, int]]:
+        """The points of `key`'s pool (a rank, -1: the job) with `fig` in it once it spans POINT_S
+        seconds (or `fig`'s seconds are not known); else none."""
         pool = self.pools.setdefault(key, [])
         pool.append(fig)
-        if not drain and fig.wall_s > 0 and sum(w.wall_s for w in pool) < self.POINT_S:
+        if fig.wall_s > 0 and sum(w.wall_s for w in pool) < self.POINT_S:
             return []
-        del self.pools[key]
-        got = pooled_in_time(pool)
-        metrics = got.metrics() if prefix else {**got.metrics(), **self.loader}
-        return [(f"{prefix}{k}", v, got.step) for k, v in metrics.items()]
+        return self._emit(key)
+
+    def _emit(self, key: int) -> List[tuple[str, float, int]]:
+        """`key`'s pool as one point of its window metrics (the job's carries the loader's settings)."""
+        got = pooled_in_time(self.pools.pop(key))
+        if key < 0:
+            return [(k, v, got.step) for k, v in {**got.metrics(), **self.loader}.items()]
+        return [(f"rank{key}/{k}", v, got.step) for k, v in got.metrics().items()]
 
     def close(self) -> None:
         """The job ended: the windows not logged yet as their pooled points, then everything to MLflow."""
-        for key, pool in list(self.pools.items()):
-            last = pool.pop()
-            self.pending += self._pooled(key, last, "" if key < 0 else f"rank{key}/", drain=True)
+        for key in list(self.pools):
+            self.pending += self._emit(key)
         self.flush()
 
     def _measured_rate(self, fig: WindowFigures) -> float:

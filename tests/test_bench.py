@@ -190,8 +190,8 @@ def test_bench_target_runs_a_changed_task_again_and_judges_each_seeds_noise_scal
              2: {"user": user, "noise_run": 50.0, "noise_late": True, "noise_offline": 1000.0}}  # final weights only
     assert bt.report({"storage_1": seeds}, []) == 1  # per seed 3.0 and 1.2: median 2.1
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("storage_1"))
-    assert "2.10 (1.20-3.00)" in row and "noise within 2x:NO" in row
+    assert "2.10 (1.20-3.00)" in row and "noise within 2x (2 of 3 seeds with a late figure):NO" in row
     assert "offline in the run's 95% interval: 1 of 2" in row
     seeds[0]["noise_run"] = 150.0
     assert bt.report({"storage_1": seeds}, []) == 0
-    assert "noise within 2x:ok" in capsys.readouterr().out
+    assert "noise within 2x (2 of 3 seeds with a late figure):ok" in capsys.readouterr().out
