@@ -70,10 +70,9 @@ class StepMeter:
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
     one_process: bool = False  # the job's only rank: no communication thread spends the process's CPU
-    # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch
-    # a step, no exposed communication: runtime/step.py): the loop thread's CPU time is not read at the
-    # COMPUTE mark, as only its sum over the two busy phases is a figure (utilization, the input cost);
-    # where it is the process's CPU too, the window's optimizer CPU holds both and compute's is 0
+    # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch a step, no
+    # exposed communication: runtime/step.py): the loop thread's CPU time is not read at the COMPUTE mark, only
+    # the busy phases' sum is a figure (where it is the process's CPU too, the optimizer's holds both)
     optimizer_follows_compute: bool = False
     windows: List[Window] = field(default_factory=list)
     warmup_windows: List[Window] = field(default_factory=list)
