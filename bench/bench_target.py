@@ -83,7 +83,7 @@ TASKS["comm_ddp"] = _user("BagOfEmbeddings", "TokenBags vocab=200", batch=16, wo
                           extra=("backend=ddp", "parallelism.nproc_per_node=2"))
 TASKS["ddp_storage"] = _user(MLP, "StoredFeatures latency_ms=1", batch=32, workers=0,
                              extra=("backend=ddp", "parallelism.nproc_per_node=2"))
-# the zoo's compute learns all its 1638 training items can teach in 2-4 s and overfits past 4 epochs
+# the zoo's compute learns what its 1638 training items can teach in 2-4 s and overfits past 4 epochs
 # (validation loss 7.0-7.6 at 40): a target met in seconds carries the reruns' spread. Here 4x the
 # items; the model, batch, workers and optimizer the zoo's.
 TASKS["compute"] = [*TASKS["compute"], "+data.args.size=8192"]
