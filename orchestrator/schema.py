@@ -434,9 +434,12 @@ def _refuse_non_finite(node: Any, where: str) -> None:
 
 
 # The defaults a null of MeasureConfig takes: a plain run measures its whole length in windows of 20
-# steps; a study's trial (tune/launch.py, trial_config) stops once its throughput is known to 5%.
-RUN_MEASURE = {"warmup_steps": 5, "window_steps": 20, "window_s": 0.0, "rel_precision": 0.0,
+# steps, or of a second where those are longer (but at most its planned steps over RUN_WINDOWS:
+# runtime/loop.py), unless it sets window_steps or tunes its loader or shares as it goes (those decide on a
+# few windows); a study's trial (tune/launch.py, trial_config) stops once its throughput is known to 5%.
+RUN_MEASURE = {"warmup_steps": 5, "window_steps": 20, "window_s": 1.0, "rel_precision": 0.0,
                "min_measure_s": 0.0, "max_measure_s": 0.0}
+RUN_WINDOWS = 8
 TRIAL_MEASURE = {"warmup_steps": 3, "window_steps": 5, "window_s": 0.1, "rel_precision": 0.05,
                  "min_measure_s": 0.3, "max_measure_s": 2.0}
 
@@ -450,7 +453,9 @@ class MeasureConfig:
     warmup_steps: Optional[int] = None  # excluded from every measured figure; null: 5 (a study's trials: 3)
     # a window's steps (a trial's first window: at most this many, the step time not known yet); null: 20 (trials: 5)
     window_steps: Optional[int] = None
-    window_s: Optional[float] = None  # windows after the first last this long (whole steps); 0: window_steps each; null: 0 (trials: 0.1)
+    # windows after the first last this long (whole steps), or window_steps where that is longer in a plain run;
+    # 0: window_steps each; null: 1 (0 where the run sets window_steps or tunes as it goes: RUN_MEASURE; trials: 0.1)
+    window_s: Optional[float] = None
     # stop once throughput's relative standard error over windows <= this (its t interval); 0: off; null: 0 (trials: 0.05)
     rel_precision: Optional[float] = None
     min_measure_s: Optional[float] = None  # with rel_precision: measure at least this long; null: 0 (trials: 0.3)
@@ -464,9 +469,13 @@ class MeasureConfig:
     # of two half batches (one process, no accumulation) pays an extra forward and backward (runtime/noise.py)
     noise_every: int = 0
 
-    def resolved(self, trial: bool) -> "MeasureConfig":
-        """Every null replaced by the run's default (or a study's trial's, `trial`)."""
+    def resolved(self, trial: bool, long_windows: bool = False) -> "MeasureConfig":
+        """Every null replaced by the run's default (or a study's trial's, `trial`); a plain run's
+        windows are of window_steps steps (window_s 0) where it sets them, or where something in it
+        decides on a few windows (not `long_windows`)."""
         defaults = TRIAL_MEASURE if trial else RUN_MEASURE
+        if not trial and (self.window_steps is not None or not long_windows):
+            defaults = {**defaults, "window_s": 0.0}
         nulls = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **nulls) if nulls else self
 
@@ -702,7 +711,8 @@ class Config:
 
     def __post_init__(self) -> None:
         _refuse_non_finite(self, "")
-        self.measure = self.measure.resolved(trial=self.mode is Mode.tune)
+        self.measure = self.measure.resolved(trial=self.mode is Mode.tune, long_windows=not self.trainer.loader_autotune
+                                             and self.parallelism.balance is not Balance.speed)
         _require(self.mode is not Mode.tune or self.measure.rel_precision == 0 or self.measure.max_measure_s > 0,
                  f"measure.max_measure_s: must be > 0 with measure.rel_precision > 0 in a study (a trial needs a cap), "
                  f"got {self.measure.max_measure_s:g}")

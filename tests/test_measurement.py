@@ -580,3 +580,32 @@ def test_the_warning_says_what_ended_the_run():
     assert "2 epochs" not in said
     whole = {**cut, "steps": 128}
     assert "the run ended after 128 steps (2 epochs of 64 steps); raise trainer.epochs" in measurement_warning(whole)
+
+
+def test_a_plain_runs_windows_last_a_second_on_fast_steps_and_it_still_has_several():
+    """A plain run that leaves measure.window_steps unset measures in windows of a second (whole
+    steps) where 20 steps are shorter, which costs it a window's bookkeeping a second instead of
+    every 20 steps; at most an eighth of its steps, and where windows that long would be whole
+    epochs of a run of fewer than 8 epochs, a quarter of an epoch. A run that sets window_steps,
+    tunes its loader or balances its shares as it goes (they decide on a few windows) keeps windows
+    of window_steps."""
+    from orchestrator.runtime.windows import plain_window_cap
+
+    base = ["backend=single", "backend.device=cpu", "tracking.enabled=false", "trainer.save_model=false"]
+    assert to_config(compose_dict(base)).measure.window_s == 1.0
+    for fixed in (["measure.window_steps=20"], ["trainer.loader_autotune=true"], ["mode=tune"]):
+        assert to_config(compose_dict(base + fixed)).measure.window_s != 1.0, fixed
+    assert plain_window_cap(20, 2555, 128, 8) == 319  # 20 epochs: windows of whole epochs, 8 or more
+    assert plain_window_cap(20, 379, 128, 8) == 32  # 3 epochs: a quarter of an epoch, not whole epochs
+    assert plain_window_cap(20, 123, 128, 8) == 20  # the quick start: never under window_steps
+    assert plain_window_cap(20, 10_000, 0, 8) == 1250
+    windows = {}
+    for name, extra in (("default", []), ("set", ["measure.window_steps=20"])):
+        cfg = to_config(compose_dict(base + ["trainer.max_steps=384", "trainer.epochs=3", *extra]))
+        a = Adapter(cfg)
+        a.setup()
+        windows[name] = train(cfg, a).windows
+    full = [w for w in windows["default"] if not w.warmup and not w.partial]
+    assert [w.steps for w in full[:1]] == [20]  # the first: the step time not known yet
+    assert {w.steps for w in full[1:]} == {32} and len(full) >= 8
+    assert {w.steps for w in windows["set"] if not w.warmup and not w.partial} == {20}

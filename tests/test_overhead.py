@@ -15,10 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from orchestrator.measure.phases import COMPUTE, DATA, OPTIMIZER
 from orchestrator.runtime import loop as loop_mod
+from orchestrator.runtime import clocks as clocks_mod
 from orchestrator.runtime import meter as meter_mod
 from orchestrator.runtime import state as state_mod
 from orchestrator.runtime import windows as windows_mod
 from orchestrator.runtime.dist import Adapter
+from orchestrator.runtime.clocks import CpuClocks
 from orchestrator.runtime.meter import StepMeter
 from orchestrator.runtime.step import Stepper
 from orchestrator.schema import to_config
@@ -101,8 +103,8 @@ class Clocks:
     def __init__(self, monkeypatch: Any) -> None:
         self.wall = self.cpu = self.thread = 100.0
         monkeypatch.setattr(meter_mod, "perf_counter", lambda: self.wall)
-        monkeypatch.setattr(meter_mod, "process_time", lambda: self.cpu)
-        monkeypatch.setattr(meter_mod, "thread_time", lambda: self.thread)
+        monkeypatch.setattr(clocks_mod, "process_time", lambda: self.cpu)
+        monkeypatch.setattr(clocks_mod, "thread_time", lambda: self.thread)
 
     def spend(self, wall: float, cpu: float, thread: float) -> None:
         self.wall += wall
@@ -110,16 +112,13 @@ class Clocks:
         self.thread += thread
 
 
-@pytest.mark.parametrize("optimizer_follows_compute", [False, True])
-def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch, optimizer_follows_compute):
+def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch):
     """Each phase's wall time, the process's CPU time in it (the data phase's: the loop thread's,
     with no loader workers), the loop thread's CPU time in the busy phases and utilization over the
     window's wall time, read off the clocks at the marks; a DDP hook splits backward into compute and
-    comm; a pause (an evaluation) is no phase's and no window's. The same figures when the loop
-    thread's clock is not read between the two busy phases."""
+    comm; a pause (an evaluation) is no phase's and no window's."""
     clocks = Clocks(monkeypatch)
-    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False,
-                  optimizer_follows_compute=optimizer_follows_compute)
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False)
     m.start()
 
     def step(hook: bool = False) -> Any:
@@ -152,9 +151,8 @@ def test_the_meter_turns_its_clock_readings_into_the_windows_figures(monkeypatch
 
 def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock(monkeypatch):
     """One rank, one torch thread, no loader workers: each phase's CPU time is the loop thread's
-    (the process's clock is not read), read at the data and optimizer marks, not between the busy
-    phases (the optimizer's CPU holds both); a window closes with one pass over its marks for wall
-    time and one for CPU time."""
+    (the process's clock is not read); a window closes with one pass over its marks for wall time
+    and one for CPU time."""
     clocks = Clocks(monkeypatch)
     passes = Counter()
     real_by_phase = windows_mod.by_phase
@@ -164,10 +162,9 @@ def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock
         return real_by_phase(*args)
 
     monkeypatch.setattr(windows_mod, "by_phase", by_phase)
-    monkeypatch.setattr(meter_mod, "process_time", lambda: pytest.fail("the process's clock was read"))
+    monkeypatch.setattr(clocks_mod, "process_time", lambda: pytest.fail("the process's clock was read"))
     monkeypatch.setattr(meter_mod.torch, "get_num_threads", lambda: 1)
-    m = StepMeter(torch.device("cpu"), window_steps=1, warmup_steps=1, nvml=False, one_process=True,
-                  optimizer_follows_compute=True)
+    m = StepMeter(torch.device("cpu"), window_steps=1, warmup_steps=1, nvml=False, one_process=True)
     m.start()
     wins = []
     for _ in range(2):
@@ -181,19 +178,61 @@ def test_one_rank_on_one_thread_reads_the_process_cpu_off_the_loop_threads_clock
     m.close()
     win = wins[-1]
     assert win is not None and not win.warmup
-    assert win.phases_cpu_s == {"other": 0.0, "data": 0.25, "h2d": 0.0, "compute": 0.0, "comm": 0.0,
-                                "optimizer": 2.25}
+    assert win.phases_cpu_s == {"other": 0.0, "data": 0.25, "h2d": 0.0, "compute": 1.5, "comm": 0.0,
+                                "optimizer": 0.75}
     assert win.busy_cpu_s == 2.25 and win.utilization == pytest.approx(2.25 / 4.0)
     assert passes["by_phase"] == 2 * len(wins)
 
 
-@pytest.mark.parametrize("threads, want", [(1, {"thread": 2}), (2, {"process": 3, "thread": 2})])
-def test_a_step_of_the_default_job_reads_the_cpu_clocks_once_a_mark(monkeypatch, threads, want):
-    """A CPU-time reading is a system call (over ten times a perf_counter reading). A step of the
-    default job, one rank with no loader workers, on one torch thread reads the loop thread's clock
-    at two of its three marks (data, optimizer): the process's CPU is that thread's, and the busy
-    phases' sum is its only figure between them. On more threads it reads the process's clock at the
-    three marks and the loop thread's at two."""
+def test_on_fast_steps_the_clocks_are_read_on_a_sample_and_the_cpu_figures_estimated_from_it(monkeypatch):
+    """A CPU-time reading is a system call (ten times a perf_counter reading). Once a window says a
+    step lasts 100 us, the clocks are read at the marks of two steps in clock_every (the window's
+    first two, then every clock_every-th pair), and each phase's CPU time is its wall time times the
+    CPU over wall time of its read spans: here, where every step spends alike, the true figures."""
+    clocks = Clocks(monkeypatch)
+    reads = Counter()
+    real_read = CpuClocks.read
+
+    def read(self: CpuClocks, mark: int) -> None:
+        reads[m.steps] += 1
+        real_read(self, mark)
+
+    monkeypatch.setattr(CpuClocks, "read", read)
+    every = clocks_mod.clock_every(100e-6, cuda=False)
+    assert every > 2
+    window = 4 * every
+    m = StepMeter(torch.device("cpu"), window_steps=window, warmup_steps=1, nvml=False)
+    m.start()
+    wins = []
+    for _ in range(1 + 3 * window):
+        clocks.spend(10e-6, 5e-6, 10e-6)
+        m.mark(DATA)
+        clocks.spend(70e-6, 140e-6, 63e-6)
+        m.mark(COMPUTE)
+        clocks.spend(20e-6, 20e-6, 18e-6)
+        m.mark(OPTIMIZER)
+        win = m.end_step(samples=4)
+        if win is not None:
+            wins.append(win)
+    m.close()
+    assert [w.steps for w in wins] == [1, window, window, window] and wins[0].warmup
+    first, later = range(1, 1 + window), range(1 + window, 1 + 3 * window)
+    assert all(reads[s] == 3 for s in first)  # every step read until a measured window gave the step time
+    sampled = [s for s in later if reads[s]]
+    assert sampled == [s for s in later if (s - 1) % window % every < 2]
+    assert len(sampled) <= 2 * (2 * window // every + 1) < len(later) / 2
+    for win in wins[1:]:
+        assert win.phases_cpu_s == pytest.approx({"other": 0.0, "data": 10e-6 * window, "h2d": 0.0,
+                                                  "compute": 140e-6 * window, "comm": 0.0, "optimizer": 20e-6 * window})
+        assert win.busy_cpu_s == pytest.approx(81e-6 * window)
+        assert win.utilization == pytest.approx(81 / 100)
+
+
+@pytest.mark.parametrize("threads, want", [(1, {"thread": 3}), (2, {"process": 3, "thread": 3})])
+def test_a_step_of_the_default_job_reads_each_cpu_clock_once_a_mark(monkeypatch, threads, want):
+    """A step of the default job, one rank with no loader workers, that reads the CPU clocks reads
+    them once at each of its three marks: on one torch thread only the loop thread's (the process's
+    CPU is that thread's), on more the process's too."""
     reads = Counter()
 
     def counted(name: str, clock: Any) -> Any:
@@ -205,8 +244,8 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_once_a_mark(monkeypatch,
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # nothing in the run changes it back
-    monkeypatch.setattr(meter_mod, "process_time", counted("process", meter_mod.process_time))
-    monkeypatch.setattr(meter_mod, "thread_time", counted("thread", meter_mod.thread_time))
+    monkeypatch.setattr(clocks_mod, "process_time", counted("process", clocks_mod.process_time))
+    monkeypatch.setattr(clocks_mod, "thread_time", counted("thread", clocks_mod.thread_time))
     per_step: Dict[int, Counter] = {}
     real = Stepper.__call__
 
@@ -232,7 +271,7 @@ def test_a_step_of_the_default_job_reads_the_cpu_clocks_once_a_mark(monkeypatch,
 def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(monkeypatch):
     """Past the warmup, a step that logs nothing and closes no window runs these of the
     orchestrator's Python functions and no other: the step, its update, the loss, three marks
-    and the step's end. Hooks that act every log_every steps (the noise scale's reads) are not
+    (here, before a measured window gave the step time, each reading the CPU clocks) and the step's end. Hooks that act every log_every steps (the noise scale's reads) are not
     called in between, and the optimizer steps without the adapter's pass-through."""
     cfg = to_config(compose_dict(DEFAULT_JOB))
     assert cfg.trainer.log_every == 10 and cfg.measure.window_steps == 20 and cfg.measure.noise_scale
@@ -256,6 +295,6 @@ def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(m
         sys.setprofile(None)
     assert len(segments) == 20
     want = Counter({"step.py:__call__": 1, "step.py:update": 1, "batch.py:cross_entropy": 1, "meter.py:mark": 3,
-                    "meter.py:end_step": 1})
+                    "clocks.py:read": 3, "meter.py:end_step": 1})
     for step in (11, 12, 13, 14, 15, 16, 17):  # none logs, closes a window or is the noise scale's
         assert segments[step] == want, (step, segments[step])

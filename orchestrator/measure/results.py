@@ -94,8 +94,8 @@ class Window:
     t_start: float  # perf_counter, for timelines
     t_end: float
     sm_active: Optional[float] = None  # NVML GPM SM activity (Hopper and newer)
-    # CPU only: the process's CPU time in each phase; one rank on one thread whose optimizer step follows
-    # its compute (StepMeter.optimizer_follows_compute) reads no clock between them: optimizer's holds both
+    # CPU only: the process's CPU time in each phase (on fast steps estimated from a sample of the steps:
+    # runtime/windows.py cpu_by_phase)
     phases_cpu_s: Optional[Dict[str, float]] = None
     busy_cpu_s: Optional[float] = None  # CPU only: the loop thread's CPU time in compute + optimizer
     warmup: bool = False

@@ -27,7 +27,7 @@ from ..measure.phases import OTHER
 from ..measure.results import Window
 from ..measure.stats import StopRule
 from ..rundir import LogEvent, ResumeEvent, StartEvent, checkpoint_request_path
-from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, import_target
+from ..schema import CheckpointSignal, Config, ConfigError, Mode, OptimizerName, RUN_WINDOWS, import_target
 from .balance import TOLERANCE as BALANCE_TOLERANCE, Balancer, ShareSampler
 from .data import (EpochSampler, LatencyDataset, build_dataset, build_loader, end_workers, item_bytes, loader_config,
                    reset_latency, steps_per_epoch)
@@ -37,6 +37,7 @@ from .evaluate import eval_hook, validation_sets
 from .hooks import (BalanceHook, CheckpointHook, LatencyJumpHook, LoaderAutotuneHook, LrWarmupHook, Profiler, ProfilerHook,
                     SignalCheckpointHook, loader_tuner)
 from .meter import StepMeter, model_state_mb
+from .windows import plain_window_cap
 from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
 from .state import SPAN_EPOCHS_OF_CAP, EventLog, Hook, Run, after_period, overriding
@@ -187,9 +188,7 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     m = cfg.measure
     meter = StepMeter(device, window_steps=m.window_steps, queue=loader_queue(cfg), round_steps=loader_round(cfg),
                       memory_cap_mb=t.memory_cap_mb, one_process=adapter.world_size == 1,
-                      warmup_steps=m.warmup_steps + (m.profile_steps + 1 if profiling else 0),
-                      optimizer_follows_compute=(t.accumulation_steps == 1 and adapter.world_size == 1
-                                                 and not adapter.exposed_comm))
+                      warmup_steps=m.warmup_steps + (m.profile_steps + 1 if profiling else 0))
     run = Run(cfg, adapter, events, dataset, loader, model, base_optimizer, optimizer, scaler, amp, dtype, meter, ck,
               generator, step=ck["meta"]["step"] if ck is not None else 0, val_set=val_set)
     if isinstance(loader.batch_sampler, ShareSampler):  # parallelism.balance=speed
@@ -203,6 +202,9 @@ def setup(cfg: Config, adapter: Adapter, events: EventLog, model: Optional[nn.Mo
     reset_latency(cfg, dataset, run.step)
     run.per_epoch = steps_per_epoch(loader, t.accumulation_steps)
     run.total = run.per_epoch * t.epochs if t.max_steps == 0 else min(run.per_epoch * t.epochs, t.max_steps)
+    if run.rule is None and m.window_s > 0:  # a plain run's windows of window_s: a short run still has several
+        meter.max_window = plain_window_cap(m.window_steps, run.total - run.step - meter.warmup_steps, run.per_epoch,
+                                            RUN_WINDOWS)
     return run
 
 

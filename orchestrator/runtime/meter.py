@@ -10,7 +10,7 @@ DDP's wait for the last gradient bucket, Horovod's synchronize) and optimizer (s
 
 utilization: on CUDA the mean NVML `utilization.gpu` of the rank's device over the window (`nvml`);
 on CPU (`cpu-time`) the CPU time the loop's own thread got in its compute and optimizer phases over
-the window's wall time. Starving the step cannot raise it: a loader worker that takes a core
+the window's wall time (its clock read at every step, or on fast steps at a sample: runtime/clocks.py). Starving the step cannot raise it: a loader worker that takes a core
 stretches the busy phases' wall time, not the loop's CPU time. The input pipeline's cost is split
 into CPU (the workers' CPU time per item, psutil; without workers the data phase's) and waiting.
 
@@ -29,34 +29,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from time import perf_counter, process_time, thread_time
+from time import perf_counter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..measure.phases import COMM, COMPUTE, OTHER
 from ..measure.results import Window
+from .clocks import CpuClocks
 from .samplers import (CpuSpan, MemorySampler, NvmlSampler, check_memory, close_samplers, cores_per_rank, cpu_snapshot,
                        memory_stats, model_state_mb, start_memory, utilization_sampler)
 from .summary import summarize, token_figures, warmup_record
-from .windows import PAUSED, by_phase, steps_to_whole_epochs, tail_partial, whole_rounds, window_figures
+from .windows import EPOCH_WINDOWS, PAUSED, by_phase, steps_to_whole_epochs, tail_partial, whole_rounds, window_figures
 
 __all__ = ["EPOCH_WINDOWS", "PAUSED", "MemorySampler", "NvmlSampler", "StepMeter", "by_phase", "cores_per_rank",
            "cpu_snapshot", "memory_stats", "model_state_mb", "token_figures"]
-
-EPOCH_WINDOWS = 4  # an epoch shorter than this many windows is measured in windows of whole epochs
-
-
-def cpu_clocks(cuda: bool, inproc: bool, threads: int, one_process: bool) -> Tuple[bool, bool, bool]:
-    """Which CPU clocks a mark reads (each reading is a system call): (the process's, the loop
-    thread's, the process's CPU is the loop thread's). On CPU the process's gives each phase's CPU
-    time; the loop thread's gives utilization (its busy phases' share) and, with no loader workers
-    (`inproc`), the data phase's CPU, the loader's own (the process's would add the intra-op threads'
-    spin-waits meanwhile). One rank (`one_process`) on one torch thread without loader workers: the
-    process's CPU in a phase is its loop thread's, whose clock alone is read (and, where the optimizer's
-    mark follows compute's, not at compute's: `StepMeter.optimizer_follows_compute`)."""
-    thread_is_process = not cuda and inproc and threads == 1 and one_process
-    return not cuda and not thread_is_process, not cuda or inproc, thread_is_process
 
 
 @dataclass
@@ -70,10 +57,7 @@ class StepMeter:
     nvml: bool = True
     memory_cap_mb: float = 0.0  # CPU: the per-job resident high-water may not pass this (0: no cap)
     one_process: bool = False  # the job's only rank: no communication thread spends the process's CPU
-    # every COMPUTE mark is followed by the OPTIMIZER mark, none between (one process, one micro-batch a step, no
-    # exposed communication: runtime/step.py): the loop thread's CPU time is not read at the COMPUTE mark, only
-    # the busy phases' sum is a figure (where it is the process's CPU too, the optimizer's holds both)
-    optimizer_follows_compute: bool = False
+    max_window: int = 0  # resize() makes windows of at most this many steps (0: no cap)
     windows: List[Window] = field(default_factory=list)
     warmup_windows: List[Window] = field(default_factory=list)
 
@@ -81,19 +65,15 @@ class StepMeter:
         self.cuda = self.device.type == "cuda"
         self.sampler, self.source = utilization_sampler(self.device, self.nvml)
         # one entry a mark in each list: the phase it ended (PAUSED: none), its time (perf_counter on
-        # CPU, a recorded CUDA event on CUDA), and on CPU the process's CPU time (phases' CPU time)
+        # CPU, a recorded CUDA event on CUDA)
         self._phases: List[int] = []
         self._toks: List[Any] = []
-        self._cpu: List[float] = []
-        self._thread_cpu: List[float] = []  # the loop's own thread's CPU time at each mark (cpu_clocks)
         self._inproc = self.queue == 0
         self.threads = max(1, torch.get_num_threads())
-        self._cpu_on, self._thread_on, self._cpu_is_thread = cpu_clocks(self.cuda, self._inproc, self.threads,
-                                                                        self.one_process)
-        # the thread's clock at the compute mark only splits the busy phases: skipped where the optimizer's
-        # mark always follows (only their sum is read), the process's clock too where it is the thread's
-        self._copy_compute = self.optimizer_follows_compute
-        self._hook_cpu = self._hook_thread = 0.0
+        # the CPU clocks, read at the marks of a sample of the steps on fast ones (runtime/clocks.py)
+        self.clocks = CpuClocks(self.cuda, self._inproc, self.threads, self.one_process)
+        self._clock = self.clocks.on  # this step's marks read them
+        self._hook_cpu: Optional[Tuple[float, float]] = None
         self._span = CpuSpan()  # the process's and the loader's CPU over the steady span
         self._span_samples = 0  # samples in it (measured, re-warm and partial windows alike)
         self._samples = 0
@@ -129,13 +109,12 @@ class StepMeter:
         return perf_counter()
 
     def _add_mark(self, phase: int) -> None:
-        """A mark of `phase` now, outside the hot path (a window's first mark, a pause's end)."""
+        """A mark of `phase` now, outside the hot path (a window's first mark, a pause's end): it
+        reads the clocks whatever the step."""
         self._phases.append(phase)
         self._toks.append(self._token())
-        if self._cpu_on:
-            self._cpu.append(process_time())
-        if self._thread_on:
-            self._thread_cpu.append(thread_time())
+        if self.clocks.on:
+            self.clocks.read(len(self._phases) - 1)
 
     def start(self) -> None:
         """Call once before the first step."""
@@ -149,22 +128,19 @@ class StepMeter:
             phase = self._split_at_hook()
         self._phases.append(phase)
         self._toks.append(tok)
-        if self._cpu_on:
-            self._cpu.append(process_time())
-        if self._thread_on:
-            thread = self._thread_cpu
-            thread.append(thread[-1] if phase == COMPUTE and self._copy_compute else thread_time())
+        if self._clock:
+            self.clocks.read(len(self._phases) - 1)
 
     def _split_at_hook(self) -> int:
         """DDP: the last gradient bucket was handed to the all-reduce at the hook's token; compute
         ended there, and the rest of backward was waiting for communication (returns COMM)."""
         self._phases.append(COMPUTE)
         self._toks.append(self._hook_token)
-        if self._cpu_on:
-            self._cpu.append(self._hook_cpu)
-        if self._thread_on:
-            self._thread_cpu.append(self._hook_thread)
-        self._hook_token = None
+        if self._hook_cpu is not None:  # read at the hook (on CPU, where backward runs on the loop's thread)
+            self.clocks.add(len(self._phases) - 1, self._hook_cpu)
+        elif self._clock:  # CUDA: the hook ran on autograd's thread; the loop thread's clock now
+            self.clocks.read(len(self._phases) - 1)
+        self._hook_token = self._hook_cpu = None
         return COMM
 
     def pause(self) -> None:
@@ -183,7 +159,8 @@ class StepMeter:
         self._span.add_pause(cpu0)
         if self.cuda:
             self._events.extend(self._toks[n:])
-        del self._phases[n:], self._toks[n:], self._cpu[n:], self._thread_cpu[n:]
+        del self._phases[n:], self._toks[n:]
+        self.clocks.drop_from(n)
         self._add_mark(PAUSED)  # the time before this mark is no phase's
         t1 = perf_counter()
         self._pauses.append((t0, t1))
@@ -192,8 +169,8 @@ class StepMeter:
     def comm_hook_fired(self) -> None:
         """Called from a DDP comm hook each time a bucket is launched; the last one wins."""
         self._hook_token = self._token()
-        if not self.cuda:
-            self._hook_cpu, self._hook_thread = process_time(), thread_time()
+        if self._clock:
+            self._hook_cpu = self.clocks.now()
 
     def add_tokens(self, tokens: int, padded: int) -> None:
         """The step's real tokens and the positions computed (called only for batches with a mask)."""
@@ -206,6 +183,8 @@ class StepMeter:
         self._samples += samples
         self._span_samples += samples
         self._step += 1
+        if self.clocks.every > 1:  # the window's first two steps in every clocks.every read the clocks
+            self._clock = (self._step - self._window_first) % self.clocks.every < 2
         if self._warming:
             self._micro += micro
             if self._step >= self.warmup_steps and self._micro > self.queue:
@@ -293,13 +272,15 @@ class StepMeter:
         return win
 
     def resize(self, step_time_s: float, window_s: float, at_most: int = 0) -> None:
-        """Windows of `window_s` seconds (whole steps, at least one, at most `at_most` if given) at
+        """Windows of `window_s` seconds (whole steps, at least one, at most `at_most` if given and
+        `max_window` if set) at
         this step time; until the first resize, and with window_s=0, windows are window_steps steps (whole
         rounds of the loader's workers in both cases, so `at_most` may be passed by less than a round)."""
         if window_s > 0 and step_time_s > 0:
             self._whole = self._whole or (not self._warming and self.whole_epochs() > 0)  # they stay so
             steps = max(1, math.ceil(window_s / step_time_s))
-            self._window_want = min(steps, at_most) if at_most else steps
+            steps = min(steps, at_most) if at_most else steps
+            self._window_want = min(steps, self.max_window) if self.max_window else steps
             self._window_len = self.whole_rounds(self._window_want)
 
     def whole_rounds(self, steps: int) -> int:
@@ -324,12 +305,13 @@ class StepMeter:
         wall1 = perf_counter()
         marks, toks = self._phases, self._toks
         pauses, self._pauses = self._pauses, []
-        cpu = self._thread_cpu if self._cpu_is_thread else self._cpu  # the same list: walked once (window_figures)
-        figures = window_figures(marks, toks, cpu, self._thread_cpu, cuda=self.cuda, inproc=self._inproc,
-                                 sampler=self.sampler, t0=self._wall0, t1=wall1, pauses=pauses)
+        figures = window_figures(marks, toks, self.clocks, cuda=self.cuda, inproc=self._inproc, sampler=self.sampler,
+                                 t0=self._wall0, t1=wall1, pauses=pauses)
         if self.cuda:  # the window's events are recorded again by the next marks
             self._events.extend(tok for tok in toks[:-1] if tok is not toks[-1])
-        del self._cpu[:-1], self._thread_cpu[:-1]
+        steps = self._step - self._window_first
+        self.clocks.next_window(len(marks), figures["wall_s"] / steps if steps and not warmup else None)
+        self._clock = self.clocks.on  # the next window's first step reads them
         win = Window(index=len(self.windows), first_step=self._window_first, steps=self._step - self._window_first,
                      samples=self._samples, t_start=self._wall0, t_end=wall1, warmup=warmup, partial=partial,
                      tokens=self._tokens, padded_tokens=self._padded, **figures)

@@ -13,8 +13,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..measure.phases import BUSY, PHASES
 from ..measure.results import Window
+from .clocks import CpuClocks
 from .samplers import NvmlSampler
 
+EPOCH_WINDOWS = 4  # an epoch shorter than this many windows is measured in windows of whole epochs
 PAUSED = -1  # a mark's phase: the time before it is no phase's (a window's first mark; the end of a pause)
 
 
@@ -39,25 +41,48 @@ def _event_seconds(a: Any, b: Any) -> float:
     return a.elapsed_time(b) / 1000.0
 
 
-def window_figures(marks: List[int], toks: List[Any], cpu_at: List[float], thread_at: List[float], *,
-                   cuda: bool, inproc: bool, sampler: Optional[NvmlSampler], t0: float, t1: float,
-                   pauses: List[tuple]) -> Dict[str, Any]:
+def cpu_by_phase(marks: List[int], toks: List[float], wall: Dict[str, float], at: List[int],
+                 readings: List[float]) -> Dict[str, float]:
+    """Each phase's CPU time from `readings` taken at the marks `at`. Read at every mark, their
+    differences; read at a sample of the steps, each phase's wall time (`wall`) times its CPU over
+    wall in the spans both of whose ends were read (a phase no such span holds takes the ratio of
+    all of them)."""
+    if len(at) == len(marks):
+        return by_phase(marks, readings)
+    cpu = [0.0] * (len(PHASES) + 1)
+    seen = [0.0] * (len(PHASES) + 1)
+    for j in range(1, len(at)):
+        i = at[j]
+        if at[j - 1] == i - 1:
+            p = marks[i]
+            cpu[p] += readings[j] - readings[j - 1]
+            seen[p] += toks[i] - toks[i - 1]
+    all_cpu, all_seen = sum(cpu[:-1]), sum(seen[:-1])
+    overall = all_cpu / all_seen if all_seen > 0 else 0.0
+    return {name: wall[name] * (cpu[k] / seen[k] if seen[k] > 0 else overall) for k, name in enumerate(PHASES)}
+
+
+def window_figures(marks: List[int], toks: List[Any], clocks: CpuClocks, *, cuda: bool, inproc: bool,
+                   sampler: Optional[NvmlSampler], t0: float, t1: float, pauses: List[tuple]) -> Dict[str, Any]:
     """The figures of the window from `t0` to `t1` (perf_counter) less its `pauses`, whose marks'
-    phases are `marks`, read at them: `toks` (times or CUDA events), `cpu_at` (the process's CPU
-    time, on CPU) and `thread_at` (the loop thread's, on CPU and without loader workers:
-    `inproc`). Returns Window's wall_s, phases_s, phases_cpu_s, busy_cpu_s, utilization, sm_active."""
+    phases are `marks`, read at them: `toks` (times or CUDA events) and the CPU `clocks` (on CPU
+    the process's; the loop thread's on CPU and without loader workers: `inproc`). Returns Window's
+    wall_s, phases_s, phases_cpu_s, busy_cpu_s, utilization, sm_active."""
     if cuda:
         toks[-1].synchronize()
         phases = by_phase(marks, toks, _event_seconds)
         cpu = dict.fromkeys(PHASES, 0.0)
     else:
-        phases, cpu = by_phase(marks, toks), by_phase(marks, cpu_at)
+        phases = by_phase(marks, toks)
+        cpu = cpu_by_phase(marks, toks, phases, clocks.at, clocks.cpu)
     # the loop thread's CPU time per phase (only its busy phases' sum and its data phase are read)
     thread_on = not cuda or inproc
-    if cpu_at is thread_at:  # the process's CPU is the loop thread's (meter.StepMeter._cpu_is_thread)
+    if clocks.cpu is clocks.thread:  # the process's CPU is the loop thread's (meter.StepMeter._cpu_is_thread)
         loop = dict(cpu)
+    elif thread_on:  # (on CUDA read at every mark: toks are events)
+        loop = cpu_by_phase(marks, toks, phases, clocks.at, clocks.thread)
     else:
-        loop = by_phase(marks, thread_at) if thread_on else dict.fromkeys(PHASES, 0.0)
+        loop = dict.fromkeys(PHASES, 0.0)
     if thread_on and inproc:
         cpu["data"] = loop["data"]
     wall = t1 - t0 - sum(b - a for a, b in pauses)
@@ -82,6 +107,17 @@ def whole_rounds(steps: int, round_steps: int) -> int:
     """`steps` rounded up to whole rounds of `round_steps` steps (one round of the loader's workers)."""
     r = max(1, round_steps)
     return max(r, math.ceil(steps / r) * r)
+
+
+def plain_window_cap(window_steps: int, planned: int, epoch_steps: int, windows: int) -> int:
+    """The most steps a plain run's windows of measure.window_s may last: its `planned` measured
+    steps over `windows`, and where windows that long would be whole epochs (StepMeter.whole_epochs)
+    and the run holds fewer than `windows` epochs, an EPOCH_WINDOWS-th of an epoch; at least
+    `window_steps`."""
+    cap = planned // windows
+    if epoch_steps and epoch_steps < EPOCH_WINDOWS * cap and planned < windows * epoch_steps:
+        cap = epoch_steps // EPOCH_WINDOWS
+    return max(window_steps, cap)
 
 
 def steps_to_whole_epochs(step: int, epoch_steps: int, per_window: int, aligned: bool, epoch_first: int,

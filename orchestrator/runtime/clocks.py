@@ -1,0 +1,91 @@
+"""The CPU clocks the step meter (runtime/meter.py) reads at its marks: which ones a rank reads, and
+on which steps. A reading is a system call (about ten times a `perf_counter()`); on fast steps they
+are read at the marks of two steps in every few, so that they cost at most CLOCK_SHARE of the step,
+and a window's CPU figures are estimated from those steps (runtime/windows.py, cpu_by_phase)."""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from time import process_time, thread_time
+from typing import List, Optional, Tuple
+
+# reading the clocks at a step's marks costs about this in the loop (two or three system calls, and what
+# they cost the step around them)
+CLOCK_STEP_S = 4e-6
+CLOCK_SHARE = 0.001
+MAX_CLOCK_EVERY = 64
+
+
+def cpu_clocks(cuda: bool, inproc: bool, threads: int, one_process: bool) -> Tuple[bool, bool, bool]:
+    """Which CPU clocks a mark reads: (the process's, the loop thread's, the process's CPU is the
+    loop thread's). On CPU the process's gives each phase's CPU time; the loop thread's gives
+    utilization (its busy phases' share) and, with no loader workers (`inproc`), the data phase's
+    CPU, the loader's own (the process's would add the intra-op threads' spin-waits meanwhile). One
+    rank (`one_process`) on one torch thread without loader workers: the process's CPU in a phase is
+    its loop thread's, whose clock alone is read."""
+    thread_is_process = not cuda and inproc and threads == 1 and one_process
+    return not cuda and not thread_is_process, not cuda or inproc, thread_is_process
+
+
+def clock_every(step_s: float, cuda: bool) -> int:
+    """The clocks are read at the marks of two steps in this many (1: every step), so that reading
+    them costs at most CLOCK_SHARE of a step of `step_s` seconds. On CUDA every step: its phases are
+    the device's, and the loop thread's clock (read without loader workers) costs little beside them."""
+    if cuda or step_s <= 0:
+        return 1
+    return max(1, min(MAX_CLOCK_EVERY, math.ceil(2 * CLOCK_STEP_S / (CLOCK_SHARE * step_s))))
+
+
+class CpuClocks:
+    """The readings of a window: `at`, the indices of the marks read; `cpu`, the process's CPU time
+    there (the loop thread's list where that is the process's); `thread`, the loop thread's."""
+
+    def __init__(self, cuda: bool, inproc: bool, threads: int, one_process: bool) -> None:
+        self.cuda = cuda
+        self.cpu_on, self.thread_on, cpu_is_thread = cpu_clocks(cuda, inproc, threads, one_process)
+        self.on = self.cpu_on or self.thread_on  # any clock to read
+        self.every = 1  # two steps in this many read them (clock_every)
+        self.at: List[int] = []
+        self.thread: List[float] = []
+        self.cpu: List[float] = self.thread if cpu_is_thread else []
+
+    def read(self, mark: int) -> None:
+        """The clocks at mark `mark`, now."""
+        self.at.append(mark)
+        if self.cpu_on:
+            self.cpu.append(process_time())
+        if self.thread_on:
+            self.thread.append(thread_time())
+
+    def now(self) -> Optional[Tuple[float, float]]:
+        """Both clocks now, for a mark made later (a DDP hook's, on CPU: backward runs on the loop's thread)."""
+        return None if self.cuda else (process_time(), thread_time())
+
+    def add(self, mark: int, readings: Tuple[float, float]) -> None:
+        """Readings taken earlier (`now`) for mark `mark`."""
+        self.at.append(mark)
+        if self.cpu_on:
+            self.cpu.append(readings[0])
+        if self.thread_on:
+            self.thread.append(readings[1])
+
+    def drop_from(self, mark: int) -> None:
+        """Forget the readings at marks from `mark` on (marks dropped: a pause's)."""
+        kept = bisect_left(self.at, mark)
+        del self.at[kept:], self.cpu[kept:]
+        if self.thread is not self.cpu:
+            del self.thread[kept:]
+
+    def next_window(self, marks: int, step_s: Optional[float]) -> None:
+        """A window of `marks` marks closed: its last mark begins the next window, with its readings
+        if it has them; `step_s`, its step time (None: not a measured window), sets `every`."""
+        last = bool(self.at) and self.at[-1] == marks - 1
+        cut = -1 if last else None
+        del self.at[:cut], self.cpu[:cut]
+        if self.thread is not self.cpu:
+            del self.thread[:cut]
+        if last:
+            self.at[0] = 0
+        if step_s is not None and self.on:
+            self.every = clock_every(step_s, self.cuda)
