@@ -22,9 +22,10 @@ Printed: per task, the wall time to the target of each pick as a ratio to the us
 (> 1: sooner; median and worst over seeds; "miss" when a run never reached the target within
 --cap x the budget), and the gradient noise scale the user's budget run measured in its second
 half (`b_late`; a whole-run figure is printed as such and not judged) beside one measured offline by
-the large/small-batch method over the training split at the weights of the same steps: at 1/2, 3/4
-and all of its epochs (runs of the same config and seed stopped there), pooled as the run pools its
-pairs (LATE_POINTS). `--noise` refreshes only these columns of cached entries.
+the large/small-batch method over the training split at the weights of the same steps: at evenly
+spaced whole epochs of its second half, at most MAX_LATE_INTERVALS apart (runs of the same config and
+seed stopped there), pooled as the run pools its pairs (`late_points`). `--noise` refreshes only
+these columns of cached entries.
 
 Targets (issue: time to a trained model): the default pick >= 2x on every input- or
 communication-bound task and >= 0.95x on every task; goodput >= held on every task; the noise
@@ -167,9 +168,20 @@ def global_batch(cfg: Any) -> int:
     return cfg.data.batch_size * cfg.trainer.accumulation_steps * cfg.world_size
 
 
-# the points of the budget run where the offline figure is measured, as fractions of its epochs, and
-# their weights: the trapezoid rule over its second half, the steps the run's late figure (b_late) pools
-LATE_POINTS = ((0.5, 0.25), (0.75, 0.5), (1.0, 0.25))
+# the offline figure is measured at evenly spaced whole epochs of the budget run's second half, in at most
+# this many intervals (a task whose |G|^2 falls fast there needs more than its half's two ends and middle)
+MAX_LATE_INTERVALS = 8
+
+
+def late_points(epochs: int) -> List[Tuple[int, float]]:
+    """(epoch, weight): where in a run of `epochs` the offline figure is measured and the weights it
+    pools them with, the trapezoid rule over the second half (the steps the run's late figure,
+    b_late, pools): its ends and the most evenly spaced whole epochs between, up to MAX_LATE_INTERVALS."""
+    if epochs % 2:
+        raise ValueError(f"--budget: {epochs} epochs have no whole epoch at half of them")
+    half = epochs // 2
+    n = max(d for d in range(1, MAX_LATE_INTERVALS + 1) if half % d == 0)
+    return [(half + k * half // n, (0.5 if k in (0, n) else 1.0) / n) for k in range(n + 1)]
 
 
 def offline_sums(overrides: List[str], weights: Path, small: int, big: int, draws: int = 96) -> Tuple[float, float]:
@@ -198,22 +210,19 @@ def offline_sums(overrides: List[str], weights: Path, small: int, big: int, draw
 
 def offline_noise(base: List[str], epochs: int, budget: Dict[str, Any], here: Path) -> Dict[str, Any]:
     """The offline B_simple over the steps the budget run's late figure covers: |G|^2 and tr(Sigma)
-    at the weights of LATE_POINTS of its epochs (the budget run's own, and runs of the same config
+    at the weights of `late_points` of its epochs (the budget run's own, and runs of the same config
     and seed stopped at the earlier points: the same steps up to there), pooled as b_late pools its
     pairs (the ratio of the weighted sums); `b_final`: at the final weights alone."""
     ns = budget.get("noise_scale") or {}
     small = int(ns.get("batch_small") or 16)
     big = max(int(ns.get("batch_big") or 0) or 256, 4 * small)
     points = []
-    for frac, weight in LATE_POINTS:
-        at = epochs * frac
-        if at != int(at):
-            raise ValueError(f"--budget: {epochs} epochs have no whole epoch at {frac:g} of them")
-        run_dir = here / "budget" if frac == 1.0 else here / f"budget_{frac:g}"
-        if frac != 1.0:
-            job([*base, f"trainer.epochs={int(at)}"], run_dir)
+    for at, weight in late_points(epochs):
+        run_dir = here / "budget" if at == epochs else here / f"budget_{at}"
+        if at != epochs:
+            job([*base, f"trainer.epochs={at}"], run_dir)
         g2, tr = offline_sums(base, run_dir / "model.pt", small, big)
-        points.append({"epochs": int(at), "weight": weight, "g2": g2, "trace": tr})
+        points.append({"epochs": at, "weight": weight, "g2": g2, "trace": tr})
     g2 = sum(p["weight"] * p["g2"] for p in points)
     tr = sum(p["weight"] * p["trace"] for p in points)
     last = points[-1]
@@ -263,8 +272,9 @@ def refresh_noise(name: str, seed: int, entry: Dict[str, Any], args: argparse.Na
                                          "late": ns.get("b_late") is not None, "pairs": ns.get("n"),
                                          "lo": ns.get("late_lo"), "hi": ns.get("late_hi")}}
     offline = {k: v for k, v in entry.items() if k in ("noise_offline", "noise_offline_final", "noise_points")}
-    _, fresh = budget_run(name, base, budget_epochs(name, args), tmp / f"{name}-{seed}",
-                          offline=offline if entry.get("noise_points") else None)
+    epochs = budget_epochs(name, args)
+    same = [p["epochs"] for p in entry.get("noise_points") or []] == [at for at, _ in late_points(epochs)]
+    _, fresh = budget_run(name, base, epochs, tmp / f"{name}-{seed}", offline=offline if same else None)
     if "error" in fresh:
         return {**entry, "noise_error": fresh["error"]}
     keep = {k: v for k, v in entry.items() if not k.startswith("noise")}
@@ -395,7 +405,7 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
             low = min(goodput) if goodput and None not in goodput else 0.0
             checks.append(f"goodput>=held:{'ok' if low >= worst['held'] else 'NO'}")
         runs = [r for r in seeds.values() if "user" in r]
-        # each run's second half against the offline figure over the same steps (LATE_POINTS); a
+        # each run's second half against the offline figure over the same steps (late_points); a
         # whole-run figure leans on the first steps, where the noise scale may be several times lower
         late = [r for r in runs if r.get("noise_run") and r.get("noise_late")]
         b_run = [r["noise_run"] for r in late] or [r["noise_run"] for r in runs if r.get("noise_run")]

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from orchestrator.app import run_job
 from orchestrator.compose import compose_config
 
@@ -181,7 +183,11 @@ def test_bench_target_runs_a_changed_task_again_and_judges_each_seeds_noise_scal
     user = {"reached": True, "time_s": 2.0, "evals": 20, "samples": 5120}
     assert not bt.cached({"budget_epochs": 4, "uncapped": True, "user": user}, "compute", args)
     assert bt.cached({"budget_epochs": 4, "uncapped": True, "user": user, "task_version": 2}, "compute", args)
-    assert [f for f, _ in bt.LATE_POINTS] == [0.5, 0.75, 1.0] and sum(w for _, w in bt.LATE_POINTS) == 1.0
+    assert bt.late_points(4) == [(2, 0.25), (3, 0.5), (4, 0.25)]
+    assert [at for at, _ in bt.late_points(60)] == [30, 35, 40, 45, 50, 55, 60]
+    assert sum(w for _, w in bt.late_points(60)) == pytest.approx(1.0) and bt.late_points(60)[1][1] == pytest.approx(1 / 6)
+    with pytest.raises(ValueError, match="no whole epoch at half"):
+        bt.late_points(5)
     points = [{"epochs": 2}]
     seeds = {0: {"user": user, "noise_run": 300.0, "noise_late": True, "noise_offline": 100.0, "noise_points": points,
                  "noise_late_lo": 150.0, "noise_late_hi": 900.0},
