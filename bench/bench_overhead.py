@@ -160,9 +160,11 @@ def run_orch(cfg: Config, skip: int) -> Dict[str, float]:
     assert res.steps == cfg.trainer.max_steps, res.steps
     # the last step ends where train()'s loop ends: see _stamped_close
     stamps = STAMPS[:res.steps]
+    noise = res.meter.get("noise_scale") or {}
     return {"steady": steady_step_s(stamps, skip, _train_end[0]), "e2e": res.wall_s / res.steps,
             "cpu": steady_step_s(CPU_STAMPS[:res.steps], skip, _train_end[1]),
-            "first_loss": res.first_loss, "loss": res.final_loss}
+            "first_loss": res.first_loss, "loss": res.final_loss,
+            "noise_every": noise.get("every"), "noise_extra": noise.get("extra"), "noise_n": noise.get("n")}
 
 
 def run_eval(cfg: Config) -> Dict[str, float]:
@@ -312,6 +314,10 @@ def main() -> None:
     print(f"  in CPU time per step         : {statistics.median(noise_cpu):+.2f}% steady paired "
           f"(rounds {min(noise_cpu):+.2f}..{max(noise_cpu):+.2f}%; orch {statistics.median(g['cpu'] for g in got['orch']) * 1e6:.1f} "
           f"us, quiet {statistics.median(g['cpu'] for g in got['quiet']) * 1e6:.1f} us)")
+    cadence = [(g["noise_every"], g["noise_extra"], g["noise_n"]) for g in got["orch"]]
+    print("noise scale's cadence (orch)  : " + ", ".join(
+        f"one in {e} ({'an estimated step ' + format(x, '+.0%') if x is not None else 'untimed'}, {n} estimated)"
+        for e, x, n in cadence))
     share = [e["eval_frac"] * 100 for e in evals]
     eval_share = statistics.median(share)
     print(f"evaluation's share             : {eval_share:.2f}% of the training time (rounds {min(share):.2f}..{max(share):.2f}%; "

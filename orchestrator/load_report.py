@@ -214,6 +214,11 @@ def noise_line(noise: Dict[str, Any]) -> str:
            "accumulation": "the first micro-batch's gradient against the accumulated one",
            "halves": "half a batch's gradient against the whole batch's"}.get(noise.get("method"), noise.get("method"))
     sizes = f"{how} ({noise.get('batch_small')} vs {noise.get('batch_big')} samples), {noise.get('n', 0)} steps"
+    every, extra = noise.get("every"), noise.get("extra")
+    if every:
+        sizes += f" (one in {every} past the warmup"
+        sizes += (f": an estimated step costs {extra:+.0%} of a step, ~{extra / every:.1%} of the step time)"
+                  if extra is not None else ")")
     b = noise.get("b_simple")
     if b is None:
         return f"not measurable yet (the mean gradient's squared norm is not above its noise); {sizes}"

@@ -465,8 +465,9 @@ class MeasureConfig:
     peak_tflops: float = 0.0  # the device's peak for MFU; 0: the table by GPU name, or measured on CPU
     # the gradient noise scale B_simple, measured while training (runtime/noise.py, docs/measurement.md)
     noise_scale: bool = True
-    # steps between the estimated ones, besides the warmup's; 0: every 8th, or every 50th where a step
-    # of two half batches (one process, no accumulation) pays an extra forward and backward (runtime/noise.py)
+    # steps between the estimated ones, besides the warmup's; 0: automatic, as many as hold the
+    # estimated steps' measured extra time to ~1% of the step time (2 to 1000; every 8th, or 50th with
+    # `halves`, until it is timed; the same on every rank; runtime/noise.py)
     noise_every: int = 0
 
     def resolved(self, trial: bool, long_windows: bool = False) -> "MeasureConfig":

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +19,10 @@ from orchestrator.load_report import noise_line
 from orchestrator.measure.noise import MAX_BLOCKS, NoiseEstimator, fieller, unbiased
 from orchestrator.measure.results import JobResult, NoiseScale
 from orchestrator.runtime.dist import Adapter
-from orchestrator.runtime.noise import EVERY
+from orchestrator.rundir import rank_paths
+from orchestrator.runtime.noise import (EVERY, HALVES_EVERY, MAX_EVERY, MIN_EVERY, MIN_TRIPLES, NOISE_BUDGET, TIMED_TRIPLES,
+                                        NoiseProbe, cadence)
+from orchestrator.runtime.step import Stepper
 from orchestrator.runtime.loop import build_dataset, build_model, loss_fn, seed_everything, train
 from orchestrator.schema import ConfigError
 from orchestrator.tracking import noise_metrics
@@ -163,10 +168,15 @@ def test_fieller_interval_of_a_ratio():
 
 def test_noise_scale_record_round_trips_in_the_job_result():
     ns = NoiseScale(b_simple=100.0, lo=50.0, hi=200.0, g2=1.0, trace_sigma=100.0, n=7, method="ranks",
-                    batch_small=8, batch_big=16, b_late=150.0, late_from=40, late_lo=90.0, late_hi=None)
+                    batch_small=8, batch_big=16, b_late=150.0, late_from=40, late_lo=90.0, late_hi=None,
+                    every=12, extra=0.11)
     d = ns.as_dict()
     assert list(d) == ["b_simple", "lo", "hi", "g2", "trace_sigma", "n", "method", "batch_small", "batch_big",
-                       "b_late", "late_from", "late_lo", "late_hi"]
+                       "b_late", "late_from", "late_lo", "late_hi", "every", "extra"]
+    older = {k: v for k, v in d.items() if k not in ("every", "extra")}  # a record without them
+    assert (NoiseScale.from_dict(older).every, NoiseScale.from_dict(older).extra) == (0, None)
+    assert "(one in 12 past the warmup: an estimated step costs +11% of a step, ~0.9% of the step time)" in (
+        noise_line(d))
     job = JobResult.from_dict({"status": "FINISHED", "noise_scale": d})
     assert job.noise_scale == ns and job.to_dict()["noise_scale"] == d
     assert noise_metrics(JobResult(noise_scale=ns, steps=3)) == [("noise_scale", 100.0, 3), ("noise_scale_lo", 50.0, 3),
@@ -224,8 +234,12 @@ def test_two_ranks_measure_the_noise_scale_from_their_gradients(make_cfg, tmp_pa
     cfg = make_cfg(f"backend={backend}", "parallelism.nproc_per_node=2", "data.batch_size=16", *WORKLOAD)
     result = run_job(cfg, tmp_path, echo=False)
     got = result["noise_scale"]
+    # 64 steps: fewer than the 32 estimated steps the ranks read their pairs at before the run's end,
+    # so the cadence stays the default; the end's read times it (extra) and decides it
     estimated = [s for s in range(result["steps"]) if s < cfg.measure.warmup_steps or s % EVERY == 0]
     assert (got["method"], got["batch_small"], got["batch_big"], got["n"]) == ("ranks", 16, 32, len(estimated))
+    assert got["extra"] is not None and MIN_EVERY <= got["every"] <= MAX_EVERY
+    assert json.loads(rank_paths(tmp_path, 1)["result"].read_text())["noise_scale"] == got  # the ranks agree
     within_2x(got, offline_noise_scale(cfg))
     assert json.loads((tmp_path / "result.json").read_text())["noise_scale"] == got
     assert "Gradient noise scale" in (tmp_path / "load_report.md").read_text()
@@ -329,3 +343,173 @@ def test_the_probe_reads_both_halves_of_a_halves_step():
     assert probe.estimator.n == 1
     assert probe.estimator.blocks[0][:2] == pytest.approx([float(g1 @ g2_), 4 * float((g1 - g2_) @ (g1 - g2_))])
     assert probe.estimator.batch_small == 8 and probe.estimator.batch_big == 16
+
+
+# -- the cadence (measure.noise_every=0) ---------------------------------------------------------
+def test_the_cadence_holds_the_estimates_extra_time_to_the_budget():
+    assert NOISE_BUDGET == 0.01
+    assert cadence(1.5, 1.0, 8) == 50  # +50% of a step: one step in 50 costs 1%
+    assert cadence(1.4449, 1.0, 8) == 45  # rounded up: at most the budget
+    assert cadence(0.002, 0.001, 50) == 100  # twice a step's time: one in 100
+    assert cadence(1.0151, 1.0, 50) == 2
+    assert cadence(1.0, 1.0, 50) == cadence(0.9, 1.0, 50) == MIN_EVERY  # no dearer than a step
+    assert cadence(100.0, 1.0, 8) == MAX_EVERY
+    assert cadence(0.0, 1.0, 8) == 8 and cadence(1.0, 0.0, 50) == 50  # not timed yet: the default
+
+
+def drive(probe: NoiseProbe, first: int, steps: int, seconds) -> list:
+    """Steps 0..steps-1 as Stepper runs them (warmup to `first`): the estimated steps past the
+    warmup, each timed step's `seconds(step, role)` handed to the probe (role: 'estimated',
+    'after' the last estimated step, else 'other')."""
+    probe.plan(first)
+    estimated = []
+    for step in range(steps):
+        if step >= probe.next_at:
+            timed = probe.begin(step)
+            estimated.append(step)
+        else:
+            probe.active = step < first
+            timed = step in (probe.before, probe.after)
+        if timed:
+            role = "estimated" if probe.active else "after" if step == probe.last_at + 1 else "other"
+            probe.timed(step, seconds(step, role))
+    return estimated
+
+
+def test_one_rank_spaces_its_estimates_by_their_timed_cost():
+    """A step before each estimated one, the estimated one and the one after (where part of its
+    cost spills) are timed; from 3 triples on, their medians set the cadence, the next estimate
+    `every` after the last."""
+    probe = NoiseProbe("halves", 1, 1, HALVES_EVERY, auto=True)
+    cost = {"estimated": 2.0, "after": 1.5, "other": 1.0}  # an estimated step costs 1.5 steps more: one in 150
+
+    def seconds(step: int, role: str) -> float:
+        if step == 100 and role == "estimated":
+            return 50.0  # a stall: the median passes over it
+        return cost[role] if step < 1000 else {"estimated": 1.25, "after": 1.0, "other": 1.0}[role]
+
+    estimated = drive(probe, 2, 3000, seconds)
+    assert estimated[:5] == [50, 100, 150, 300, 450]  # the default until 3 triples; then 150 after the last
+    assert estimated[-1] - estimated[-2] == 25 and probe.every == 25  # +25% of a step from step 1000
+    assert len(probe.timings) == TIMED_TRIPLES and probe.extra == pytest.approx(0.25)
+    assert probe.result().every == 25 and probe.result().extra == pytest.approx(0.25)
+    free = NoiseProbe("accumulation", 1, 1, EVERY, auto=True)  # estimates that cost nothing: every 2nd step
+    estimated = drive(free, 5, 100, lambda step, role: 1.0)
+    assert estimated[:4] == [8, 16, 24, 26] and estimated[-1] == 98 and free.every == MIN_EVERY
+    assert len(free.timings) == TIMED_TRIPLES  # each step between two estimates is the one's after, the next's before
+    assert free.extra == 0.0
+
+
+def test_an_explicit_cadence_estimates_its_multiples_untimed():
+    probe = NoiseProbe("halves", 1, 1, 4)
+    assert drive(probe, 6, 30, lambda step, role: pytest.fail("timed")) == [8, 12, 16, 20, 24, 28]
+    tune = NoiseProbe("halves", 1, 1, 0)  # a tuning trial's halves: the warmup only
+    assert drive(tune, 3, 30, lambda step, role: pytest.fail("timed")) == []
+
+
+class ThreadRanks:
+    """all_reduce_sum over threads standing for ranks: each gets the element-wise sum of all."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier, self.got, self.world = threading.Barrier(world), {}, world
+
+    def adapter(self, rank: int):
+        outer = self
+
+        class One:
+            def all_reduce_sum(self, values: list) -> list:
+                outer.got[rank] = values
+                outer.barrier.wait()
+                total = [sum(v) for v in zip(*(outer.got[r] for r in range(outer.world)))]
+                outer.barrier.wait()
+                return total
+
+        return One()
+
+
+def ranks_flush(timings: list) -> list:
+    """Two `ranks` probes, each with a pair waiting and its own timed triples, read at once after
+    step 300 (the last estimated step 248)."""
+    ranks = ThreadRanks(2)
+    probes = [NoiseProbe("ranks", 2, 2, EVERY, auto=True, rank=r) for r in range(2)]
+    for probe, triples in zip(probes, timings):
+        probe.timings, probe.last_at, probe.next_at = list(triples), 248, 256
+        probe.pending.append((1, 1, 0, 1.0, 1.0, None, 4, 8, 8))
+        probe.norms += [torch.tensor(2.0), torch.tensor(1.0)]
+    threads = [threading.Thread(target=p.flush, args=(ranks.adapter(r),)) for r, p in enumerate(probes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(p.estimator.n == 1 for p in probes)
+    return probes
+
+
+def test_several_ranks_decide_the_same_cadence_from_the_slowest_ranks_figures():
+    """Each rank's medians ride in the pairs' all-reduce; every rank decides from the maxima."""
+    probes = ranks_flush([[(1.0, 1.095, 1.0)] * 3, [(1.05, 1.2, 1.1)] * 3])  # before, estimated, after
+    assert cadence(1.095, 1.0, EVERY) == 10  # rank 0's own figures
+    assert [p.every for p in probes] == [cadence(1.25, 1.05, EVERY)] * 2 == [20, 20]  # rank 1's: 1.2 + 1.1 - 1.05
+    assert probes[0].extra == probes[1].extra == pytest.approx(0.2 / 1.05)
+    assert [p.next_at for p in probes] == [268, 268]  # 20 after the last (the step loop takes the next past it)
+    # a rank with fewer than MIN_TRIPLES timed triples: nobody decides (the default stays, on both)
+    probes = ranks_flush([[(1.0, 2.0, 1.0)] * 3, [(1.0, 2.0, 1.0)] * (MIN_TRIPLES - 1)])
+    assert [(p.every, p.extra, p.next_at) for p in probes] == [(EVERY, None, 256)] * 2
+
+
+def slowed_steps(monkeypatch, ordinary_s: float, estimated_s: float) -> None:
+    """Every step past the first sleeps `ordinary_s` in its update; an estimated one `estimated_s`."""
+    real = Stepper.update
+
+    def update(self: Stepper, run, samples: int) -> None:
+        time.sleep(estimated_s if self.noise is not None and self.noise.active else ordinary_s)
+        real(self, run, samples)
+
+    monkeypatch.setattr(Stepper, "update", update)
+
+
+def run_halves(make_cfg, steps: int, *extra: str) -> dict:
+    cfg = make_cfg(*WORKLOAD, "measure.warmup_steps=2", f"trainer.max_steps={steps}", "trainer.epochs=20",
+                   "trainer.log_every=50", *extra)
+    adapter = Adapter(cfg)
+    adapter.setup()
+    return train(cfg, adapter).meter["noise_scale"]
+
+
+def test_expensive_estimated_steps_are_spaced_to_cost_about_the_budget(make_cfg, monkeypatch):
+    """Estimated steps that take 5 ms more than a ~5 ms step: one in ~100 holds them to ~1%."""
+    slowed_steps(monkeypatch, 0.005, 0.010)
+    got = run_halves(make_cfg, 420)
+    assert got["method"] == "halves" and got["extra"] == pytest.approx(1.0, abs=0.35)
+    assert 60 <= got["every"] <= 140
+    assert got["extra"] / got["every"] == pytest.approx(NOISE_BUDGET, rel=0.3)
+    # the warmup's 2, then every 50th until 3 are timed (50, 100, 150), then one in ~100 to step 419
+    assert 2 + 3 + 1 <= got["n"] <= 2 + 3 + 4, got
+
+
+def test_estimated_steps_that_cost_nothing_get_the_densest_cadence(make_cfg, monkeypatch):
+    """Estimated steps no dearer than the others (their sleep 4 ms shorter covers their own work)."""
+    slowed_steps(monkeypatch, 0.006, 0.002)
+    got = run_halves(make_cfg, 200)
+    assert (got["every"], got["extra"]) == (MIN_EVERY, 0.0)
+    assert got["n"] >= 2 + 3 + 20  # every 2nd step from step 152 (24 of them)
+
+
+def test_an_explicit_noise_every_is_kept_and_not_timed(make_cfg, monkeypatch):
+    slowed_steps(monkeypatch, 0.0, 0.010)
+    got = run_halves(make_cfg, 60, "measure.noise_every=4")
+    assert (got["every"], got["extra"]) == (4, None)
+    assert got["n"] == len([s for s in range(60) if s < 2 or s % 4 == 0])
+
+
+def test_two_ranks_agree_on_the_cadence_they_decide_mid_run(make_cfg, tmp_path):
+    """320 steps: the ranks read 32 estimated steps (with the cadence's figures) before the end, and
+    decide; the run ends (a cadence that differed between ranks would hang their reads) with the
+    same record on both."""
+    cfg = make_cfg("backend=ddp", "parallelism.nproc_per_node=2", "data.batch_size=16", *WORKLOAD,
+                   "trainer.epochs=5")
+    result = run_job(cfg, tmp_path, echo=False)
+    got = result["noise_scale"]
+    assert result["steps"] == 320 and got["extra"] is not None and MIN_EVERY <= got["every"] <= MAX_EVERY
+    assert json.loads(rank_paths(tmp_path, 1)["result"].read_text())["noise_scale"] == got
+    assert got["n"] >= 32  # read mid-run: the warmup's step 0 and every 8th to step 248, then at its cadence

@@ -265,7 +265,11 @@ class NoiseScale:
     the averaged one after; `accumulation`: the first micro-batch's and the accumulated;
     `halves`: two halves of a batch every measure.noise_every steps) and the two batch sizes;
     `b_late`: B_simple over the run's second half from step `late_from` (None: too few steps there),
-    its 95% interval `late_lo` to `late_hi` (None where unbounded)."""
+    its 95% interval `late_lo` to `late_hi` (None where unbounded); `every`: the cadence as last
+    decided (every `every`-th step estimated besides the warmup's; 0: the warmup's only), and `extra`: an
+    estimated step's extra wall time over an ordinary step's, as a fraction of the ordinary one, that
+    measure.noise_every=0 set it by (None: not timed; extra / every is the estimates' share of the
+    step time)."""
 
     b_simple: Optional[float] = None
     lo: Optional[float] = None
@@ -280,6 +284,8 @@ class NoiseScale:
     late_from: int = 0
     late_lo: Optional[float] = None
     late_hi: Optional[float] = None
+    every: int = 0
+    extra: Optional[float] = None
 
     METHODS: ClassVar[Tuple[str, ...]] = ("ranks", "accumulation", "halves")
 
@@ -290,13 +296,14 @@ class NoiseScale:
                    trace_sigma=num("trace_sigma"), n=int(d.get("n") or 0), method=str(d.get("method") or "halves"),
                    batch_small=int(d.get("batch_small") or 0), batch_big=int(d.get("batch_big") or 0),
                    b_late=num("b_late"), late_from=int(d.get("late_from") or 0), late_lo=num("late_lo"),
-                   late_hi=num("late_hi"))
+                   late_hi=num("late_hi"), every=int(d.get("every") or 0), extra=num("extra"))
 
     def as_dict(self) -> Dict[str, Any]:
         return {"b_simple": self.b_simple, "lo": self.lo, "hi": self.hi, "g2": self.g2,
                 "trace_sigma": self.trace_sigma, "n": self.n, "method": self.method,
                 "batch_small": self.batch_small, "batch_big": self.batch_big, "b_late": self.b_late,
-                "late_from": self.late_from, "late_lo": self.late_lo, "late_hi": self.late_hi}
+                "late_from": self.late_from, "late_lo": self.late_lo, "late_hi": self.late_hi,
+                "every": self.every, "extra": self.extra}
 
 
 _ESTIMATE = (Estimate.from_dict, Estimate.as_dict)

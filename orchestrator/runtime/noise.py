@@ -19,12 +19,26 @@ The steps estimated are the warmup's (never measured) and every measure.noise_ev
 trial with `halves` estimates its warmup's steps only (its windows are short: a step that costs
 half as much again would stand out in one and widen the trial's interval).
 
+measure.noise_every=0: the cadence follows the estimates' measured cost. The step reads the clock
+around each estimated step past the warmup and the ordinary steps just before and after it (no
+other step); from the medians of the last TIMED_TRIPLES such triples, an estimated step's extra time
+is its own and the next step's (where part of its cost spills) less twice the step before it, and
+the cadence is the one (`cadence`) at which that extra is NOISE_BUDGET of the step time. The next
+estimated step comes `every` after the last. One rank re-decides after each timed triple; with
+several ranks (`ranks`) every rank must estimate the same steps, so the ranks' medians ride in the
+all-reduce the pairs are read with (`flush`, the same step on every rank) and every rank decides
+from their maxima, the same figures. Until MIN_TRIPLES triples are timed (and, with several ranks,
+until the first read) the cadence is EVERY, or HALVES_EVERY with `halves`.
+
 The norms stay on the device (one fused `_foreach_norm` per measurement, or one norm per DDP bucket;
 no sync); they are squared and summed, read, and averaged over the ranks in one all-reduce, at a
 logged step (which syncs for its loss anyway) once FLUSH_AT pairs wait, and at the run's end."""
 
 from __future__ import annotations
 
+import math
+import statistics
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -37,8 +51,25 @@ from .dist import norms
 from .state import Hook, Run
 
 FLUSH_AT = 32  # pairs waiting on the device before a logged step reads them
-EVERY = 8  # measure.noise_every=0: every 8th step is estimated (the norms: ~20-50 us a step on a CPU)...
-HALVES_EVERY = 50  # ... and every 50th with `halves` (a second forward and backward: ~+60% of a step)
+EVERY = 8  # measure.noise_every=0, until the estimates' cost is timed: every 8th step is estimated...
+HALVES_EVERY = 50  # ... and every 50th with `halves` (a second forward and backward and a copy of the gradients)
+NOISE_BUDGET = 0.01  # measure.noise_every=0: the estimated steps' extra time is about 1% of the step time
+# the cadence's bounds: every 2nd step at most, so the steps next to an estimated one are ordinary
+# ones to time it against; every 1000th at least, so a run of a few thousand steps still estimates
+# some steps past its warmup and re-decides the cadence now and then
+MIN_EVERY, MAX_EVERY = 2, 1000
+TIMED_TRIPLES = 15  # the cadence rests on the medians of the last 15 timed triples: a step's wall time varies +-15-30%
+MIN_TRIPLES = 3  # ... once 3 are timed (one is mostly the host's noise)
+
+
+def cadence(t_estimated: float, t_ordinary: float, default: int) -> int:
+    """Steps between the estimated ones so that an estimated step's extra wall time over an
+    ordinary step's is NOISE_BUDGET of the step time, within [MIN_EVERY, MAX_EVERY]; `default`
+    while either time is unknown (<= 0)."""
+    if t_estimated <= 0 or t_ordinary <= 0:
+        return default
+    extra = max(0.0, t_estimated - t_ordinary)
+    return max(MIN_EVERY, min(MAX_EVERY, math.ceil(extra / (NOISE_BUDGET * t_ordinary))))
 
 
 def method_for(cfg: Config, world_size: int) -> Tuple[Optional[str], str]:
@@ -65,8 +96,17 @@ class NoiseProbe:
     A step adds a norm per part (one fused op), nothing else on the device; squaring and summing
     happen for all the waiting pairs at once, when they are read."""
 
-    def __init__(self, method: str, world_size: int, big_div: int, every: int, scaler: Any = None) -> None:
+    def __init__(self, method: str, world_size: int, big_div: int, every: int, scaler: Any = None,
+                 auto: bool = False, rank: int = 0) -> None:
         self.method, self.world, self.big_div, self.every, self.scaler = method, world_size, big_div, every, scaler
+        self.auto, self.rank = auto, rank  # auto: the cadence follows the measured cost (measure.noise_every=0)
+        self.next_at = sys.maxsize  # the next estimated step past the warmup (`plan`, `begin`)
+        self.last_at = -1  # the last one
+        self.before = self.after = -1  # auto: the ordinary steps timed around the next and the last
+        self.ref: Tuple[int, float] = (-1, 0.0)  # the last step timed before an estimated one, its s
+        self.t_estimated = 0.0
+        self.timings: List[Tuple[float, float, float]] = []  # the last timed triples: before, estimated, after (s)
+        self.extra: Optional[float] = None  # the extra time the cadence was set by, over an ordinary step's
         self.fed = method != "ranks"  # ranks: the adapter sets it once its hooks feed this probe
         self.active = False  # this step is estimated (the step sets it; the adapter's hooks read it)
         self.small: List[torch.Tensor] = []  # this step's: the parts' norms of the small-batch gradient
@@ -158,7 +198,10 @@ class NoiseProbe:
             return
         values = self.squared()
         if self.world > 1:
-            values = adapter.all_reduce_sum(values)
+            timed = self.rank_timings() if self.auto else []
+            values = adapter.all_reduce_sum(values + timed)
+            if timed:
+                self.agree(values[len(values) - len(timed):])
         for i, (_, _, n_rest, *_, b_small, b_big, step) in enumerate(self.pending):
             small, big, rest = values[3 * i], values[3 * i + 1], values[3 * i + 2]
             if self.world > 1:
@@ -168,7 +211,68 @@ class NoiseProbe:
         self.norms.clear()
 
     def result(self) -> NoiseScale:
-        return self.estimator.result()
+        out = self.estimator.result()
+        out.every, out.extra = self.every, self.extra
+        return out
+
+    # -- the cadence ----------------------------------------------------------------------------
+    def plan(self, first: int) -> None:
+        """The step loop's start: past the warmup (from step `first`), the steps estimated are the
+        multiples of `every` until the cadence changes (none with every=0)."""
+        self.next_at = -(-first // self.every) * self.every if self.every > 0 else sys.maxsize
+        self.before = self.next_at - 1 if self.auto and self.next_at > first else -1
+
+    def begin(self, step: int) -> bool:
+        """Step `step` is estimated (the first at or past next_at); the next comes `every` steps
+        later. True where it is timed (measure.noise_every=0), with the steps next to it."""
+        self.active, self.last_at, self.next_at = True, step, step + self.every
+        if self.auto:
+            self.after, self.before = step + 1, self.next_at - 1
+        return self.auto
+
+    def timed(self, step: int, seconds: float) -> None:
+        """Step `step`'s wall time: an estimated step's, the step's before it (the ordinary step
+        it is weighed against: far from the last estimated one) or after it (where part of its cost
+        spills: the caches, the allocator). With one rank each complete triple re-decides the
+        cadence; several ranks decide when they `flush`."""
+        if self.active:
+            self.t_estimated = seconds
+            return
+        if step == self.after and self.ref[0] == self.last_at - 1:
+            self.timings.append((self.ref[1], self.t_estimated, seconds))
+            del self.timings[:-TIMED_TRIPLES]
+            if self.world == 1 and len(self.timings) >= MIN_TRIPLES:
+                self.decide(*self.medians())
+        if step == self.before:  # also the step after the last one where every=2
+            self.ref = (step, seconds)
+
+    def medians(self) -> Tuple[float, float]:
+        """(an estimated step's wall time with what spills onto the next step, an ordinary step's),
+        from the medians of the timed triples."""
+        before, est, after = (statistics.median(t[i] for t in self.timings) for i in range(3))
+        return est + after - before, before
+
+    def decide(self, t_estimated: float, t_ordinary: float) -> None:
+        """The cadence from these figures; the next estimated step `every` after the last (the next
+        step where that has passed)."""
+        self.every = cadence(t_estimated, t_ordinary, self.every)
+        self.extra = max(0.0, t_estimated - t_ordinary) / t_ordinary
+        self.next_at, self.before = self.last_at + self.every, self.last_at + self.every - 1
+
+    def rank_timings(self) -> List[float]:
+        """This rank's figures in its slots of 2 x world floats (0 elsewhere, and before MIN_TRIPLES):
+        summed over the ranks, every rank's figures."""
+        slots = [0.0] * (2 * self.world)
+        if len(self.timings) >= MIN_TRIPLES:
+            slots[self.rank], slots[self.world + self.rank] = self.medians()
+        return slots
+
+    def agree(self, slots: List[float]) -> None:
+        """The ranks' summed slots: the cadence from the slowest rank's figures, once every rank has
+        them (the same vector on every rank: the same cadence)."""
+        est, ordinary = slots[:self.world], slots[self.world:]
+        if min(est) > 0 and min(ordinary) > 0:
+            self.decide(max(est), max(ordinary))
 
 
 class NoiseHook(Hook):
@@ -220,7 +324,8 @@ def noise_hook(run: Run) -> Optional[NoiseHook]:
     shard = cfg.parallelism.shard_size or adapter.world_size
     big_div = adapter.world_size // shard if cfg.backend.name is BackendName.fsdp else adapter.world_size
     every = cfg.measure.noise_every or (HALVES_EVERY if method == "halves" else EVERY)
+    auto = not cfg.measure.noise_every  # the cadence follows the measured cost
     if method == "halves" and cfg.mode is Mode.tune:  # a trial's short windows: a slower step is an outlier
-        every = 0  # its warmup's steps only
-    run.noise = NoiseProbe(method, adapter.world_size, big_div, every, run.scaler)
+        every, auto = 0, False  # its warmup's steps only
+    run.noise = NoiseProbe(method, adapter.world_size, big_div, every, run.scaler, auto=auto, rank=adapter.rank)
     return NoiseHook(run.noise, cfg.trainer.log_every, method)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
@@ -52,9 +53,13 @@ class Stepper:
         self.flops: Dict[str, Any] = {"flops": None,
                                       "reason": "not counted: measure.warmup_steps=0 leaves no unmeasured step"}
         # the gradient noise scale (runtime/noise.py): estimated on the warmup's steps (never
-        # measured) and every noise.every-th step
+        # measured) and past them at noise.next_at, every noise.every-th step. measure.noise_every=0:
+        # an estimated step and the steps before and after it are timed (noise.timed), from the
+        # step's start to its update's end; no other step reads the clock
         self.noise = run.noise
         self.noise_until = run.step + run.cfg.measure.warmup_steps
+        if self.noise is not None:
+            self.noise.plan(self.noise_until)
         self.noise_halves = self.noise is not None and self.noise.method == "halves"
         self.first_micro = self.noise is not None and self.noise.method == "accumulation"
 
@@ -69,8 +74,15 @@ class Stepper:
         logged = ((step + 1) % self.log_every == 0 or step == 0 or step + 1 == run.total
                   or (self.checkpoint_every > 0 and (step + 1) % self.checkpoint_every == 0))
         summed = logged or self.sum_losses
+        t0 = 0.0
         if noise is not None:
-            noise.active = step < self.noise_until or (noise.every > 0 and step % noise.every == 0)
+            if step >= noise.next_at:  # an estimated step past the warmup
+                if noise.begin(step):
+                    t0 = time.perf_counter()
+            else:
+                noise.active = step < self.noise_until
+                if step == noise.before or step == noise.after:
+                    t0 = time.perf_counter()
         halves = self.noise_halves and noise.active  # type: ignore[union-attr]
         samples, step_loss = 0, None
         for m in range(micro):
@@ -100,6 +112,8 @@ class Stepper:
         if self.sum_losses:
             run.loss_sum, run.loss_steps = run.loss_sum + step_loss, run.loss_steps + 1
         self.update(run, samples)
+        if t0:
+            noise.timed(step, time.perf_counter() - t0)  # type: ignore[union-attr]
         run.step = step + 1
         return samples, micro, (step_loss if logged else None)
 
