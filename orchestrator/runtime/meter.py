@@ -74,7 +74,7 @@ class StepMeter:
         self.clocks = CpuClocks(self.cuda, self._inproc, self.threads, self.one_process)
         self._clock = self.clocks.on  # this step's marks read them
         self._hook_cpu: Optional[Tuple[float, float]] = None
-        self._span = CpuSpan()  # the process's and the loader's CPU over the steady span
+        self._span = CpuSpan(lambda: self.queue > 0)  # the process's and the loader's CPU over the steady span
         self._span_samples = 0  # samples in it (measured, re-warm and partial windows alike)
         self._samples = 0
         self._tokens = self._padded = 0
@@ -147,7 +147,7 @@ class StepMeter:
         """From here to `resume()` (an evaluation at a step's end) the time is nobody's: no phase
         or window holds it, nor the CPU time the input cost reads; marks made meanwhile (FSDP's
         collectives in the evaluation's forward) are dropped. Only between steps."""
-        cpu0 = cpu_snapshot()
+        cpu0 = self._span.snapshot()
         self.mark(OTHER)
         self._paused = (len(self._phases), perf_counter(), cpu0)
 

@@ -11,7 +11,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -160,16 +160,17 @@ class MemorySampler:
         self._thread.join(timeout=1.0)
 
 
-def cpu_snapshot() -> Dict[str, float]:
+def cpu_snapshot(live: bool = True) -> Dict[str, float]:
     """CPU seconds so far of this process and of its child processes (the loader's workers: the
-    live ones read through psutil, the ended ones from the kernel's reaped-children account)."""
+    live ones read through psutil, which walks every process in /proc, about a millisecond, only
+    where `live` ones may run; the ended ones from the kernel's reaped-children account)."""
     import psutil
 
     me = psutil.Process()
     own = me.cpu_times()
     workers = own.children_user + own.children_system
     try:
-        children = me.children(recursive=True)
+        children = me.children(recursive=True) if live else []
     except psutil.Error:
         children = []
     for c in children:
@@ -183,19 +184,24 @@ def cpu_snapshot() -> Dict[str, float]:
 
 class CpuSpan:
     """CPU seconds of this process and of its children (the loader's workers) over a span (the
-    steady one: from the first warmup's end), its pauses (evaluations) left out."""
+    steady one: from the first warmup's end), its pauses (evaluations) left out. `workers()`: the
+    loader has workers now (without, only ended ones are read: cpu_snapshot's `live`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: Callable[[], bool] = lambda: True) -> None:
+        self.workers = workers
         self.start: Optional[Dict[str, float]] = None  # cpu_snapshot() when the span began
         self.paused = {"process": 0.0, "workers": 0.0}  # CPU spent paused since then
 
+    def snapshot(self) -> Dict[str, float]:
+        return cpu_snapshot(self.workers())
+
     def begin(self) -> None:
-        self.start = cpu_snapshot()
+        self.start = self.snapshot()
         self.paused = dict.fromkeys(self.paused, 0.0)
 
     def add_pause(self, cpu0: Dict[str, float]) -> None:
-        """A pause that began at the cpu_snapshot() `cpu0` ends now."""
-        cpu1 = cpu_snapshot()
+        """A pause that began at the snapshot() `cpu0` ends now."""
+        cpu1 = self.snapshot()
         for k in self.paused:
             self.paused[k] += cpu1[k] - cpu0[k]
 
@@ -203,7 +209,7 @@ class CpuSpan:
         """The span's CPU seconds so far per sample of `samples`; None before it began or without samples."""
         if self.start is None or not samples:
             return None
-        now = cpu_snapshot()
+        now = self.snapshot()
         return {k: max(0.0, now[k] - self.start[k] - self.paused[k]) / samples for k in ("workers", "process")}
 
 
