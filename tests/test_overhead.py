@@ -298,3 +298,27 @@ def test_an_unlogged_step_of_the_default_job_calls_only_the_step_and_its_marks(m
                     "clocks.py:read": 3, "meter.py:end_step": 1})
     for step in (11, 12, 13, 14, 15, 16, 17):  # none logs, closes a window or is the noise scale's
         assert segments[step] == want, (step, segments[step])
+
+
+@pytest.mark.parametrize("queue", [0, 4])
+def test_a_pause_reads_the_loader_workers_cpu_only_where_the_loader_has_workers(monkeypatch, queue):
+    """An evaluation's pause reads the CPU spent meanwhile, to leave it out of the input cost. The
+    loader workers' live CPU is read through psutil's children(), which walks every process in /proc
+    (about a millisecond): only where the loader has workers (the ended ones are in the kernel's
+    reaped-children account, read either way)."""
+    import psutil
+
+    scans = Counter()
+    real = psutil.Process.children
+
+    def children(self: Any, *args: Any, **kwargs: Any) -> Any:
+        scans["children"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(psutil.Process, "children", children)
+    m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False, queue=queue)
+    m.start()
+    m.pause()
+    m.resume()
+    m.close()
+    assert scans["children"] == (2 if queue else 0)
