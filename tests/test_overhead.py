@@ -306,19 +306,19 @@ def test_a_pause_reads_the_loader_workers_cpu_only_where_the_loader_has_workers(
     loader workers' live CPU is read through psutil's children(), which walks every process in /proc
     (about a millisecond): only where the loader has workers (the ended ones are in the kernel's
     reaped-children account, read either way)."""
-    import psutil
+    from orchestrator.runtime import samplers as samplers_mod
 
-    scans = Counter()
-    real = psutil.Process.children
+    live: List[bool] = []
+    real = samplers_mod.cpu_snapshot
 
-    def children(self: Any, *args: Any, **kwargs: Any) -> Any:
-        scans["children"] += 1
-        return real(self, *args, **kwargs)
+    def snapshot(scan: bool = True) -> Any:
+        live.append(scan)
+        return real(scan)
 
-    monkeypatch.setattr(psutil.Process, "children", children)
+    monkeypatch.setattr(samplers_mod, "cpu_snapshot", snapshot)
     m = StepMeter(torch.device("cpu"), window_steps=2, warmup_steps=1, nvml=False, queue=queue)
     m.start()
     m.pause()
     m.resume()
     m.close()
-    assert scans["children"] == (2 if queue else 0)
+    assert live == [bool(queue)] * 2
