@@ -1,14 +1,18 @@
 """The CPU clocks the step meter (runtime/meter.py) reads at its marks: which ones a rank reads, and
 on which steps. A reading is a system call (about ten times a `perf_counter()`); on fast steps they
-are read at the marks of two steps in every few, so that they cost at most CLOCK_SHARE of the step,
-and a window's CPU figures are estimated from those steps (runtime/windows.py, cpu_by_phase)."""
+are read at the marks of pairs of consecutive steps, `every` steps apart on average, so that they
+cost at most CLOCK_SHARE of the step, and a window's CPU figures are estimated from those steps
+(runtime/windows.py, cpu_by_phase). The pairs fall at random (0.5 to 1.5 x `every` apart): steps at
+a fixed place are not like the others where the host is contended (the two after a window's close
+got 12-15% less CPU per wall second than the rest, beside another job on 2 cores)."""
 
 from __future__ import annotations
 
 import math
+import random
 from bisect import bisect_left
 from time import process_time, thread_time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # reading the clocks at a step's marks costs about this in the loop (two or three system calls, and what
 # they cost the step around them)
@@ -28,13 +32,15 @@ def cpu_clocks(cuda: bool, inproc: bool, threads: int, one_process: bool) -> Tup
     return not cuda and not thread_is_process, not cuda or inproc, thread_is_process
 
 
-def clock_every(step_s: float, cuda: bool) -> int:
+def clock_every(step_s: float, cuda: bool, window_steps: int = 0) -> int:
     """The clocks are read at the marks of two steps in this many (1: every step), so that reading
-    them costs at most CLOCK_SHARE of a step of `step_s` seconds. On CUDA every step: its phases are
-    the device's, and the loop thread's clock (read without loader workers) costs little beside them."""
+    them costs at most CLOCK_SHARE of a step of `step_s` seconds; few enough that a window of
+    `window_steps` (if given) holds a pair whatever the gaps. On CUDA every step: its phases are the
+    device's, and the loop thread's clock (read without loader workers) costs little beside them."""
     if cuda or step_s <= 0:
         return 1
-    return max(1, min(MAX_CLOCK_EVERY, math.ceil(2 * CLOCK_STEP_S / (CLOCK_SHARE * step_s))))
+    every = max(1, min(MAX_CLOCK_EVERY, math.ceil(2 * CLOCK_STEP_S / (CLOCK_SHARE * step_s))))
+    return min(every, max(1, 2 * (window_steps - 1) // 3)) if window_steps else every
 
 
 class CpuClocks:
@@ -49,6 +55,11 @@ class CpuClocks:
         self.at: List[int] = []
         self.thread: List[float] = []
         self.cpu: List[float] = self.thread if cpu_is_thread else []
+        self._random = random.Random(0)
+        # each phase's CPU over wall time in the last window that read it, for a window that did not
+        # (runtime/windows.py, cpu_by_phase): the process's clock and the loop thread's
+        self.known_cpu: Dict[int, float] = {}
+        self.known_thread: Dict[int, float] = {} if self.thread is not self.cpu else self.known_cpu
 
     def read(self, mark: int) -> None:
         """The clocks at mark `mark`, now."""
@@ -77,9 +88,14 @@ class CpuClocks:
         if self.thread is not self.cpu:
             del self.thread[kept:]
 
-    def next_window(self, marks: int, step_s: Optional[float]) -> None:
+    def gap(self) -> int:
+        """Steps from one read pair of steps to the next: 0.5 to 1.5 x `every`, at random."""
+        return max(2, self._random.randint(self.every // 2, self.every + self.every // 2)) if self.every > 1 else 0
+
+    def next_window(self, marks: int, step_s: Optional[float], window_steps: int) -> bool:
         """A window of `marks` marks closed: its last mark begins the next window, with its readings
-        if it has them; `step_s`, its step time (None: not a measured window), sets `every`."""
+        if it has them; `step_s`, its step time (None: not a measured window), sets `every` for the
+        next windows, of `window_steps`. True where `every` changed."""
         last = bool(self.at) and self.at[-1] == marks - 1
         cut = -1 if last else None
         del self.at[:cut], self.cpu[:cut]
@@ -87,5 +103,7 @@ class CpuClocks:
             del self.thread[:cut]
         if last:
             self.at[0] = 0
+        every = self.every
         if step_s is not None and self.on:
-            self.every = clock_every(step_s, self.cuda)
+            self.every = clock_every(step_s, self.cuda, window_steps)
+        return self.every != every

@@ -73,6 +73,7 @@ class StepMeter:
         # the CPU clocks, read at the marks of a sample of the steps on fast ones (runtime/clocks.py)
         self.clocks = CpuClocks(self.cuda, self._inproc, self.threads, self.one_process)
         self._clock = self.clocks.on  # this step's marks read them
+        self._to_clock = 0  # steps until the next pair that reads them (CpuClocks.gap), with clocks.every > 1
         self._hook_cpu: Optional[Tuple[float, float]] = None
         self._span = CpuSpan(lambda: self.queue > 0)  # the process's and the loader's CPU over the steady span
         self._span_samples = 0  # samples in it (measured, re-warm and partial windows alike)
@@ -183,8 +184,11 @@ class StepMeter:
         self._samples += samples
         self._span_samples += samples
         self._step += 1
-        if self.clocks.every > 1:  # the window's first two steps in every clocks.every read the clocks
-            self._clock = (self._step - self._window_first) % self.clocks.every < 2
+        if self.clocks.every > 1:  # the next step reads the clocks: a pair of steps, every clocks.gap() steps
+            k = self._to_clock = self._to_clock - 1
+            self._clock = k < 2
+            if k <= 0:
+                self._to_clock = self.clocks.gap()
         if self._warming:
             self._micro += micro
             if self._step >= self.warmup_steps and self._micro > self.queue:
@@ -310,8 +314,9 @@ class StepMeter:
         if self.cuda:  # the window's events are recorded again by the next marks
             self._events.extend(tok for tok in toks[:-1] if tok is not toks[-1])
         steps = self._step - self._window_first
-        self.clocks.next_window(len(marks), figures["wall_s"] / steps if steps and not warmup else None)
-        self._clock = self.clocks.on  # the next window's first step reads them
+        if self.clocks.next_window(len(marks), figures["wall_s"] / steps if steps and not warmup else None,
+                                   self._window_len):  # a new cadence: the next pair after a gap
+            self._to_clock, self._clock = self.clocks.gap(), self.clocks.on and self.clocks.every == 1
         win = Window(index=len(self.windows), first_step=self._window_first, steps=self._step - self._window_first,
                      samples=self._samples, t_start=self._wall0, t_end=wall1, warmup=warmup, partial=partial,
                      tokens=self._tokens, padded_tokens=self._padded, **figures)

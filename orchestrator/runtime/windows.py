@@ -42,13 +42,15 @@ def _event_seconds(a: Any, b: Any) -> float:
 
 
 def cpu_by_phase(marks: List[int], toks: List[float], wall: Dict[str, float], at: List[int],
-                 readings: List[float]) -> Dict[str, float]:
+                 readings: List[float], known: Dict[int, float]) -> Dict[str, float]:
     """Each phase's CPU time from `readings` taken at the marks `at`. Read at every mark, their
     differences; read at a sample of the steps, each phase's wall time (`wall`) times its CPU over
-    wall in the spans both of whose ends were read (a phase no such span holds takes the ratio of
-    all of them)."""
+    wall in the spans both of whose ends were read. `known` (by phase index) keeps those ratios: a
+    phase no such span holds takes its last one (else the ratio of all of this window's read spans)."""
     if len(at) == len(marks):
-        return by_phase(marks, readings)
+        every = by_phase(marks, readings)
+        known.update({k: every[name] / wall[name] for k, name in enumerate(PHASES) if wall[name] > 0})
+        return every
     cpu = [0.0] * (len(PHASES) + 1)
     seen = [0.0] * (len(PHASES) + 1)
     for j in range(1, len(at)):
@@ -59,7 +61,10 @@ def cpu_by_phase(marks: List[int], toks: List[float], wall: Dict[str, float], at
             seen[p] += toks[i] - toks[i - 1]
     all_cpu, all_seen = sum(cpu[:-1]), sum(seen[:-1])
     overall = all_cpu / all_seen if all_seen > 0 else 0.0
-    return {name: wall[name] * (cpu[k] / seen[k] if seen[k] > 0 else overall) for k, name in enumerate(PHASES)}
+    for k in range(len(PHASES)):
+        if seen[k] > 0:
+            known[k] = cpu[k] / seen[k]
+    return {name: wall[name] * known.get(k, overall) for k, name in enumerate(PHASES)}
 
 
 def window_figures(marks: List[int], toks: List[Any], clocks: CpuClocks, *, cuda: bool, inproc: bool,
@@ -74,13 +79,13 @@ def window_figures(marks: List[int], toks: List[Any], clocks: CpuClocks, *, cuda
         cpu = dict.fromkeys(PHASES, 0.0)
     else:
         phases = by_phase(marks, toks)
-        cpu = cpu_by_phase(marks, toks, phases, clocks.at, clocks.cpu)
+        cpu = cpu_by_phase(marks, toks, phases, clocks.at, clocks.cpu, clocks.known_cpu)
     # the loop thread's CPU time per phase (only its busy phases' sum and its data phase are read)
     thread_on = not cuda or inproc
     if clocks.cpu is clocks.thread:  # the process's CPU is the loop thread's (meter.StepMeter._cpu_is_thread)
         loop = dict(cpu)
     elif thread_on:  # (on CUDA read at every mark: toks are events)
-        loop = cpu_by_phase(marks, toks, phases, clocks.at, clocks.thread)
+        loop = cpu_by_phase(marks, toks, phases, clocks.at, clocks.thread, clocks.known_thread)
     else:
         loop = dict.fromkeys(PHASES, 0.0)
     if thread_on and inproc:
