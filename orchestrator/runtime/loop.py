@@ -37,11 +37,11 @@ from .evaluate import eval_hook, validation_sets
 from .hooks import (BalanceHook, CheckpointHook, LatencyJumpHook, LoaderAutotuneHook, LrWarmupHook, Profiler, ProfilerHook,
                     SignalCheckpointHook, loader_tuner)
 from .meter import StepMeter, model_state_mb
-from .windows import plain_window_cap
 from .noise import NoiseHook, check_fed, noise_hook
 from .batch import loss_fn
 from .state import SPAN_EPOCHS_OF_CAP, EventLog, Hook, Run, after_period, overriding
 from .step import Stepper, check_loss
+from .windows import plain_window_cap
 
 __all__ = ["SPAN_EPOCHS_OF_CAP", "EventLog", "Run", "TrainResult", "build_dataset", "build_loader", "build_model", "check_model", "loss_fn",
            "seed_everything", "train"]

@@ -10,8 +10,9 @@ DDP's wait for the last gradient bucket, Horovod's synchronize) and optimizer (s
 
 utilization: on CUDA the mean NVML `utilization.gpu` of the rank's device over the window (`nvml`);
 on CPU (`cpu-time`) the CPU time the loop's own thread got in its compute and optimizer phases over
-the window's wall time (its clock read at every step, or on fast steps at a sample: runtime/clocks.py). Starving the step cannot raise it: a loader worker that takes a core
-stretches the busy phases' wall time, not the loop's CPU time. The input pipeline's cost is split
+the window's wall time (its clock read at every step, or on fast steps on a sample of them:
+runtime/clocks.py). Starving the step cannot raise it: a loader worker that takes a core stretches
+the busy phases' wall time, not the loop's CPU time. The input pipeline's cost is split
 into CPU (the workers' CPU time per item, psutil; without workers the data phase's) and waiting.
 
 Warmup ends in steady state: after `warmup_steps` steps and once the loader's pre-filled queue
