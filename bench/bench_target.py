@@ -184,7 +184,13 @@ def late_points(epochs: int) -> List[Tuple[int, float]]:
     return [(half + k * half // n, (0.5 if k in (0, n) else 1.0) / n) for k in range(n + 1)]
 
 
-def offline_sums(overrides: List[str], weights: Path, small: int, big: int, draws: int = 96) -> Tuple[float, float]:
+# batches of each size the offline figure averages at each point: its |G|^2 is a small difference of two
+# noisy means, and with 96 draws the figure of one task scattered 3.5x between seeds at the same steps
+OFFLINE_DRAWS = 384
+
+
+def offline_sums(overrides: List[str], weights: Path, small: int, big: int,
+                 draws: int = OFFLINE_DRAWS) -> Tuple[float, float]:
     """Unbiased |G|^2 and tr(Sigma) by the large/small-batch method (McCandlish et al. 2018,
     appendix A) at the `weights`: |G_B|^2 averaged over `draws` batches of each size drawn from the
     run's training set (data.val_fraction's held-out items left out, as the run left them out). Late
@@ -236,7 +242,8 @@ def noise_reference(name: str, base: List[str], epochs: int, budget: Dict[str, A
     if not (here / "budget" / "model.pt").exists() or name == "variable_length_lm":
         return {}
     off = offline_noise(base, epochs, budget, here)
-    return {"noise_offline": off["b_late"], "noise_offline_final": off["b_final"], "noise_points": off["points"]}
+    return {"noise_offline": off["b_late"], "noise_offline_final": off["b_final"], "noise_points": off["points"],
+            "noise_draws": OFFLINE_DRAWS}
 
 
 def budget_run(name: str, base: List[str], epochs: int, here: Path,
@@ -271,9 +278,11 @@ def refresh_noise(name: str, seed: int, entry: Dict[str, Any], args: argparse.Na
         return {**entry, "noise_dense": {"every": args.noise_every, "run": ns.get("b_late") or ns.get("b_simple"),
                                          "late": ns.get("b_late") is not None, "pairs": ns.get("n"),
                                          "lo": ns.get("late_lo"), "hi": ns.get("late_hi")}}
-    offline = {k: v for k, v in entry.items() if k in ("noise_offline", "noise_offline_final", "noise_points")}
+    offline = {k: v for k, v in entry.items()
+               if k in ("noise_offline", "noise_offline_final", "noise_points", "noise_draws")}
     epochs = budget_epochs(name, args)
-    same = [p["epochs"] for p in entry.get("noise_points") or []] == [at for at, _ in late_points(epochs)]
+    same = ([p["epochs"] for p in entry.get("noise_points") or []] == [at for at, _ in late_points(epochs)]
+            and entry.get("noise_draws", 96) == OFFLINE_DRAWS)  # the same points, as many draws
     _, fresh = budget_run(name, base, epochs, tmp / f"{name}-{seed}", offline=offline if same else None)
     if "error" in fresh:
         return {**entry, "noise_error": fresh["error"]}
