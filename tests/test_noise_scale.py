@@ -455,6 +455,10 @@ def test_several_ranks_decide_the_same_cadence_from_the_slowest_ranks_figures():
     # a rank with fewer than MIN_TRIPLES timed triples: nobody decides (the default stays, on both)
     probes = ranks_flush([[(1.0, 2.0, 1.0)] * 3, [(1.0, 2.0, 1.0)] * (MIN_TRIPLES - 1)])
     assert [(p.every, p.extra, p.next_at) for p in probes] == [(EVERY, None, 256)] * 2
+    # a rank whose step before each estimated one was slowed (a busy host) more than the two after it
+    # took: timed all the same, no extra, the densest cadence (its medians would otherwise read < 0)
+    probes = ranks_flush([[(1.0, 1.0, 1.0)] * 3, [(3.0, 1.0, 1.0)] * 3])
+    assert [(p.every, p.extra) for p in probes] == [(MIN_EVERY, 0.0)] * 2
 
 
 def slowed_steps(monkeypatch, ordinary_s: float, estimated_s: float) -> None:

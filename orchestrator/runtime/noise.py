@@ -60,6 +60,7 @@ NOISE_BUDGET = 0.01  # measure.noise_every=0: the estimated steps' extra time is
 MIN_EVERY, MAX_EVERY = 2, 1000
 TIMED_TRIPLES = 15  # the cadence rests on the medians of the last 15 timed triples: a step's wall time varies +-15-30%
 MIN_TRIPLES = 3  # ... once 3 are timed (one is mostly the host's noise)
+TIMED_FLOOR = 0.5  # an estimated step's time read under this share of an ordinary step's is the host's noise
 
 
 def cadence(t_estimated: float, t_ordinary: float, default: int) -> int:
@@ -248,9 +249,10 @@ class NoiseProbe:
 
     def medians(self) -> Tuple[float, float]:
         """(an estimated step's wall time with what spills onto the next step, an ordinary step's),
-        from the medians of the timed triples."""
+        from the medians of the timed triples; the first at least TIMED_FLOOR of the second (on a busy
+        host a slow step before can outweigh the two after it: no extra, but timed all the same)."""
         before, est, after = (statistics.median(t[i] for t in self.timings) for i in range(3))
-        return est + after - before, before
+        return max(est + after - before, TIMED_FLOOR * before), before
 
     def decide(self, t_estimated: float, t_ordinary: float) -> None:
         """The cadence from these figures; the next estimated step `every` after the last (the next
