@@ -170,7 +170,11 @@ def test_a_second_study_of_the_job_starts_from_the_first_and_a_plain_run_applies
     warm = second["warm_start"]
     assert warm["from"] == first["study_name"] and warm["match"] == "full" and warm["enqueued"] >= 1
     assert "measured trials join the job model" in warm["kept"]
-    pooled = trials[1].user_attrs["pooled"]  # the first's measurement of its pick joins the second's
+    # the first's measurement of its pick joins the second's measurement of it: trial 1's, or, where the
+    # pick was the user's config, the baseline's (trial 1 then repeats it and is never launched)
+    pick = first["pick_values"]["data.batch_size"]
+    pooled = next(tr.user_attrs["pooled"] for tr in trials[:2]
+                  if "pooled" in tr.user_attrs and tr.user_attrs["values"]["data.batch_size"] == pick)
     assert pooled["from"] == first["study_name"] and pooled["words"].startswith("2 measurements, 1 from study '")
     cold = run_study(make_cfg(*common, "tune.n_trials=1", "tune.warm_start=off"), tmp_path / "c", echo=False)
     assert cold["warm_start"] is None
