@@ -506,6 +506,7 @@ def test_an_explicit_noise_every_is_kept_and_not_timed(make_cfg, monkeypatch):
     assert got["n"] == len([s for s in range(60) if s < 2 or s % 4 == 0])
 
 
+@pytest.mark.slow  # 6 s; the ranks' agreement is test_several_ranks_decide_..., both ranks' records test_two_ranks_measure_...
 def test_two_ranks_agree_on_the_cadence_they_decide_mid_run(make_cfg, tmp_path):
     """320 steps: the ranks read 32 estimated steps (with the cadence's figures) before the end, and
     decide; the run ends (a cadence that differed between ranks would hang their reads) with the
