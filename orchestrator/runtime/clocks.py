@@ -59,7 +59,7 @@ class CpuClocks:
         # each phase's CPU over wall time in the last window that read it, for a window that did not
         # (runtime/windows.py, cpu_by_phase): the process's clock and the loop thread's
         self.known_cpu: Dict[int, float] = {}
-        self.known_thread: Dict[int, float] = {} if self.thread is not self.cpu else self.known_cpu
+        self.known_thread: Dict[int, float] = {}
 
     def read(self, mark: int) -> None:
         """The clocks at mark `mark`, now."""
