@@ -5,6 +5,7 @@ when no other rank takes part."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from typing import Any, Dict, List
@@ -232,6 +233,25 @@ def test_on_fast_steps_the_clocks_are_read_on_a_sample_and_the_cpu_figures_estim
                                                   "compute": 140e-6 * window, "comm": 0.0, "optimizer": 20e-6 * window})
         assert win.busy_cpu_s == pytest.approx(81e-6 * window)
         assert win.utilization == pytest.approx(81 / 100)
+
+
+def test_the_clocks_cadence_counts_the_readings_a_step_takes():
+    """Reading the clocks costs per reading: a step that reads two clocks at each of its marks, or
+    has more marks, is read half as often; a window's marks a step and the clocks a mark are what
+    the meter counts. Pairs never fall further apart than a window allows."""
+    one = clocks_mod.clock_every(375e-6, cuda=False, readings=3)
+    assert one == math.ceil(2 * 3 * clocks_mod.CLOCK_READ_S / (clocks_mod.CLOCK_SHARE * 375e-6))
+    assert clocks_mod.clock_every(375e-6, cuda=False, readings=6) == min(2 * one, clocks_mod.MAX_CLOCK_EVERY)
+    assert clocks_mod.clock_every(375e-6, cuda=False, window_steps=31, readings=6) == 20
+    assert clocks_mod.clock_every(375e-6, cuda=True) == 1
+    clocks = CpuClocks(cuda=False, inproc=True, threads=2, one_process=False)  # both clocks, three marks a step
+    assert clocks.per_mark == 2
+    assert clocks.next_window(marks=1 + 3 * 100, step_s=375e-6, window_steps=1000, steps=100)
+    assert clocks.every == clocks_mod.clock_every(375e-6, cuda=False, readings=6)
+    alone = CpuClocks(cuda=False, inproc=True, threads=1, one_process=True)  # the loop thread's clock is the process's
+    assert alone.per_mark == 1
+    alone.next_window(marks=1 + 3 * 100, step_s=375e-6, window_steps=1000, steps=100)
+    assert alone.every == one
 
 
 @pytest.mark.parametrize("threads, want", [(1, {"thread": 3}), (2, {"process": 3, "thread": 3})])

@@ -14,9 +14,9 @@ from bisect import bisect_left
 from time import process_time, thread_time
 from typing import Dict, List, Optional, Tuple
 
-# reading the clocks at a step's marks costs about this in the loop (two or three system calls, and what
-# they cost the step around them)
-CLOCK_STEP_S = 4e-6
+# one clock reading costs about this in the loop: the system call (about 0.6 us alone) and what it
+# costs the step's code after it (three readings a step slow a 360 us step by about 7 us)
+CLOCK_READ_S = 2.5e-6
 CLOCK_SHARE = 0.001
 MAX_CLOCK_EVERY = 64
 
@@ -32,14 +32,15 @@ def cpu_clocks(cuda: bool, inproc: bool, threads: int, one_process: bool) -> Tup
     return not cuda and not thread_is_process, not cuda or inproc, thread_is_process
 
 
-def clock_every(step_s: float, cuda: bool, window_steps: int = 0) -> int:
+def clock_every(step_s: float, cuda: bool, window_steps: int = 0, readings: float = 3.0) -> int:
     """The clocks are read at the marks of two steps in this many (1: every step), so that reading
-    them costs at most CLOCK_SHARE of a step of `step_s` seconds; few enough that a window of
-    `window_steps` (if given) holds a pair whatever the gaps. On CUDA every step: its phases are the
-    device's, and the loop thread's clock (read without loader workers) costs little beside them."""
+    them (`readings` a step that reads them) costs at most CLOCK_SHARE of a step of `step_s` seconds;
+    few enough that a window of `window_steps` (if given) holds a pair whatever the gaps. On CUDA
+    every step: its phases are the device's, and the loop thread's clock (read without loader
+    workers) costs little beside them."""
     if cuda or step_s <= 0:
         return 1
-    every = max(1, min(MAX_CLOCK_EVERY, math.ceil(2 * CLOCK_STEP_S / (CLOCK_SHARE * step_s))))
+    every = max(1, min(MAX_CLOCK_EVERY, math.ceil(2 * readings * CLOCK_READ_S / (CLOCK_SHARE * step_s))))
     return min(every, max(1, 2 * (window_steps - 1) // 3)) if window_steps else every
 
 
@@ -51,6 +52,7 @@ class CpuClocks:
         self.cuda = cuda
         self.cpu_on, self.thread_on, cpu_is_thread = cpu_clocks(cuda, inproc, threads, one_process)
         self.on = self.cpu_on or self.thread_on  # any clock to read
+        self.per_mark = int(self.cpu_on) + int(self.thread_on)  # readings a mark takes
         self.every = 1  # two steps in this many read them (clock_every)
         self.at: List[int] = []
         self.thread: List[float] = []
@@ -92,10 +94,10 @@ class CpuClocks:
         """Steps from one read pair of steps to the next: 0.5 to 1.5 x `every`, at random."""
         return max(2, self._random.randint(self.every // 2, self.every + self.every // 2)) if self.every > 1 else 0
 
-    def next_window(self, marks: int, step_s: Optional[float], window_steps: int) -> bool:
-        """A window of `marks` marks closed: its last mark begins the next window, with its readings
-        if it has them; `step_s`, its step time (None: not a measured window), sets `every` for the
-        next windows, of `window_steps`. True where `every` changed."""
+    def next_window(self, marks: int, step_s: Optional[float], window_steps: int, steps: int = 0) -> bool:
+        """A window of `marks` marks over `steps` steps closed: its last mark begins the next window,
+        with its readings if it has them; `step_s`, its step time (None: not a measured window), and
+        its marks a step set `every` for the next windows, of `window_steps`. True where `every` changed."""
         last = bool(self.at) and self.at[-1] == marks - 1
         cut = -1 if last else None
         del self.at[:cut], self.cpu[:cut]
@@ -105,5 +107,6 @@ class CpuClocks:
             self.at[0] = 0
         every = self.every
         if step_s is not None and self.on:
-            self.every = clock_every(step_s, self.cuda, window_steps)
+            per_step = (marks - 1) / steps if steps > 0 else 3.0
+            self.every = clock_every(step_s, self.cuda, window_steps, per_step * self.per_mark)
         return self.every != every

@@ -316,7 +316,7 @@ class StepMeter:
             self._events.extend(tok for tok in toks[:-1] if tok is not toks[-1])
         steps = self._step - self._window_first
         if self.clocks.next_window(len(marks), figures["wall_s"] / steps if steps and not warmup else None,
-                                   self._window_len):  # a new cadence: the next pair after a gap
+                                   self._window_len, steps):  # a new cadence: the next pair after a gap
             self._to_clock, self._clock = self.clocks.gap(), self.clocks.on and self.clocks.every == 1
         win = Window(index=len(self.windows), first_step=self._window_first, steps=self._step - self._window_first,
                      samples=self._samples, t_start=self._wall0, t_end=wall1, warmup=warmup, partial=partial,
