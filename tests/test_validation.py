@@ -270,3 +270,34 @@ def test_evaluations_leave_training_as_it_was(make_cfg, tmp_path, backend):
                                  "args:{size:40,seq_len:16,seed:3}}"), tmp_path / "evaluated", echo=False)
     assert [e["step"] for e in evaluated["evals"]] == [2, 4, 6]
     assert evaluated["per_rank"][0]["param_digest"] == plain["per_rank"][0]["param_digest"]
+
+
+def test_with_loader_workers_the_evaluations_share_one_set_of_workers_that_ends_with_the_run(make_cfg, monkeypatch):
+    """Workers started anew at each evaluation cost more than the evaluation on a small model: the
+    run's evaluations read one loader whose workers persist between them, and end with the run."""
+    import psutil
+
+    from orchestrator.runtime import evaluate as evaluate_mod
+
+    built, pids = [], set()
+    real = evaluate_mod.DataLoader
+
+    class Watched(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(kwargs["num_workers"])
+            super().__init__(*args, **kwargs)
+
+        def __iter__(self):
+            it = super().__iter__()
+            pids.update(w.pid for w in getattr(it, "_workers", []))
+            return it
+
+    monkeypatch.setattr(evaluate_mod, "DataLoader", Watched)
+    cfg = make_cfg("data.args.size=1200", "data.val_fraction=0.1", "trainer.eval_every=4", "trainer.max_steps=12",
+                   "data.num_workers=2", "tracking.enabled=false")
+    adapter = Adapter(cfg)
+    adapter.setup()
+    res = train(cfg, adapter)
+    assert [e["step"] for e in res.meter["evals"]] == [4, 8, 12]
+    assert built == [2] and len(pids) == 2  # one loader, two workers, for three evaluations
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)

@@ -15,6 +15,9 @@ training loss at the end of every log interval.
   runs it as often as the rank with the most batches, the extra ones weighed 0.
 - The model in eval mode under no_grad (and the run's autocast); under DDP its module (DDP's own
   forward would sync buffers, a collective); batches of any structure through `batch.Feed`.
+- One loader for the run's evaluations: with loader workers they start at the first evaluation
+  and wait, idle, for the next (persistent workers), and end with the run. Started anew at each
+  evaluation they cost more than the evaluation itself on small models.
 - The time is kept out of the measured windows: the meter pauses (`StepMeter.pause`); with loader
   workers the training loader refilled its queue meanwhile, so the meter also warms up again (as
   after the profiler). Its total and its share of the loop's wall time are `eval_s`, `eval_frac`.
@@ -39,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ..rundir import EvalEvent
 from ..schema import Config, ConfigError, Mode, import_target
 from .batch import Feed, to_device
-from .data import LatencyDataset, collate_fn
+from .data import LatencyDataset, collate_fn, end_workers
 from .dist import Adapter
 from .state import Hook, Run
 
@@ -98,10 +101,12 @@ class Evaluator:
         self.indices = list(range(rank, n, world))  # no padding: the ranks' items are the set, once
         # every rank runs as many forward passes as the rank with the most items (rank 0) where forward is a collective
         self.passes = math.ceil(math.ceil(n / world) / b) if adapter.sharded_state else 0
+        self._own: Optional[DataLoader] = None  # this rank's items, built at the first evaluation
+        self._it: Any = None  # its iterator: with workers, the same one every evaluation
 
     def loader(self, indices: List[int], workers: bool = True) -> DataLoader:
         """A loader over `indices` of the set, in order, with the run's loader knobs (the storage
-        a validation set is read from is the training set's)."""
+        a validation set is read from is the training set's); its workers persistent."""
         d = self.cfg.data
         n = d.num_workers if workers else 0
         kwargs: Dict[str, Any] = {"prefetch_factor": d.prefetch_factor} if n and d.prefetch_factor else {}
@@ -109,12 +114,16 @@ class Evaluator:
         # training's dropout and the like read (a run trains the same with or without evaluations)
         return DataLoader(self.val_set, batch_size=d.batch_size, sampler=indices, drop_last=False,
                           num_workers=n, collate_fn=collate_fn(d), generator=torch.Generator().manual_seed(0),
-                          pin_memory=d.pin_memory and self.adapter.device.type == "cuda", **kwargs)
+                          pin_memory=d.pin_memory and self.adapter.device.type == "cuda",
+                          persistent_workers=n > 0, **kwargs)
 
     def batches(self) -> Iterator[Tuple[Any, float]]:
         """(batch, weight): this rank's batches, then forward passes weighed 0 up to `passes`."""
         own = math.ceil(len(self.indices) / self.cfg.data.batch_size)
-        yield from ((batch, 1.0) for batch in self.loader(self.indices))
+        if self._own is None:
+            self._own = self.loader(self.indices)
+        self._it = iter(self._own)  # persistent workers: the same iterator, reset
+        yield from ((batch, 1.0) for batch in self._it)
         if self.passes > own:
             pad = next(iter(self.loader([0], workers=False)))
             yield from ((pad, 0.0) for _ in range(self.passes - own))
@@ -146,6 +155,12 @@ class Evaluator:
         if self.metric is not None:
             out[f"val/{self.metric_name}"] = sums[1] / sums[2] if sums[2] else math.nan
         return out
+
+    def close(self) -> None:
+        """End the loader's workers (the run ended)."""
+        if self._it is not None:
+            end_workers(self._it)
+        self._own = self._it = None
 
 
 class EvalHook(Hook):
@@ -184,6 +199,10 @@ class EvalHook(Hook):
         if self.evaluator is not None and run.stopped_by != "checkpoint_signal" and (
                 not self.evals or self.evals[-1]["step"] != run.step):
             self.evaluate(run, final=True)
+
+    def close(self, run: Run) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
 
     def evaluate(self, run: Run, final: bool = False) -> None:
         """One evaluation; the meter paused meanwhile, and warmed up again after it when the loader's
