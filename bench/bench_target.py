@@ -39,7 +39,7 @@ Tasks: six of the zoo (bench/zoo; comm_ddp's tokens and compute's items changed,
 DDP task whose loader waits on storage, and the shipped sequence example
 (experiment=variable_length_lm). Time on 2 cores: 5-15 minutes a task and seed.
 
-    .venv/bin/python -m bench.bench_target --only storage_1 comm_ddp --seeds 1
+    .venv/bin/python -m bench.bench_target --only storage_1 comm_ddp --seeds 1 [--again] [--policies held goodput]
 """
 
 from __future__ import annotations
@@ -278,25 +278,31 @@ def refresh_noise(name: str, seed: int, entry: Dict[str, Any], args: argparse.Na
         return {**entry, "noise_dense": {"every": args.noise_every, "run": ns.get("b_late") or ns.get("b_simple"),
                                          "late": ns.get("b_late") is not None, "pairs": ns.get("n"),
                                          "lo": ns.get("late_lo"), "hi": ns.get("late_hi")}}
-    offline = {k: v for k, v in entry.items()
-               if k in ("noise_offline", "noise_offline_final", "noise_points", "noise_draws")}
-    epochs = budget_epochs(name, args)
-    same = ([p["epochs"] for p in entry.get("noise_points") or []] == [at for at, _ in late_points(epochs)]
-            and entry.get("noise_draws", 96) == OFFLINE_DRAWS)  # the same points, as many draws
-    _, fresh = budget_run(name, base, epochs, tmp / f"{name}-{seed}", offline=offline if same else None)
+    _, fresh = budget_run(name, base, budget_epochs(name, args), tmp / f"{name}-{seed}",
+                          offline=same_offline(entry, budget_epochs(name, args)))
     if "error" in fresh:
         return {**entry, "noise_error": fresh["error"]}
     keep = {k: v for k, v in entry.items() if not k.startswith("noise")}
     return {**keep, **{k: v for k, v in fresh.items() if k.startswith("noise")}, "target_again": fresh["target"]}
 
 
-def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
+def same_offline(entry: Optional[Dict[str, Any]], epochs: int) -> Optional[Dict[str, Any]]:
+    """A cached entry's offline noise figures where they were measured at today's points with as many
+    draws (the same config and seed train to the same weights: they need not be measured again)."""
+    if not entry or [p["epochs"] for p in entry.get("noise_points") or []] != [at for at, _ in late_points(epochs)] \
+            or entry.get("noise_draws", 96) != OFFLINE_DRAWS:
+        return None
+    return {k: v for k, v in entry.items() if k in ("noise_offline", "noise_offline_final", "noise_points", "noise_draws")}
+
+
+def one(name: str, overrides: List[str], seed: int, args: argparse.Namespace, tmp: Path,
+        offline: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     # epochs decide every run's length (the shipped sequence example caps its steps at 60: its budget
     # run, its target run and every pick's would stop there)
     base = [*overrides, "trainer.max_steps=0", f"trainer.seed={seed}", f"data.val_fraction={VAL_FRACTION}"]
     here = tmp / f"{name}-{seed}"
     epochs = budget_epochs(name, args)
-    budget, out = budget_run(name, base, epochs, here)
+    budget, out = budget_run(name, base, epochs, here, offline=offline)
     if "error" in out:
         return out
     user_gb = global_batch(compose_cfg(base))
@@ -469,6 +475,9 @@ def main() -> int:
     ap.add_argument("--noise-every", type=int, default=0,
                     help="with --noise: the budget runs estimate every N-th step (measure.noise_every), recorded "
                          "beside the default cadence's figures (the offline ones kept)")
+    ap.add_argument("--again", action="store_true",
+                    help="run the chosen tasks and seeds again whole, cached or not (their offline noise figures "
+                         "kept where measured at the same points and draws)")
     args = ap.parse_args()
     tmp = prepare("bench_target_")
     cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
@@ -479,10 +488,11 @@ def main() -> int:
                 print(f"== {name} seed {seed}: noise (load {os.getloadavg()[0]:.1f})", flush=True)
                 cache[name][str(seed)] = refresh_noise(name, seed, entry, args, tmp)  # type: ignore[arg-type]
                 args.cache.write_text(json.dumps(cache, indent=1, default=str))
-            if args.noise or args.only and name not in args.only or cached(entry, name, args):
+            if args.noise or args.only and name not in args.only or (cached(entry, name, args) and not args.again):
                 continue
             print(f"== {name} seed {seed} (load {os.getloadavg()[0]:.1f})", flush=True)
-            cache.setdefault(name, {})[str(seed)] = {**one(name, overrides, seed, args, tmp),
+            offline = same_offline(entry, budget_epochs(name, args)) if cached(entry, name, args) else None
+            cache.setdefault(name, {})[str(seed)] = {**one(name, overrides, seed, args, tmp, offline),
                                                      "task_version": TASK_VERSION.get(name, 1)}
             args.cache.write_text(json.dumps(cache, indent=1, default=str))
     chosen = {n: {int(s): r for s, r in v.items() if int(s) < args.seeds} for n, v in cache.items()
