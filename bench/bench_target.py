@@ -58,7 +58,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from bench.lib import prepare, table
+from bench.lib import prepare, verdict
 from bench.zoo import TASKS as ZOO
 from bench.zoo import MLP, _user
 from orchestrator.app import JobFailed, run_job
@@ -69,6 +69,10 @@ from orchestrator.runtime.evaluate import validation_sets
 from orchestrator.runtime.loop import build_model, loss_fn
 from orchestrator.tune.study import run_study
 
+# under the closing table
+LEGEND = ("cells: the pick's wall time to the target as a ratio to the user's (> 1: sooner), median / worst seed; "
+          "a pick that is the user's own config counts 1.00 (its measured reruns: yours again); B: the noise scale, "
+          "medians over seeds, run/offline: each seed's run against the offline figure at its own weights (median, range)")
 VAL_FRACTION = 0.2
 POLICIES: Dict[str, List[str]] = {
     "util": ["tune.objective=utilization", "tune.global_batch=free", "tune.lr_scaling=none"],
@@ -452,11 +456,7 @@ def report(results: Dict[str, Dict[int, Dict[str, Any]]], policies: List[str]) -
                      (f"{statistics.median(b_run):.0f}" + ("" if late else " (whole run)")) if b_run else "-",
                      f"{statistics.median(b_off):.0f}" if b_off else "-",
                      f"{statistics.median(q):.2f} ({min(q):.2f}-{max(q):.2f})" if q else "-", " ".join(checks)])
-    print(table(rows))
-    print("cells: the pick's wall time to the target as a ratio to the user's (> 1: sooner), median / worst seed; "
-          "a pick that is the user's own config counts 1.00 (its measured reruns: yours again); B: the noise scale, "
-          "medians over seeds, run/offline: each seed's run against the offline figure at its own weights (median, range)")
-    return 1 if failed else 0
+    return verdict(rows, LEGEND, failed)
 
 
 def main() -> int:

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional
 
 import optuna
 
-from bench.lib import TARGET_QUALITY, Jobs, figures, prepare, reference_config, study, table
+from bench.lib import TARGET_QUALITY, Jobs, figures, prepare, reference_config, study, verdict
 from bench.zoo import TASKS as ZOO
 from orchestrator.compose import compose_config
 from orchestrator.tune.launch import trial_config
@@ -170,11 +170,10 @@ def report(results: Dict[str, Dict[str, Any]]) -> int:
                      _cell([f["B"] for f in figs], "{:.0f}"), _cell([f["share"] for f in figs], "{:.0%}"),
                      (first["B_warm"] or {}).get("match", "cold"), _cell([f["C"] for f in figs], "{:.0f}"),
                      (first["C_warm"] or {}).get("match", "cold"), f"{met} of {len(figs)}"])
-    print(table(rows))
-    print("median / worst over the seeds cached (one seed: its figure); B: after a change of learning rate and "
-          "epochs (the same fingerprint); C: on 2 ranks (a partial match); targets: B <= 2 trials and <= 30% of A's "
-          "wall time, C <= 3 trials; met: the seeds that met every target")
-    return 1 if failed else 0
+    legend = ("median / worst over the seeds cached (one seed: its figure); B: after a change of learning rate and "
+              "epochs (the same fingerprint); C: on 2 ranks (a partial match); targets: B <= 2 trials and <= 30% of A's "
+              "wall time, C <= 3 trials; met: the seeds that met every target")
+    return verdict(rows, legend, failed)
 
 
 def main() -> int:

@@ -273,6 +273,13 @@ def table(rows: List[List[str]]) -> str:
     return "\n".join(lines)
 
 
+def verdict(rows: List[List[str]], legend: str, failed: int) -> int:
+    """Print a benchmark's closing table and its legend; the exit status: 1 where `failed` targets were missed."""
+    print(table(rows))
+    print(legend)
+    return 1 if failed else 0
+
+
 class Results:
     """The closing table: a row per figure, and whether each target was met."""
 
