@@ -28,7 +28,9 @@ Per-step wall time is measured by the benchmark, never read from the meter:
     (from `iter(loader)` to after the last step) for the plain loop.
 
 The figure per variant is the median over rounds. Targets: orch / plain step-time ratio <= 1.03,
-instrumentation overhead (orch - noop) / noop <= 1 %.
+instrumentation overhead (orch - noop) / noop <= 1 %. Also printed, the ordinary step: each run's
+median step time, paired per round (the rare steps and the host's preemptions left out: it
+resolves a few tenths of a percent where the means' rounds spread +-5%).
 
     .venv/bin/python -m bench.bench_overhead [--rounds 9] [--steps 2560] [--threads 1] [--noise-every N]
         [--eval-every 128] [--val-fraction 0.1]

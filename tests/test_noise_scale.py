@@ -492,8 +492,9 @@ def test_expensive_estimated_steps_are_spaced_to_cost_about_the_budget(make_cfg,
 
 
 def test_estimated_steps_that_cost_nothing_get_the_densest_cadence(make_cfg, monkeypatch):
-    """Estimated steps no dearer than the others (their sleep 4 ms shorter covers their own work)."""
-    slowed_steps(monkeypatch, 0.006, 0.002)
+    """Estimated steps no dearer than the others (their sleep 6 ms shorter covers their own work,
+    and a busy host's hiccups in the medians of the timed steps)."""
+    slowed_steps(monkeypatch, 0.008, 0.002)
     got = run_halves(make_cfg, 200)
     assert (got["every"], got["extra"]) == (MIN_EVERY, 0.0)
     assert got["n"] >= 2 + 3 + 20  # every 2nd step from step 152 (24 of them)
