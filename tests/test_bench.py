@@ -204,16 +204,17 @@ def test_bench_target_runs_a_changed_task_again_and_judges_each_seeds_noise_scal
 
 
 def test_bench_noise_sim_finds_the_estimator_within_2x_where_the_noise_is_near_the_batch_and_not_far_above_it():
-    """The run's own estimator on simulated halves with a known noise scale: at 3x the batch and 320
-    pairs nearly every run is within 2x; at 30x the batch with 26 pairs few are."""
+    """The run's own estimator on simulated halves with a known noise scale: at 3x the batch and 160
+    pairs nearly every run is within 2x; at 30x the batch with 26 pairs few are (seeded: the same
+    draws every time)."""
     import torch
 
     from bench.bench_noise_sim import one_run
 
     lam = torch.tensor([(i + 1) ** -1.5 for i in range(200)], dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
-    near = [one_run(320, 3, 32, lam, gen) for _ in range(40)]
-    far = [one_run(26, 30, 32, lam, gen) for _ in range(40)]
-    assert sum(r["within"] for r in near) >= 36
-    assert sum(r["within"] for r in far) <= 12
+    near = [one_run(160, 3, 32, lam, gen) for _ in range(20)]
+    far = [one_run(26, 30, 32, lam, gen) for _ in range(20)]
+    assert sum(r["within"] for r in near) >= 18
+    assert sum(r["within"] for r in far) <= 6
     assert all(r["holds"] <= r["bounded"] for r in near + far)  # an interval holds the truth only where bounded

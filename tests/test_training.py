@@ -61,6 +61,18 @@ def test_same_seed_same_result(make_cfg):
     assert a.param_digest != c.param_digest
 
 
+def test_a_run_turns_deterministic_algorithms_on_or_off_as_it_asks(make_cfg):
+    """trainer.deterministic is the run's: a run after a deterministic one in the same process (a
+    kept-alive rank's next trial) does not inherit it."""
+    try:
+        run(make_cfg("trainer.max_steps=2", "trainer.deterministic=true"))
+        assert torch.are_deterministic_algorithms_enabled()
+        run(make_cfg("trainer.max_steps=2"))
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def _grads_after_one_step(cfg) -> dict:
     """Train one optimizer step with SGD lr=1 and return -delta params (= the averaged gradient)."""
     seed_everything(cfg.trainer.seed)

@@ -48,11 +48,12 @@ __all__ = ["SPAN_EPOCHS_OF_CAP", "EventLog", "Run", "TrainResult", "build_datase
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed the RNGs; torch's deterministic algorithms on or off as this run asks (a kept-alive rank's
+    next run does not inherit the last one's)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def build_model(cfg: Config) -> nn.Module:
