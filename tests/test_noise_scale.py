@@ -481,14 +481,15 @@ def run_halves(make_cfg, steps: int, *extra: str) -> dict:
 
 
 def test_expensive_estimated_steps_are_spaced_to_cost_about_the_budget(make_cfg, monkeypatch):
-    """Estimated steps that take 5 ms more than a ~5 ms step: one in ~100 holds them to ~1%."""
+    """Estimated steps that take 5 ms more than a ~5 ms step: one in ~100 holds them to ~1% (a
+    busy host's sleeps overshoot: the measured extra may read half or 1.6x the true one)."""
     slowed_steps(monkeypatch, 0.005, 0.010)
     got = run_halves(make_cfg, 420)
-    assert got["method"] == "halves" and got["extra"] == pytest.approx(1.0, abs=0.35)
-    assert 60 <= got["every"] <= 140
+    assert got["method"] == "halves" and got["extra"] == pytest.approx(1.0, abs=0.6)
+    assert 40 <= got["every"] <= 200
     assert got["extra"] / got["every"] == pytest.approx(NOISE_BUDGET, rel=0.3)
-    # the warmup's 2, then every 50th until 3 are timed (50, 100, 150), then one in ~100 to step 419
-    assert 2 + 3 + 1 <= got["n"] <= 2 + 3 + 4, got
+    # the warmup's 2, then every 50th until 3 are timed (50, 100, 150), then one in 40-200 to step 419
+    assert 2 + 3 + 1 <= got["n"] <= 2 + 3 + 7, got
 
 
 def test_estimated_steps_that_cost_nothing_get_the_densest_cadence(make_cfg, monkeypatch):
